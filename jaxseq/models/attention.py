@@ -1,0 +1,109 @@
+"""What the families really share: attention masks, the attention kernel and the KV cache.
+
+Shapes follow ``jax.nn.dot_product_attention``: queries ``[batch, q_len, heads, head_dim]``, keys and
+values ``[batch, kv_len, heads, head_dim]``, masks ``[batch, 1, q_len, kv_len]`` (True = attend).
+
+The KV cache is a plain pytree of fixed shapes, so it can be carried through ``lax.while_loop``:
+``Cache(layers=(KVCache(k, v), ...), index)`` where ``k``/``v`` are ``[batch, max_len, heads, head_dim]``
+and ``index`` is the int32 position the next token is written to. With a cache, the attention mask the
+caller passes covers all ``max_len`` key positions (1 for real tokens written so far or about to be).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxseq.models.layers import dropout
+
+
+class KVCache(NamedTuple):
+    """Keys and values of one attention layer, preallocated to the maximum length."""
+
+    k: jax.Array
+    v: jax.Array
+
+    @classmethod
+    def zeros(cls, batch: int, max_len: int, heads: int, head_dim: int, dtype) -> "KVCache":
+        shape = (batch, max_len, heads, head_dim)
+        return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+
+
+class Cache(NamedTuple):
+    """A decoder's cache: one ``KVCache`` per self-attention layer, the write position, and for
+    encoder-decoder models the cross-attention keys/values computed once from the encoder output."""
+
+    layers: tuple[KVCache, ...]
+    index: jax.Array
+    cross: tuple[KVCache, ...] | None = None
+
+
+def update_kv(cache: KVCache, k: jax.Array, v: jax.Array, index: jax.Array) -> KVCache:
+    """Write ``k``/``v`` (``[batch, t, heads, dim]``) into the cache at sequence position ``index``."""
+    start = (0, index, 0, 0)
+    return KVCache(
+        jax.lax.dynamic_update_slice(cache.k, k.astype(cache.k.dtype), start),
+        jax.lax.dynamic_update_slice(cache.v, v.astype(cache.v.dtype), start),
+    )
+
+
+def query_positions(q_len: int, index: jax.Array | int = 0) -> jax.Array:
+    """Absolute positions of the queries of this call: ``index .. index + q_len - 1``."""
+    return index + jnp.arange(q_len, dtype=jnp.int32)
+
+
+def make_mask(
+    key_mask: jax.Array | None,
+    q_len: int,
+    kv_len: int,
+    *,
+    causal: bool,
+    index: jax.Array | int = 0,
+) -> jax.Array:
+    """Boolean ``[batch or 1, 1, q_len, kv_len]`` mask from a ``[batch, kv_len]`` padding mask (1 = real
+    token, or None for no padding) and, if ``causal``, the rule key position <= query position."""
+    mask = jnp.ones((1, 1, q_len, kv_len), dtype=bool)
+    if key_mask is not None:
+        mask = mask & key_mask.astype(bool)[:, None, None, :]
+    if causal:
+        q_pos = query_positions(q_len, index)
+        k_pos = jnp.arange(kv_len, dtype=jnp.int32)
+        mask = mask & (k_pos[None, :] <= q_pos[:, None])[None, None]
+    return mask
+
+
+def attend(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    mask: jax.Array | None,
+    *,
+    bias: jax.Array | None = None,
+    scale: float | None = None,
+    dropout_rate: float = 0.0,
+    rngs: nnx.Rngs | None = None,
+) -> jax.Array:
+    """Scaled dot-product attention. Without attention dropout this is ``jax.nn.dot_product_attention``
+    (cuDNN flash attention on GPUs); with it, the same math written out so the probabilities can drop."""
+    if rngs is None or dropout_rate == 0.0:
+        return jax.nn.dot_product_attention(q, k, v, bias=bias, mask=mask, scale=scale)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    logits = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) * scale
+    if bias is not None:
+        logits = logits + bias.astype(jnp.float32)
+    if mask is not None:
+        logits = jnp.where(mask, logits, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
+    probs = dropout(probs, dropout_rate, rngs)
+    return jnp.einsum("bhqk,bkhd->bqhd", probs, v)
+
+
+def split_heads(x: jax.Array, heads: int) -> jax.Array:
+    return x.reshape(*x.shape[:-1], heads, x.shape[-1] // heads)
+
+
+def merge_heads(x: jax.Array) -> jax.Array:
+    return x.reshape(*x.shape[:-2], x.shape[-2] * x.shape[-1])

@@ -1,0 +1,36 @@
+"""What the loader needs to know about a model family, declared next to its modules."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """A model family: its NNX classes per task and how its PyTorch checkpoints are named.
+
+    ``tasks`` maps a task (``causal-lm``, ``sequence-classification``, ...) to the NNX class; each class
+    carries ``hf_architecture`` (the transformers PyTorch class it mirrors). Parameter paths mirror the
+    PyTorch names, so the rest is a short table:
+
+    - ``base_prefix``: attribute holding the base model in head classes (``transformer``, ``bert``);
+      checkpoints of the bare base model lack it and are re-prefixed on load.
+    - ``heads``: regexes of parameters that belong to a task head. A missing head is initialised and
+      reported; a head of another task in the checkpoint is dropped and reported.
+    - ``aliases``: checkpoint names that are copies of one of our parameters (tied weights).
+    - ``ignore``: checkpoint names that are not parameters (old buffers such as ``attn.bias``).
+    """
+
+    model_type: str
+    tasks: dict[str, type]
+    base_prefix: str | None = None
+    heads: tuple[str, ...] = ()
+    aliases: dict[str, str] = dataclasses.field(default_factory=dict)
+    ignore: tuple[str, ...] = ()
+
+    def is_head(self, name: str) -> bool:
+        return any(re.search(p, name) for p in self.heads)
+
+    def is_ignored(self, name: str) -> bool:
+        return any(re.search(p, name) for p in self.ignore)

@@ -1,0 +1,175 @@
+"""GPT-2 (Radford et al. 2019) as Flax NNX modules whose parameter paths mirror transformers' PyTorch names."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxseq.errors import JaxseqError
+from jaxseq.models.attention import Cache, KVCache, attend, make_mask, merge_heads, split_heads, update_kv
+from jaxseq.models.family import Family
+from jaxseq.models.layers import Conv1D, activation, dropout, normal
+from jaxseq.models.outputs import BaseOutput, LMOutput
+
+
+class GPT2Attention(nnx.Module):
+    def __init__(self, config, *, dtype, param_dtype, rngs: nnx.Rngs):
+        d, std = config.n_embd, config.initializer_range
+        out_std = std / (2 * config.n_layer) ** 0.5
+        kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.c_attn = Conv1D(d, 3 * d, kernel_init=normal(std), **kw)
+        self.c_proj = Conv1D(d, d, kernel_init=normal(out_std), **kw)
+        self.num_heads = config.n_head
+        self.scale = (d // config.n_head) ** -0.5 if config.scale_attn_weights else 1.0
+        self.attn_pdrop, self.resid_pdrop = config.attn_pdrop, config.resid_pdrop
+
+    def __call__(self, x, mask, *, cache: KVCache | None = None, index=0, rngs=None):
+        q, k, v = (split_heads(t, self.num_heads) for t in jnp.split(self.c_attn(x), 3, axis=-1))
+        if cache is not None:
+            cache = update_kv(cache, k, v, index)
+            k, v = cache.k.astype(q.dtype), cache.v.astype(q.dtype)
+        y = attend(q, k, v, mask, scale=self.scale, dropout_rate=self.attn_pdrop, rngs=rngs)
+        return dropout(self.c_proj(merge_heads(y)), self.resid_pdrop, rngs), cache
+
+
+class GPT2MLP(nnx.Module):
+    def __init__(self, config, *, dtype, param_dtype, rngs: nnx.Rngs):
+        d, inner, std = config.n_embd, config.n_inner or 4 * config.n_embd, config.initializer_range
+        kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.c_fc = Conv1D(d, inner, kernel_init=normal(std), **kw)
+        self.c_proj = Conv1D(inner, d, kernel_init=normal(std / (2 * config.n_layer) ** 0.5), **kw)
+        self.act = activation(config.activation_function)
+        self.resid_pdrop = config.resid_pdrop
+
+    def __call__(self, x, rngs=None):
+        return dropout(self.c_proj(self.act(self.c_fc(x))), self.resid_pdrop, rngs)
+
+
+class GPT2Block(nnx.Module):
+    def __init__(self, config, *, dtype, param_dtype, rngs: nnx.Rngs):
+        kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.ln_1 = nnx.LayerNorm(config.n_embd, epsilon=config.layer_norm_epsilon, **kw)
+        self.attn = GPT2Attention(config, **kw)
+        self.ln_2 = nnx.LayerNorm(config.n_embd, epsilon=config.layer_norm_epsilon, **kw)
+        self.mlp = GPT2MLP(config, **kw)
+
+    def __call__(self, x, mask, *, cache=None, index=0, rngs=None):
+        a, cache = self.attn(self.ln_1(x), mask, cache=cache, index=index, rngs=rngs)
+        x = x + a
+        return x + self.mlp(self.ln_2(x), rngs), cache
+
+
+class GPT2Model(nnx.Module):
+    """The transformer stack. ``attention_mask`` is ``[batch, seq]`` (1 = token, 0 = padding); with a
+    ``cache`` it covers the cache's ``max_len`` positions instead (see ``jaxseq.models.attention``)."""
+
+    hf_architecture = "GPT2Model"
+
+    def __init__(self, config, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
+        if config.scale_attn_by_inverse_layer_idx or config.reorder_and_upcast_attn:
+            raise JaxseqError(
+                "GPT-2 configs with scale_attn_by_inverse_layer_idx or reorder_and_upcast_attn are not "
+                "supported; set both to false"
+            )
+        self.config = config
+        self.dtype = dtype
+        kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        std = config.initializer_range
+        self.wte = nnx.Embed(config.vocab_size, config.n_embd, embedding_init=normal(std), **kw)
+        self.wpe = nnx.Embed(config.n_positions, config.n_embd, embedding_init=normal(std), **kw)
+        self.h = nnx.List([GPT2Block(config, **kw) for _ in range(config.n_layer)])
+        self.ln_f = nnx.LayerNorm(config.n_embd, epsilon=config.layer_norm_epsilon, **kw)
+
+    def __call__(self, input_ids, attention_mask=None, position_ids=None, *, cache=None, rngs=None):
+        seq = input_ids.shape[1]
+        index = 0 if cache is None else cache.index
+        if position_ids is None:
+            position_ids = (index + jnp.arange(seq, dtype=jnp.int32))[None, :]
+        x = self.wte(input_ids) + self.wpe(position_ids)
+        x = dropout(x, self.config.embd_pdrop, rngs)
+        kv_len = seq if cache is None else cache.layers[0].k.shape[1]
+        mask = make_mask(attention_mask, seq, kv_len, causal=True, index=index)
+        new_layers = []
+        for i, block in enumerate(self.h):
+            x, layer_cache = block(
+                x, mask, cache=None if cache is None else cache.layers[i], index=index, rngs=rngs
+            )
+            new_layers.append(layer_cache)
+        if cache is not None:
+            cache = Cache(tuple(new_layers), cache.index + seq)
+        return BaseOutput(self.ln_f(x), cache)
+
+    def init_cache(self, batch: int, max_len: int, dtype=None) -> Cache:
+        c = self.config
+        layer = KVCache.zeros(batch, max_len, c.n_head, c.n_embd // c.n_head, dtype or self.dtype)
+        return Cache(tuple(layer for _ in range(c.n_layer)), jnp.zeros((), jnp.int32))
+
+
+class GPT2LMHeadModel(nnx.Module):
+    """GPT-2 with its language-model head (tied to the token embeddings unless the config unties it)."""
+
+    hf_architecture = "GPT2LMHeadModel"
+
+    def __init__(self, config, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
+        self.config = config
+        self.transformer = GPT2Model(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        if not config.tie_word_embeddings:
+            self.lm_head = nnx.Linear(
+                config.n_embd, config.vocab_size, use_bias=False, dtype=dtype, param_dtype=param_dtype,
+                kernel_init=normal(config.initializer_range), rngs=rngs,
+            )
+
+    def __call__(self, input_ids, attention_mask=None, position_ids=None, *, cache=None, rngs=None):
+        out = self.transformer(input_ids, attention_mask, position_ids, cache=cache, rngs=rngs)
+        h, cache = out.last_hidden_state, out.cache
+        if self.config.tie_word_embeddings:
+            logits = self.transformer.wte.attend(h)
+        else:
+            logits = self.lm_head(h)
+        return LMOutput(logits.astype(jnp.float32), cache)
+
+    def init_cache(self, batch: int, max_len: int, dtype=None) -> Cache:
+        return self.transformer.init_cache(batch, max_len, dtype)
+
+
+def last_token_index(input_ids, pad_token_id):
+    """Index of the last non-padding token of each row, as transformers picks it for classification."""
+    if pad_token_id is None:
+        return jnp.full((input_ids.shape[0],), input_ids.shape[1] - 1)
+    positions = jnp.arange(input_ids.shape[1])
+    return jnp.argmax(jnp.where(input_ids != pad_token_id, positions, -1), axis=-1)
+
+
+class GPT2ForSequenceClassification(nnx.Module):
+    """GPT-2 scoring the hidden state of each row's last non-padding token (``config.pad_token_id``)."""
+
+    hf_architecture = "GPT2ForSequenceClassification"
+
+    def __init__(self, config, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
+        self.config = config
+        self.transformer = GPT2Model(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.score = nnx.Linear(
+            config.n_embd, config.num_labels, use_bias=False, dtype=dtype, param_dtype=param_dtype,
+            kernel_init=normal(config.initializer_range), rngs=rngs,
+        )
+
+    def __call__(self, input_ids, attention_mask=None, *, rngs=None):
+        h = self.transformer(input_ids, attention_mask, rngs=rngs).last_hidden_state
+        last = last_token_index(input_ids, self.config.pad_token_id)
+        pooled = jnp.take_along_axis(h, last[:, None, None], axis=1)[:, 0]
+        return self.score(pooled).astype(jnp.float32)
+
+
+FAMILY = Family(
+    model_type="gpt2",
+    tasks={
+        "base": GPT2Model,
+        "causal-lm": GPT2LMHeadModel,
+        "sequence-classification": GPT2ForSequenceClassification,
+    },
+    base_prefix="transformer",
+    heads=(r"^lm_head\.", r"^score\."),
+    aliases={"lm_head.weight": "transformer.wte.weight"},
+    ignore=(r"\.attn\.bias$", r"\.attn\.masked_bias$"),
+)

@@ -1,0 +1,46 @@
+"""Small pieces every family uses: activations, initialisers, the GPT-2 style Conv1D and dropout."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxseq.errors import JaxseqError
+
+ACTIVATIONS = {
+    "gelu": lambda x: jax.nn.gelu(x, approximate=False),
+    "gelu_new": lambda x: jax.nn.gelu(x, approximate=True),
+    "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True),
+    "gelu_fast": lambda x: jax.nn.gelu(x, approximate=True),
+    "relu": jax.nn.relu,
+    "silu": jax.nn.silu,
+    "swish": jax.nn.silu,
+    "tanh": jnp.tanh,
+}
+
+
+def activation(name: str):
+    try:
+        return ACTIVATIONS[name]
+    except KeyError:
+        raise JaxseqError(
+            f"activation {name!r} is not supported; use one of {sorted(ACTIVATIONS)}"
+        ) from None
+
+
+def normal(std: float):
+    return nnx.initializers.normal(stddev=std)
+
+
+class Conv1D(nnx.Linear):
+    """GPT-2's Conv1D: a dense layer whose PyTorch weight is stored (in, out), so it is not transposed
+    when converted (an ordinary ``nnx.Linear`` is, since PyTorch's Linear stores (out, in))."""
+
+
+def dropout(x: jax.Array, rate: float, rngs: nnx.Rngs | None) -> jax.Array:
+    """Inverted dropout, active only when the caller passes ``rngs`` (training); ``rngs=None`` is eval."""
+    if rngs is None or rate == 0.0:
+        return x
+    keep = jax.random.bernoulli(rngs.dropout(), 1.0 - rate, x.shape)
+    return jnp.where(keep, x / (1.0 - rate), 0).astype(x.dtype)

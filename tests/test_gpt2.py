@@ -1,0 +1,80 @@
+"""GPT-2 against transformers PyTorch: logits, classification pooling, export round trip."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from jaxseq.models import load_pretrained, save_pretrained  # noqa: E402
+from tests.reference import max_diff_on, padded_batch, torch_forward  # noqa: E402
+
+
+def tiny_config(**kw):
+    base = dict(n_layer=2, n_embd=64, n_head=4, vocab_size=101, n_positions=64, pad_token_id=0,
+                bos_token_id=1, eos_token_id=2)
+    return transformers.GPT2Config(**{**base, **kw})
+
+
+@pytest.fixture(scope="module")
+def gpt2_lm(tmp_path_factory):
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("gpt2-lm")
+    model = transformers.GPT2LMHeadModel(tiny_config())
+    model.save_pretrained(path)
+    return model, path
+
+
+def test_causal_lm_logits_match_pytorch(gpt2_lm):
+    ref, path = gpt2_lm
+    ids, mask = padded_batch(101)
+    want = torch_forward(ref, input_ids=ids, attention_mask=mask).logits.numpy()
+    got = load_pretrained(path, "causal-lm")(jnp.asarray(ids), jnp.asarray(mask)).logits
+    assert max_diff_on(mask, got, want) <= 1e-4
+
+
+def test_base_model_loads_lm_checkpoint(gpt2_lm):
+    ref, path = gpt2_lm
+    ids, mask = padded_batch(101)
+    want = torch_forward(ref.transformer, input_ids=ids, attention_mask=mask).last_hidden_state.numpy()
+    got = load_pretrained(path, "base")(jnp.asarray(ids), jnp.asarray(mask)).last_hidden_state
+    assert max_diff_on(mask, got, want) <= 1e-4
+
+
+def test_sequence_classification_matches_pytorch_and_round_trips(tmp_path):
+    ref = transformers.GPT2ForSequenceClassification(tiny_config(num_labels=3))
+    ref.save_pretrained(tmp_path / "ref")
+    ids, mask = padded_batch(101)
+    want = torch_forward(ref, input_ids=ids, attention_mask=mask).logits.numpy()
+    model = load_pretrained(tmp_path / "ref", "sequence-classification")
+    got = np.asarray(model(jnp.asarray(ids), jnp.asarray(mask)))
+    assert got.shape == (3, 3)
+    assert np.abs(got - want).max() <= 1e-4
+
+    save_pretrained(model, tmp_path / "out")
+    back, info = transformers.GPT2ForSequenceClassification.from_pretrained(
+        tmp_path / "out", output_loading_info=True
+    )
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    again = torch_forward(back, input_ids=ids, attention_mask=mask).logits.numpy()
+    assert np.abs(again - got).max() <= 1e-4
+
+
+def test_classifier_head_on_lm_checkpoint_is_initialised_and_reported(gpt2_lm, caplog):
+    _, path = gpt2_lm
+    model = load_pretrained(path, "sequence-classification", num_labels=2)
+    assert "score.weight" in caplog.text
+    assert model.score.kernel.shape == (64, 2)
+
+
+def test_causal_lm_export_round_trip(gpt2_lm, tmp_path):
+    _, path = gpt2_lm
+    model = load_pretrained(path, "causal-lm")
+    save_pretrained(model, tmp_path)
+    back, info = transformers.GPT2LMHeadModel.from_pretrained(tmp_path, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    ids, mask = padded_batch(101)
+    want = torch_forward(back, input_ids=ids, attention_mask=mask).logits.numpy()
+    got = model(jnp.asarray(ids), jnp.asarray(mask)).logits
+    assert max_diff_on(mask, got, want) <= 1e-4
