@@ -1,4 +1,255 @@
-# Work in progress: replaced by the real family.
-from jaxseq.models.family import Family
+"""BERT (Devlin et al. 2019) as Flax NNX modules whose parameter paths mirror transformers' PyTorch names."""
 
-FAMILY = Family(model_type="bert", tasks={})
+from __future__ import annotations
+
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxseq.errors import JaxseqError
+from jaxseq.models.attention import attend, make_mask, merge_heads, split_heads
+from jaxseq.models.family import Family
+from jaxseq.models.layers import activation, dropout, normal
+from jaxseq.models.outputs import BaseOutput
+
+
+class BertEmbeddings(nnx.Module):
+    def __init__(self, config, *, dtype, param_dtype, rngs: nnx.Rngs):
+        d, std = config.hidden_size, config.initializer_range
+        kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.word_embeddings = nnx.Embed(config.vocab_size, d, embedding_init=normal(std), **kw)
+        self.position_embeddings = nnx.Embed(config.max_position_embeddings, d, embedding_init=normal(std), **kw)
+        self.token_type_embeddings = nnx.Embed(config.type_vocab_size, d, embedding_init=normal(std), **kw)
+        self.LayerNorm = nnx.LayerNorm(d, epsilon=config.layer_norm_eps, **kw)
+        self.hidden_dropout = config.hidden_dropout_prob
+
+    def __call__(self, input_ids, token_type_ids, position_ids, rngs=None):
+        x = self.word_embeddings(input_ids) + self.token_type_embeddings(token_type_ids)
+        x = x + self.position_embeddings(position_ids)
+        return dropout(self.LayerNorm(x), self.hidden_dropout, rngs)
+
+
+class BertSelfAttention(nnx.Module):
+    def __init__(self, config, *, dtype, param_dtype, rngs: nnx.Rngs):
+        d, std = config.hidden_size, config.initializer_range
+        if d % config.num_attention_heads:
+            raise JaxseqError(
+                f"hidden_size {d} is not a multiple of num_attention_heads {config.num_attention_heads}; fix the config"
+            )
+        kw = dict(dtype=dtype, param_dtype=param_dtype, kernel_init=normal(std), rngs=rngs)
+        self.query = nnx.Linear(d, d, **kw)
+        self.key = nnx.Linear(d, d, **kw)
+        self.value = nnx.Linear(d, d, **kw)
+        self.num_heads = config.num_attention_heads
+        self.attention_dropout = config.attention_probs_dropout_prob
+
+    def __call__(self, x, mask, rngs=None):
+        q, k, v = (split_heads(proj(x), self.num_heads) for proj in (self.query, self.key, self.value))
+        y = attend(q, k, v, mask, dropout_rate=self.attention_dropout, rngs=rngs)
+        return merge_heads(y)
+
+
+class BertSelfOutput(nnx.Module):
+    """Projection, dropout, then the post-norm residual ``LayerNorm(h + input)`` (used after attention)."""
+
+    def __init__(self, config, d_in: int, *, dtype, param_dtype, rngs: nnx.Rngs):
+        kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.dense = nnx.Linear(d_in, config.hidden_size, kernel_init=normal(config.initializer_range), **kw)
+        self.LayerNorm = nnx.LayerNorm(config.hidden_size, epsilon=config.layer_norm_eps, **kw)
+        self.hidden_dropout = config.hidden_dropout_prob
+
+    def __call__(self, h, residual, rngs=None):
+        return self.LayerNorm(dropout(self.dense(h), self.hidden_dropout, rngs) + residual)
+
+
+class BertOutput(BertSelfOutput):
+    """The same computation after the feed-forward (``intermediate_size`` -> ``hidden_size``)."""
+
+
+class BertAttention(nnx.Module):
+    def __init__(self, config, *, dtype, param_dtype, rngs: nnx.Rngs):
+        kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.self = BertSelfAttention(config, **kw)
+        self.output = BertSelfOutput(config, config.hidden_size, **kw)
+
+    def __call__(self, x, mask, rngs=None):
+        return self.output(self.self(x, mask, rngs), x, rngs)
+
+
+class BertIntermediate(nnx.Module):
+    def __init__(self, config, *, dtype, param_dtype, rngs: nnx.Rngs):
+        self.dense = nnx.Linear(
+            config.hidden_size, config.intermediate_size, dtype=dtype, param_dtype=param_dtype,
+            kernel_init=normal(config.initializer_range), rngs=rngs,
+        )
+        self.act = activation(config.hidden_act)
+
+    def __call__(self, x):
+        return self.act(self.dense(x))
+
+
+class BertLayer(nnx.Module):
+    def __init__(self, config, *, dtype, param_dtype, rngs: nnx.Rngs):
+        kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.attention = BertAttention(config, **kw)
+        self.intermediate = BertIntermediate(config, **kw)
+        self.output = BertOutput(config, config.intermediate_size, **kw)
+
+    def __call__(self, x, mask, rngs=None):
+        x = self.attention(x, mask, rngs)
+        return self.output(self.intermediate(x), x, rngs)
+
+
+class BertEncoder(nnx.Module):
+    def __init__(self, config, *, dtype, param_dtype, rngs: nnx.Rngs):
+        kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.layer = nnx.List([BertLayer(config, **kw) for _ in range(config.num_hidden_layers)])
+
+    def __call__(self, x, mask, rngs=None):
+        for layer in self.layer:
+            x = layer(x, mask, rngs)
+        return x
+
+
+class BertPooler(nnx.Module):
+    """``tanh(dense(h))`` of the first token ([CLS])."""
+
+    def __init__(self, config, *, dtype, param_dtype, rngs: nnx.Rngs):
+        self.dense = nnx.Linear(
+            config.hidden_size, config.hidden_size, dtype=dtype, param_dtype=param_dtype,
+            kernel_init=normal(config.initializer_range), rngs=rngs,
+        )
+
+    def __call__(self, h):
+        return jnp.tanh(self.dense(h[:, 0]))
+
+
+class BertModel(nnx.Module):
+    """The encoder, and the pooler unless ``add_pooling_layer=False`` (as in ``BertForMaskedLM``).
+    ``attention_mask`` is ``[batch, seq]`` (1 = token, 0 = padding); ``token_type_ids`` default to 0 (segment A)
+    and ``position_ids`` to ``0 .. seq - 1``. Attention is bidirectional unless ``config.is_decoder``."""
+
+    hf_architecture = "BertModel"
+
+    def __init__(
+        self, config, *, add_pooling_layer: bool = True, dtype=jnp.float32, param_dtype=jnp.float32,
+        rngs: nnx.Rngs,
+    ):
+        position_type = getattr(config, "position_embedding_type", None) or "absolute"
+        if position_type != "absolute":
+            raise JaxseqError(
+                f"BERT position_embedding_type {position_type!r} is not supported; only 'absolute' is"
+            )
+        if getattr(config, "add_cross_attention", False):
+            raise JaxseqError("BERT configs with add_cross_attention are not supported; set it to false")
+        self.config = config
+        kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.embeddings = BertEmbeddings(config, **kw)
+        self.encoder = BertEncoder(config, **kw)
+        self.pooler = BertPooler(config, **kw) if add_pooling_layer else None
+
+    def __call__(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None, *, rngs=None):
+        seq = input_ids.shape[1]
+        if position_ids is None:
+            if seq > self.config.max_position_embeddings:
+                raise JaxseqError(
+                    f"sequence length {seq} exceeds max_position_embeddings "
+                    f"{self.config.max_position_embeddings}; truncate the inputs"
+                )
+            position_ids = jnp.arange(seq, dtype=jnp.int32)[None, :]
+        if token_type_ids is None:
+            token_type_ids = jnp.zeros_like(input_ids)
+        x = self.embeddings(input_ids, token_type_ids, position_ids, rngs)
+        mask = make_mask(attention_mask, seq, seq, causal=bool(self.config.is_decoder))
+        h = self.encoder(x, mask, rngs)
+        return BaseOutput(h, pooler_output=None if self.pooler is None else self.pooler(h))
+
+
+class BertForSequenceClassification(nnx.Module):
+    """BERT scoring the pooled [CLS] state; ``num_labels=1`` is regression (logits ``[batch, 1]``)."""
+
+    hf_architecture = "BertForSequenceClassification"
+
+    def __init__(self, config, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
+        self.config = config
+        self.bert = BertModel(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.classifier = nnx.Linear(
+            config.hidden_size, config.num_labels, dtype=dtype, param_dtype=param_dtype,
+            kernel_init=normal(config.initializer_range), rngs=rngs,
+        )
+        rate = config.classifier_dropout
+        self.classifier_dropout = config.hidden_dropout_prob if rate is None else rate
+
+    def __call__(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None, *, rngs=None):
+        pooled = self.bert(input_ids, attention_mask, token_type_ids, position_ids, rngs=rngs).pooler_output
+        return self.classifier(dropout(pooled, self.classifier_dropout, rngs)).astype(jnp.float32)
+
+
+class BertPredictionHeadTransform(nnx.Module):
+    def __init__(self, config, *, dtype, param_dtype, rngs: nnx.Rngs):
+        kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        d = config.hidden_size
+        self.dense = nnx.Linear(d, d, kernel_init=normal(config.initializer_range), **kw)
+        self.act = activation(config.hidden_act)
+        self.LayerNorm = nnx.LayerNorm(d, epsilon=config.layer_norm_eps, **kw)
+
+    def __call__(self, h):
+        return self.LayerNorm(self.act(self.dense(h)))
+
+
+class BertLMPredictionHead(nnx.Module):
+    """The transform and the output bias. The decoder is the token embeddings (``decoder.weight`` and
+    ``decoder.bias`` are checkpoint aliases) unless the config unties them: then ``decoder`` is its own
+    layer with its own bias, and ``bias`` is kept (unused, as in transformers) so checkpoints round-trip."""
+
+    def __init__(self, config, *, dtype, param_dtype, rngs: nnx.Rngs):
+        self.transform = BertPredictionHeadTransform(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.bias = nnx.Param(jnp.zeros((config.vocab_size,), param_dtype))
+        if not config.tie_word_embeddings:
+            self.decoder = nnx.Linear(
+                config.hidden_size, config.vocab_size, dtype=dtype, param_dtype=param_dtype,
+                kernel_init=normal(config.initializer_range), rngs=rngs,
+            )
+
+
+class BertOnlyMLMHead(nnx.Module):
+    def __init__(self, config, *, dtype, param_dtype, rngs: nnx.Rngs):
+        self.predictions = BertLMPredictionHead(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+
+
+class BertForMaskedLM(nnx.Module):
+    """BERT (without pooler) predicting every position's token: logits ``[batch, seq, vocab]``."""
+
+    hf_architecture = "BertForMaskedLM"
+
+    def __init__(self, config, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
+        self.config = config
+        kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.bert = BertModel(config, add_pooling_layer=False, **kw)
+        self.cls = BertOnlyMLMHead(config, **kw)
+
+    def __call__(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None, *, rngs=None):
+        h = self.bert(input_ids, attention_mask, token_type_ids, position_ids, rngs=rngs).last_hidden_state
+        head = self.cls.predictions
+        h = head.transform(h)
+        if self.config.tie_word_embeddings:
+            logits = self.bert.embeddings.word_embeddings.attend(h) + head.bias.astype(h.dtype)
+        else:
+            logits = head.decoder(h)
+        return logits.astype(jnp.float32)
+
+
+FAMILY = Family(
+    model_type="bert",
+    tasks={
+        "base": BertModel,
+        "sequence-classification": BertForSequenceClassification,
+        "masked-lm": BertForMaskedLM,
+    },
+    base_prefix="bert",
+    heads=(r"^classifier\.", r"^cls\.", r"^bert\.pooler\."),
+    aliases={
+        "cls.predictions.decoder.weight": "bert.embeddings.word_embeddings.weight",
+        "cls.predictions.decoder.bias": "cls.predictions.bias",
+    },
+    ignore=(r"(^|\.)position_ids$",),
+)
