@@ -20,6 +20,8 @@ class Family:
       reported; a head of another task in the checkpoint is dropped and reported.
     - ``aliases``: checkpoint names that are copies of one of our parameters (tied weights).
     - ``ignore``: checkpoint names that are not parameters (old buffers such as ``attn.bias``).
+    - ``partition_rules``: ordered ``(regex, PartitionSpec)`` pairs over ``/``-joined parameter paths
+      (see ``jaxseq.partition``).
     """
 
     model_type: str
@@ -28,6 +30,7 @@ class Family:
     heads: tuple[str, ...] = ()
     aliases: dict[str, str] = dataclasses.field(default_factory=dict)
     ignore: tuple[str, ...] = ()
+    partition_rules: tuple = ()
 
     def is_head(self, name: str) -> bool:
         return any(re.search(p, name) for p in self.heads)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from jaxseq.errors import JaxseqError
 from jaxseq.models.attention import Cache, KVCache, attend, make_mask, merge_heads, split_heads, update_kv
@@ -172,4 +173,17 @@ FAMILY = Family(
     heads=(r"^lm_head\.", r"^score\."),
     aliases={"lm_head.weight": "transformer.wte.weight"},
     ignore=(r"\.attn\.bias$", r"\.attn\.masked_bias$"),
+    # Megatron-style: q/k/v and MLP-in split by output column over mp, attention-out and MLP-out by input
+    # row; the other kernel dimension over fsdp; embeddings split by vocabulary.
+    partition_rules=(
+        (r"wte/embedding$", P("mp", "fsdp")),
+        (r"wpe/embedding$", P(None, "fsdp")),
+        (r"(c_attn|c_fc)/kernel$", P("fsdp", "mp")),
+        (r"(c_attn|c_fc)/bias$", P("mp")),
+        (r"c_proj/kernel$", P("mp", "fsdp")),
+        (r"c_proj/bias$", P()),
+        (r"(ln_\d|ln_f)/(scale|bias)$", P()),
+        (r"lm_head/kernel$", P("fsdp", "mp")),
+        (r"score/kernel$", P("fsdp", None)),
+    ),
 )

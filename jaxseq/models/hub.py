@@ -258,10 +258,9 @@ def _some(names: list[str], limit: int = 8) -> str:
 # --------------------------------------------------------------------------- building models
 
 
-def family_for(config) -> Family:
+def family_for(model_type: str | None) -> Family:
     from jaxseq.models import FAMILIES
 
-    model_type = getattr(config, "model_type", None)
     if model_type not in FAMILIES:
         raise JaxseqError(
             f"model_type {model_type!r} is not supported; jaxseq supports {', '.join(sorted(FAMILIES))}"
@@ -270,7 +269,7 @@ def family_for(config) -> Family:
 
 
 def model_class(config, task: str) -> type:
-    family = family_for(config)
+    family = family_for(config.model_type)
     if task not in family.tasks:
         raise JaxseqError(
             f"task {task!r} is not available for {family.model_type}; choose one of {', '.join(family.tasks)}"
@@ -329,7 +328,7 @@ def load_pretrained(
         raise JaxseqError(f"unknown task {task!r}; choose one of {', '.join(TASKS)}")
     folder = resolve(name_or_path)
     config = load_config(folder, num_labels=num_labels, **config_overrides)
-    family = family_for(config)
+    family = family_for(config.model_type)
     make = _constructor(config, task, dtype, param_dtype, seed)
     abstract = nnx.eval_shape(make)
     graphdef, abstract_state = nnx.split(abstract)

@@ -1,0 +1,88 @@
+"""The device mesh: always three axes ``("dp", "fsdp", "mp")`` (data, fully-sharded data, model parallel).
+
+``make_mesh("dp=2,mp=4")`` on 8 devices; missing axes are 1; one axis may be ``-1`` (inferred). Batches are
+split over ``dp`` and ``fsdp`` together (``batch_spec``); parameters over ``fsdp`` and ``mp`` (partition.py).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Mapping
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jaxseq.errors import JaxseqError
+
+AXES = ("dp", "fsdp", "mp")
+BATCH_AXES = ("dp", "fsdp")
+
+
+def parse_mesh_spec(spec: str | Mapping[str, int] | None, device_count: int) -> dict[str, int]:
+    """``"dp=2,mp=4"`` or ``{"dp": 2, "mp": 4}`` -> sizes of all three axes, with one ``-1`` inferred."""
+    if spec is None or spec == "":
+        spec = {"dp": -1}
+    if isinstance(spec, str):
+        items = {}
+        for part in spec.replace(" ", "").split(","):
+            name, eq, value = part.partition("=")
+            try:
+                items[name] = int(value)
+            except ValueError:
+                eq = ""
+            if not eq:
+                raise JaxseqError(f"bad mesh spec {spec!r}: write it like 'dp=2,mp=4' (axes {', '.join(AXES)})")
+        spec = items
+    unknown = set(spec) - set(AXES)
+    if unknown:
+        raise JaxseqError(f"unknown mesh axis {', '.join(sorted(unknown))} in {spec!r}; the axes are {', '.join(AXES)}")
+    sizes = {axis: int(spec.get(axis, 1)) for axis in AXES}
+    inferred = [axis for axis, size in sizes.items() if size == -1]
+    if len(inferred) > 1 or any(size == 0 or size < -1 for size in sizes.values()):
+        raise JaxseqError(f"bad mesh spec {spec!r}: sizes must be positive, with at most one -1")
+    known = math.prod(size for size in sizes.values() if size != -1)
+    if inferred:
+        if device_count % known:
+            raise JaxseqError(
+                f"mesh {spec!r} cannot be formed: {device_count} devices are not divisible by {known}"
+            )
+        sizes[inferred[0]] = device_count // known
+    if math.prod(sizes.values()) != device_count:
+        raise JaxseqError(
+            f"mesh {format_mesh(sizes)} needs {math.prod(sizes.values())} devices but {device_count} are "
+            "available; make the axis sizes multiply to the device count (or use -1 for one axis)"
+        )
+    return sizes
+
+
+def make_mesh(spec: str | Mapping[str, int] | None = None, devices=None) -> Mesh:
+    """A ``("dp", "fsdp", "mp")`` mesh over ``devices`` (default: all), laid out for the interconnect."""
+    devices = list(jax.devices() if devices is None else devices)
+    sizes = parse_mesh_spec(spec, len(devices))
+    shape = tuple(sizes[axis] for axis in AXES)
+    try:
+        from jax.experimental import mesh_utils
+
+        grid = mesh_utils.create_device_mesh(shape, devices)
+    except (ValueError, NotImplementedError, AssertionError):
+        grid = np.asarray(devices).reshape(shape)
+    return Mesh(grid, AXES)
+
+
+def format_mesh(sizes: Mapping[str, int]) -> str:
+    return ",".join(f"{axis}={sizes[axis]}" for axis in AXES)
+
+
+def batch_spec(ndim: int = 2) -> P:
+    """Leading (batch) dimension split over ``dp`` and ``fsdp``; the rest replicated."""
+    return P(BATCH_AXES, *([None] * (ndim - 1)))
+
+
+def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
+    return NamedSharding(mesh, batch_spec(ndim))
+
+
+def data_parallel_size(mesh: Mesh) -> int:
+    """How many ways a global batch is split: the batch dimension must be divisible by this."""
+    return mesh.shape["dp"] * mesh.shape["fsdp"]

@@ -1,0 +1,172 @@
+"""Sharded forward and AdamW step on 8 virtual devices equal the single-device result, per family."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+transformers = pytest.importorskip("transformers")
+
+from jaxseq import partition  # noqa: E402
+from jaxseq.errors import JaxseqError  # noqa: E402
+from jaxseq.mesh import batch_sharding, make_mesh, parse_mesh_spec  # noqa: E402
+from jaxseq.models import from_config, load_pretrained, save_pretrained  # noqa: E402
+from tests.reference import padded_batch  # noqa: E402
+
+MESHES = ["dp=8", "dp=2,mp=4", "fsdp=4,mp=2"]
+VOCAB = 128
+
+
+def lm_loss(model, batch):
+    logits = model(batch["input_ids"], batch["attention_mask"]).logits
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits[:, :-1], batch["input_ids"][:, 1:])
+    weights = batch["attention_mask"][:, 1:]
+    return (losses * weights).sum() / weights.sum(), logits
+
+
+def classification_loss(model, batch):
+    logits = model(batch["input_ids"], batch["attention_mask"])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["labels"]).mean(), logits
+
+
+def seq2seq_loss(model, batch):
+    logits = model(batch["input_ids"], batch["attention_mask"], batch["decoder_input_ids"]).logits
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["input_ids"]).mean(), logits
+
+
+def make_batch(seed=0):
+    ids, mask = padded_batch(VOCAB, lengths=(16, 11, 7, 16, 3, 9, 16, 12), seed=seed)
+    return {
+        "input_ids": ids,
+        "attention_mask": mask,
+        "labels": (ids[:, 0] % 2).astype(np.int32),
+        "decoder_input_ids": np.roll(ids, 1, axis=1),
+    }
+
+
+CASES = {
+    "gpt2-lm": (lambda: transformers.GPT2Config(
+        n_layer=2, n_embd=64, n_head=4, vocab_size=VOCAB, n_positions=64, pad_token_id=0), "causal-lm", lm_loss),
+    "gpt2-cls": (lambda: transformers.GPT2Config(
+        n_layer=2, n_embd=64, n_head=4, vocab_size=VOCAB, n_positions=64, pad_token_id=0, num_labels=2),
+        "sequence-classification", classification_loss),
+}
+
+
+def run(case, mesh_spec=None):
+    """One AdamW step: logits, loss, updated params (on their devices) and optimizer state."""
+    make_config, task, loss_fn = CASES[case]
+    config = make_config()
+    mesh = make_mesh(mesh_spec) if mesh_spec else None
+    graphdef, params = nnx.split(from_config(config, task, mesh=mesh, seed=0))
+    tx = optax.adamw(1e-3, weight_decay=0.01)
+    batch = make_batch()
+
+    def step(params, opt_state, batch):
+        def loss_of(p):
+            return loss_fn(nnx.merge(graphdef, p), batch)
+
+        (loss, logits), grads = jax.value_and_grad(loss_of, has_aux=True)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return {"logits": logits, "loss": loss, "params": optax.apply_updates(params, updates), "opt": opt_state}
+
+    if mesh is None:
+        return jax.jit(step)(params, tx.init(params), batch)
+    rules = partition.get_partition_rules(config.model_type)
+    param_sh = partition.make_shardings(mesh, partition.match_partition_rules(rules, params))
+    opt_sh = partition.make_shardings(mesh, partition.match_partition_rules(rules, jax.eval_shape(tx.init, params)))
+    opt_state = jax.jit(tx.init, out_shardings=opt_sh)(params)
+    batch_sh = {k: batch_sharding(mesh, np.ndim(v)) for k, v in batch.items()}
+    step = jax.jit(
+        step,
+        in_shardings=(param_sh, opt_sh, batch_sh),
+        out_shardings={"logits": None, "loss": None, "params": param_sh, "opt": opt_sh},
+        donate_argnums=(0, 1),
+    )
+    return step(params, opt_state, partition.shard(batch, batch_sh))
+
+
+@pytest.fixture(scope="module")
+def single_device():
+    return {case: run(case) for case in CASES}
+
+
+@pytest.mark.parametrize("mesh_spec", MESHES)
+@pytest.mark.parametrize("case", list(CASES))
+def test_sharded_step_equals_single_device(case, mesh_spec, single_device):
+    want = single_device[case]
+    got = run(case, mesh_spec)
+    host = partition.gather({k: got[k] for k in ("logits", "loss", "params")})
+    np.testing.assert_allclose(host["logits"], want["logits"], atol=1e-5, rtol=0)
+    assert abs(float(host["loss"]) - float(want["loss"])) <= 1e-5
+    diffs = jax.tree.map(lambda a, b: float(np.max(np.abs(a - b))), host["params"], partition.gather(want["params"]))
+    assert max(jax.tree.leaves(diffs)) <= 1e-5
+    # the optimizer moments live exactly where their parameters do
+    param_sh = {n: x.sharding for n, x in partition.named_leaves(got["params"])}
+    moments = [(n, x) for n, x in partition.named_leaves(got["opt"]) if "/mu/" in n or "/nu/" in n]
+    assert len(moments) == 2 * len(param_sh)
+    for name, leaf in moments:
+        assert leaf.sharding.is_equivalent_to(param_sh[name.split("/", 2)[2]], leaf.ndim), name
+
+
+def test_load_pretrained_places_weights_on_their_shardings(tmp_path):
+    model = from_config(CASES["gpt2-lm"][0](), "causal-lm")
+    save_pretrained(model, tmp_path)
+    mesh = make_mesh("dp=2,mp=4")
+    loaded = load_pretrained(tmp_path, "causal-lm", mesh=mesh)
+    kernel = loaded.transformer.h[0].attn.c_attn.kernel[...]
+    assert kernel.sharding.spec == P("fsdp", "mp")
+    assert {s.data.shape for s in kernel.addressable_shards} == {(64, 48)}
+    np.testing.assert_array_equal(np.asarray(kernel), np.asarray(model.transformer.h[0].attn.c_attn.kernel[...]))
+
+
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("dp=3", "mesh dp=3,fsdp=1,mp=1 needs 3 devices but 8 are available"),
+        ("dp=2,mp=2", "needs 4 devices but 8 are available"),
+        ("dp=-1,mp=3", "8 devices are not divisible by 3"),
+        ("tp=8", "unknown mesh axis tp"),
+        ("dp:8", "bad mesh spec"),
+        ("dp=-1,mp=-1", "at most one -1"),
+    ],
+)
+def test_bad_mesh_specs(spec, message):
+    with pytest.raises(JaxseqError, match=message):
+        make_mesh(spec)
+
+
+def test_mesh_forms():
+    assert parse_mesh_spec("dp=2,mp=-1", 8) == {"dp": 2, "fsdp": 1, "mp": 4}
+    assert parse_mesh_spec({"fsdp": 8}, 8) == {"dp": 1, "fsdp": 8, "mp": 1}
+    assert parse_mesh_spec(None, 8) == {"dp": 8, "fsdp": 1, "mp": 1}
+    assert dict(make_mesh("fsdp=4,mp=2").shape) == {"dp": 1, "fsdp": 4, "mp": 2}
+
+
+def test_indivisible_dimension_is_reported():
+    config = transformers.GPT2Config(n_layer=1, n_embd=64, n_head=4, vocab_size=101, n_positions=64)
+    with pytest.raises(JaxseqError, match=r"transformer/wte/embedding shape \(101, 64\) spec P\('mp', 'fsdp'\)"):
+        from_config(config, "causal-lm", mesh=make_mesh("dp=2,mp=4"))
+
+
+def test_rules_first_match_wins_and_unmatched_path_is_named():
+    tree = {"block": {"dense": {"kernel": np.zeros((4, 8)), "bias": np.zeros(8)}}, "step": np.zeros(())}
+    rules = [(r"dense/kernel", P("fsdp", "mp")), (r"kernel", P("mp", None)), (r"bias", P())]
+    specs = partition.match_partition_rules(rules, tree)
+    assert specs == {"block": {"dense": {"kernel": P("fsdp", "mp"), "bias": P()}}, "step": P()}
+    with pytest.raises(JaxseqError, match="no partition rule matches parameter 'block/dense/bias'"):
+        partition.match_partition_rules(rules[:1], tree)
+
+
+def test_describe_totals():
+    mesh = make_mesh("dp=2,mp=4")
+    tree = {"w": jnp.zeros((8, 16)), "b": jnp.zeros((16,))}
+    specs = {"w": P(None, "mp"), "b": P()}
+    table = partition.describe(tree, specs, mesh)
+    rows = {line.split()[0]: line.split("  ") for line in table.splitlines()[1:3]}
+    assert [c.strip() for c in rows["w"] if c.strip()] == ["w", "(8, 16)", "float32", "P(None, 'mp')", "128"]
+    assert [c.strip() for c in rows["b"] if c.strip()] == ["b", "(16,)", "float32", "P()", "64"]
+    assert "2 arrays" in table and "per device" in table
