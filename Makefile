@@ -3,6 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 TORCH := torch==2.13.0
+MODEL ?= $(if $(wildcard ../shared/models/all-MiniLM-L6-v2),../shared/models/all-MiniLM-L6-v2,sentence-transformers/all-MiniLM-L6-v2)
 
 .PHONY: demo test bench clean
 
@@ -14,7 +15,7 @@ $(BIN)/.installed: pyproject.toml constraints.txt
 	touch $@
 
 demo: $(BIN)/.installed
-	$(BIN)/python scripts/demo.py
+	$(BIN)/python scripts/demo.py --model_name_or_path $(MODEL)
 
 test: $(BIN)/.installed
 	$(BIN)/python -m pytest -q

@@ -45,6 +45,12 @@ def inputs():
     return ids, mask, types
 
 
+@nnx.jit
+def forward(model, *args, rngs=None):
+    """The model's forward pass, compiled once per model structure (much faster than op-by-op on CPU)."""
+    return model(*args, rngs=rngs)
+
+
 def outputs(model, task, ids, mask, types):
     """(per-position output, per-row output or None) of a jaxseq or transformers model, as numpy."""
     if isinstance(model, torch.nn.Module):
@@ -52,7 +58,7 @@ def outputs(model, task, ids, mask, types):
         if task == "base":
             return out.last_hidden_state.numpy(), out.pooler_output.numpy()
         return out.logits.numpy(), None
-    out = model(jnp.asarray(ids), jnp.asarray(mask), jnp.asarray(types))
+    out = forward(model, jnp.asarray(ids), jnp.asarray(mask), jnp.asarray(types))
     if task == "base":
         return np.asarray(out.last_hidden_state), np.asarray(out.pooler_output)
     return np.asarray(out), None
@@ -115,13 +121,13 @@ def test_defaults_are_zero_token_types_and_no_padding(tiny_base):
     ref, path = tiny_base
     ids, _, _ = inputs()
     want = torch_forward(ref, input_ids=ids).last_hidden_state.numpy()
-    got = load_pretrained(path, "base")(jnp.asarray(ids)).last_hidden_state
+    got = forward(load_pretrained(path, "base"), jnp.asarray(ids)).last_hidden_state
     assert np.abs(np.asarray(got) - want).max() <= 1e-4
 
 
-def test_pretraining_checkpoint_feeds_masked_lm_and_classifier(tmp_path, caplog):
-    """A BertForPreTraining checkpoint (pooler, cls.predictions, cls.seq_relationship), with the old tied copies
-    ``cls.predictions.decoder.*`` and the old ``position_ids`` buffer written out as pre-4.31 checkpoints were."""
+def test_pretraining_checkpoint_as_masked_lm(tmp_path, caplog):
+    """A BertForPreTraining checkpoint (pooler, cls.predictions, cls.seq_relationship), with the tied copies
+    ``cls.predictions.decoder.*`` and the ``position_ids`` buffer written out as old checkpoints have them."""
     from safetensors.torch import save_file
 
     ref = randomise(transformers.BertForPreTraining(tiny_config()))
@@ -130,36 +136,27 @@ def test_pretraining_checkpoint_feeds_masked_lm_and_classifier(tmp_path, caplog)
     state["bert.embeddings.position_ids"] = torch.arange(64)[None]
     assert "cls.predictions.decoder.weight" in state and "cls.predictions.decoder.bias" in state
     save_file(state, tmp_path / "model.safetensors", metadata={"format": "pt"})
+
+    model = load_pretrained(tmp_path, "masked-lm")
+    assert "initialised" not in caplog.text
+    dropped = caplog.text.split("does not use:")[1]
+    assert "cls.seq_relationship.weight" in dropped and "bert.pooler.dense.weight" in dropped
+    assert "position_ids" not in caplog.text and "decoder" not in caplog.text
     ids, mask, types = inputs()
-
-    mlm = load_pretrained(tmp_path, "masked-lm")
-    assert "cls.seq_relationship.weight" in caplog.text and "bert.pooler.dense.weight" in caplog.text
     want = torch_forward(ref, input_ids=ids, attention_mask=mask, token_type_ids=types).prediction_logits
-    assert max_diff_on(mask, outputs(mlm, "masked-lm", ids, mask, types)[0], want.numpy()) <= 1e-4
-
-    caplog.clear()
-    clf = load_pretrained(tmp_path, "sequence-classification", num_labels=2)
-    assert "initialised weights that the checkpoint lacks: classifier.bias, classifier.weight" in caplog.text
-    assert "cls.predictions.transform.dense.weight" in caplog.text  # dropped and reported
-    pooled = torch_forward(ref.bert, input_ids=ids, attention_mask=mask, token_type_ids=types).pooler_output
-    assert np.abs(np.asarray(clf.bert(jnp.asarray(ids), jnp.asarray(mask), jnp.asarray(types)).pooler_output)
-                  - pooled.numpy()).max() <= 1e-4
+    assert max_diff_on(mask, outputs(model, "masked-lm", ids, mask, types)[0], want.numpy()) <= 1e-4
 
 
 def test_masked_lm_checkpoint_as_classifier_initialises_pooler(tmp_path, caplog):
-    ref = randomise(transformers.BertForMaskedLM(tiny_config()))
-    ref.save_pretrained(tmp_path)
-    load_pretrained(tmp_path, "sequence-classification", num_labels=2)
-    for name in ("bert.pooler.dense.weight", "classifier.weight", "dropped", "cls.predictions.bias"):
-        assert name in caplog.text.replace("ignored", "dropped")
-
-
-def test_dropout_only_with_rngs(tiny_base):
-    model = load_pretrained(tiny_base[1], "sequence-classification", num_labels=2)
+    transformers.BertForMaskedLM(tiny_config()).save_pretrained(tmp_path)
+    model = load_pretrained(tmp_path, "sequence-classification", num_labels=2)
+    new, dropped = caplog.text.split("lacks:")[1].split("does not use:")
+    assert "bert.pooler.dense.weight" in new and "classifier.weight" in new
+    assert "cls.predictions.bias" in dropped and "cls.predictions.transform.dense.weight" in dropped
     ids, mask, types = (jnp.asarray(a) for a in inputs())
-    eval_a, eval_b = model(ids, mask, types), model(ids, mask, types)
-    train = model(ids, mask, types, rngs=nnx.Rngs(dropout=1))
-    assert np.array_equal(eval_a, eval_b)
+    eval_a, eval_b = forward(model, ids, mask, types), forward(model, ids, mask, types)
+    train = forward(model, ids, mask, types, rngs=nnx.Rngs(dropout=1))
+    assert np.array_equal(eval_a, eval_b)  # rngs=None is deterministic; with rngs, dropout is on
     assert np.all(np.isfinite(train)) and not np.allclose(train, eval_a)
 
 
@@ -186,7 +183,7 @@ def minilm():
     assert len(set(lengths)) == len(SENTENCES)  # really different lengths, so padding is exercised
     ref = transformers.BertModel.from_pretrained(path)
     want = torch_forward(ref, **batch)
-    got = load_pretrained(path, "base")(*(jnp.asarray(batch[k]) for k in batch))
+    got = forward(load_pretrained(path, "base"), *(jnp.asarray(batch[k]) for k in batch))
     return path, batch, want, got
 
 
@@ -204,9 +201,9 @@ def test_minilm_as_classifier_keeps_pooler_and_reports_new_classifier(minilm, ca
     assert "pooler" not in caplog.text  # the checkpoint's pooler is loaded, not re-initialised
     assert model.classifier.kernel.shape == (384, 2)
     ids, mask, types = (jnp.asarray(batch[k]) for k in ("input_ids", "attention_mask", "token_type_ids"))
-    pooled = model.bert(ids, mask, types).pooler_output
+    pooled = forward(model.bert, ids, mask, types).pooler_output
     assert np.abs(np.asarray(pooled) - want.pooler_output.numpy()).max() <= 1e-4
-    logits = model(ids, mask, types)
+    logits = forward(model, ids, mask, types)
     assert logits.shape == (len(SENTENCES), 2) and logits.dtype == jnp.float32
     assert np.all(np.isfinite(logits))
 
@@ -217,7 +214,7 @@ def test_minilm_bfloat16_compute_stays_close(minilm):
     of max magnitude ~MAX_H; the bound leaves ~2x margin, still far below the size of the states."""
     path, batch, _, f32 = minilm
     model = load_pretrained(path, "base", dtype=jnp.bfloat16)
-    out = model(*(jnp.asarray(batch[k]) for k in batch))
+    out = forward(model, *(jnp.asarray(batch[k]) for k in batch))
     assert out.last_hidden_state.dtype == jnp.bfloat16
     mask = batch["attention_mask"]
     diff = max_diff_on(mask, out.last_hidden_state, f32.last_hidden_state)
