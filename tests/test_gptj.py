@@ -123,6 +123,7 @@ def test_bfloat16_compute_stays_close_to_float32(gptj_lm):
     bf16 = forward(bf16_model, jnp.asarray(ids), jnp.asarray(mask)).logits
     assert bf16.dtype == jnp.float32
     scale = float(jnp.abs(f32).max())
+    print("BF16", max_diff_on(mask, bf16, f32), scale, float(np.abs(np.asarray(f32)).mean()))
     assert max_diff_on(mask, bf16, f32) <= 0.02 * scale + 1e-3
 
 
@@ -158,6 +159,7 @@ def test_dropout_only_with_rngs(gptj_lm):
     ids, mask = (jnp.asarray(a) for a in padded_batch(101))
     eval_logits = forward(load_pretrained(path, "causal-lm"), ids, mask).logits
     model = load_pretrained(path, "causal-lm", attn_pdrop=0.1, resid_pdrop=0.1, embd_pdrop=0.1)
-    train = forward(model, ids, mask, rngs=nnx.Rngs(dropout=0)).logits
+    # An "rbg" key: XLA's own generator compiles in about half the time threefry takes.
+    train = forward(model, ids, mask, rngs=nnx.Rngs(dropout=jax.random.key(0, impl="rbg"))).logits
     assert bool(jnp.isfinite(train).all())
     assert float(jnp.abs(train - eval_logits).max()) > 1e-3
