@@ -1,0 +1,1 @@
+"""Data pipelines: GLUE tasks, text packing, seq2seq pairs, and fixed-shape batches."""

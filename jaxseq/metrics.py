@@ -1,0 +1,63 @@
+"""Evaluation metrics in numpy (the GLUE set plus perplexity); tests check them against scikit-learn/scipy."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+
+def accuracy(predictions, labels) -> float:
+    return float(np.mean(np.asarray(predictions) == np.asarray(labels)))
+
+
+def f1(predictions, labels, positive: int = 1) -> float:
+    """Binary F1 of the ``positive`` class (0.0 when there are no true or predicted positives)."""
+    p, y = np.asarray(predictions) == positive, np.asarray(labels) == positive
+    tp = np.sum(p & y)
+    denominator = np.sum(p) + np.sum(y)
+    return float(2 * tp / denominator) if denominator else 0.0
+
+
+def matthews_correlation(predictions, labels) -> float:
+    """Matthews correlation for any number of classes (Gorodkin's R_K, as scikit-learn computes it)."""
+    p, y = np.asarray(predictions), np.asarray(labels)
+    classes = np.union1d(p, y)
+    confusion = np.zeros((len(classes), len(classes)), dtype=np.float64)
+    np.add.at(confusion, (np.searchsorted(classes, y), np.searchsorted(classes, p)), 1)
+    t_sum, p_sum = confusion.sum(axis=1), confusion.sum(axis=0)
+    n, correct = confusion.sum(), np.trace(confusion)
+    cov_yp = correct * n - t_sum @ p_sum
+    cov_yy = n * n - t_sum @ t_sum
+    cov_pp = n * n - p_sum @ p_sum
+    denominator = math.sqrt(cov_yy * cov_pp)
+    return float(cov_yp / denominator) if denominator else 0.0
+
+
+def pearson(x, y) -> float:
+    x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+    x, y = x - x.mean(), y - y.mean()
+    denominator = math.sqrt(float(x @ x) * float(y @ y))
+    return float(x @ y / denominator) if denominator else 0.0
+
+
+def _ranks(x) -> np.ndarray:
+    """1-based ranks with ties given their average rank."""
+    x = np.asarray(x)
+    order = np.argsort(x, kind="mergesort")
+    sorted_x = x[order]
+    starts = np.r_[True, sorted_x[1:] != sorted_x[:-1]]
+    group = np.cumsum(starts) - 1
+    first = np.flatnonzero(starts)
+    last = np.r_[first[1:], len(x)] - 1
+    ranks = np.empty(len(x), np.float64)
+    ranks[order] = (first[group] + last[group]) / 2 + 1
+    return ranks
+
+
+def spearmanr(x, y) -> float:
+    return pearson(_ranks(x), _ranks(y))
+
+
+def perplexity(mean_loss: float) -> float:
+    return float(math.exp(min(mean_loss, 700.0)))

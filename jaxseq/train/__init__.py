@@ -1,0 +1,1 @@
+"""Training: state, optimizers, the sharded train/eval steps, the loop and checkpoints."""

@@ -1,0 +1,280 @@
+"""The training loop: one jitted, sharded train step (forward, backward, update; state donated), one
+jitted eval step, logging every N steps without a host sync per step, evaluation over every example,
+orbax checkpoints and exact resume (the data order is a function of seed and step)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any, Callable, Mapping, Protocol
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jaxseq import partition
+from jaxseq.config import arg
+from jaxseq.data.batches import eval_batches, num_examples, steps_per_epoch, train_batches
+from jaxseq.errors import JaxseqError
+from jaxseq.mesh import batch_spec, data_parallel_size
+from jaxseq.train.checkpoint import Checkpointer, abstract_like
+from jaxseq.train.logs import RunLogger
+from jaxseq.train.optim import OptimizerConfig, make_optimizer
+
+
+@dataclasses.dataclass
+class TrainerConfig:
+    output_dir: str = arg("outputs", "where checkpoints, metrics, plots and the final model go")
+    per_device_train_batch_size: int = arg(32, "training batch per data-parallel replica (dp x fsdp of the mesh)")
+    per_device_eval_batch_size: int = arg(64, "evaluation batch per data-parallel replica")
+    gradient_accumulation_steps: int = arg(1, "micro-batches summed into each update")
+    num_train_epochs: float = arg(3.0, "epochs to train (ignored when --max_steps > 0)")
+    max_steps: int = arg(-1, "total updates; > 0 overrides --num_train_epochs")
+    logging_steps: int = arg(50, "log training loss/lr every N updates")
+    eval_steps: int = arg(0, "evaluate every N updates (0: at the end of every epoch)")
+    save_steps: int = arg(0, "checkpoint every N updates (0: only at the end)")
+    save_total_limit: int = arg(2, "keep this many latest checkpoints (plus the best one)")
+    metric_for_best_model: str | None = arg(None, "eval metric that picks the best checkpoint, e.g. accuracy")
+    greater_is_better: bool = arg(True, "whether a larger --metric_for_best_model is better")
+    seed: int = arg(42, "seed of initialisation, data order and dropout")
+    resume_from_checkpoint: str | None = arg(
+        None, "checkpoint folder to resume from (a run also resumes from --output_dir/checkpoints by itself)")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class TrainState:
+    step: jax.Array
+    params: Any
+    opt_state: Any
+
+
+class Task(Protocol):
+    """What a job (GLUE, causal LM, seq2seq) tells the trainer."""
+
+    def loss(self, model, batch: Mapping[str, jax.Array], rngs: nnx.Rngs | None) -> jax.Array: ...
+
+    def predict(self, model, batch: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
+        """Per-example outputs (leading batch dimension) that ``metrics`` turns into numbers."""
+
+    def metrics(self, outputs: dict[str, np.ndarray], arrays: Mapping[str, np.ndarray]) -> dict[str, float]: ...
+
+
+def state_specs(rules, state: TrainState) -> TrainState:
+    return TrainState(P(), partition.match_partition_rules(rules, state.params),
+                      partition.match_partition_rules(rules, state.opt_state))
+
+
+class Trainer:
+    def __init__(
+        self,
+        model: nnx.Module,
+        task: Task,
+        config: TrainerConfig,
+        optimizer: OptimizerConfig,
+        train_arrays: Mapping[str, np.ndarray],
+        eval_sets: Mapping[str, Mapping[str, np.ndarray]],
+        mesh: jax.sharding.Mesh,
+        rules=None,
+        logger: RunLogger | None = None,
+    ):
+        self.task, self.config, self.mesh = task, config, mesh
+        self.train_arrays, self.eval_sets = train_arrays, eval_sets
+        self.output_dir = Path(config.output_dir)
+        dp = data_parallel_size(mesh)
+        self.micro_batch = config.per_device_train_batch_size * dp
+        self.global_batch = self.micro_batch * config.gradient_accumulation_steps
+        self.eval_batch = config.per_device_eval_batch_size * dp
+        n = num_examples(train_arrays)
+        self.steps_per_epoch = steps_per_epoch(n, self.global_batch)
+        if self.steps_per_epoch == 0:
+            raise JaxseqError(
+                f"{n} training examples do not fill one global batch of {self.global_batch}; lower "
+                "--per_device_train_batch_size or --gradient_accumulation_steps"
+            )
+        if config.max_steps > 0:
+            self.total_steps = config.max_steps
+        else:
+            self.total_steps = max(1, math.ceil(config.num_train_epochs * self.steps_per_epoch))
+
+        self.graphdef, params = nnx.split(model)
+        rules = rules if rules is not None else partition.get_partition_rules(model.config.model_type)
+        self.tx, self.schedule = make_optimizer(optimizer, self.total_steps)
+        abstract = TrainState(jax.ShapeDtypeStruct((), jnp.int32), params, jax.eval_shape(self.tx.init, params))
+        specs = state_specs(rules, abstract)
+        partition.check_divisible(abstract, specs, mesh)
+        self.state_shardings = partition.make_shardings(mesh, specs)
+        self._abstract_state = abstract_like(abstract, self.state_shardings)
+        self.state = jax.jit(
+            lambda p: TrainState(jnp.zeros((), jnp.int32), p, self.tx.init(p)),
+            in_shardings=(self.state_shardings.params,),
+            out_shardings=self.state_shardings,
+        )(params)
+        self._train_step = self._compile_train_step()
+        self._eval_step = jax.jit(self._predict, in_shardings=(self.state_shardings.params, None))
+        self.logger = logger or RunLogger(self.output_dir, self.total_steps)
+        self.checkpointer = Checkpointer(
+            self.output_dir / "checkpoints", keep_last=config.save_total_limit,
+            best_metric=config.metric_for_best_model and f"eval/{config.metric_for_best_model}",
+            greater_is_better=config.greater_is_better,
+        )
+
+    # ------------------------------------------------------------------ steps
+
+    def _compile_train_step(self):
+        accumulate = self.config.gradient_accumulation_steps
+        base_key = jax.random.key(self.config.seed)
+
+        def loss_of(params, batch, key):
+            return self.task.loss(nnx.merge(self.graphdef, params), batch, nnx.Rngs(dropout=key))
+
+        def train_step(state: TrainState, batch):
+            key = jax.random.fold_in(base_key, state.step)
+            if accumulate == 1:
+                loss, grads = jax.value_and_grad(loss_of)(state.params, batch, key)
+            else:
+                micro = jax.tree.map(lambda x: x.reshape(accumulate, -1, *x.shape[1:]), batch)
+
+                def body(carry, xs):
+                    i, mb = xs
+                    loss, grads = jax.value_and_grad(loss_of)(state.params, mb, jax.random.fold_in(key, i))
+                    return jax.tree.map(jnp.add, carry, (loss, grads)), None
+
+                zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, state.params))
+                (loss, grads), _ = jax.lax.scan(body, zeros, (jnp.arange(accumulate), micro))
+                loss, grads = jax.tree.map(lambda x: x / accumulate, (loss, grads))
+            updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
+            params = optax.apply_updates(state.params, updates)
+            metrics = {"loss": loss, "grad_norm": optax.global_norm(grads),
+                       "learning_rate": self.schedule(state.step)}
+            return TrainState(state.step + 1, params, opt_state), metrics
+
+        return jax.jit(train_step, in_shardings=(self.state_shardings, None),
+                       out_shardings=(self.state_shardings, None), donate_argnums=(0,))
+
+    def _predict(self, params, batch):
+        return self.task.predict(nnx.merge(self.graphdef, params), batch)
+
+    def _to_devices(self, batch: Mapping[str, np.ndarray]) -> dict[str, jax.Array]:
+        """Global host batch -> arrays split over the batch axes (each process gives its own rows)."""
+        out = {}
+        for name, value in batch.items():
+            sharding = NamedSharding(self.mesh, batch_spec(value.ndim))
+            rows = value.shape[0] // jax.process_count()
+            local = value[jax.process_index() * rows:(jax.process_index() + 1) * rows]
+            out[name] = jax.make_array_from_process_local_data(sharding, local, value.shape)
+        return out
+
+    # ------------------------------------------------------------------ loop
+
+    def restore_if_any(self) -> int:
+        """Resume from ``resume_from_checkpoint`` or the latest checkpoint in the output dir; returns the step."""
+        source = self.config.resume_from_checkpoint
+        checkpointer = self.checkpointer
+        if source and Path(source).absolute() != checkpointer.directory:
+            checkpointer = Checkpointer(source)
+        step = checkpointer.latest_step()
+        if step is None:
+            if source:
+                raise JaxseqError(f"no checkpoint in {source}; drop --resume_from_checkpoint to start afresh")
+            return 0
+        state, record = checkpointer.restore(step, self._abstract_state)
+        if record.get("global_batch") not in (None, self.global_batch) or record.get("seed") not in (None, self.config.seed):
+            raise JaxseqError(
+                f"checkpoint in {checkpointer.directory} was made with global batch {record.get('global_batch')} "
+                f"and seed {record.get('seed')}; resume with the same settings or use a fresh --output_dir"
+            )
+        self.state = state
+        self.logger.bar.update(step)
+        self.logger.write(f"resumed from {checkpointer.directory / str(step)} (step {step})")
+        return step
+
+    def train(self) -> dict[str, float]:
+        config = self.config
+        start = self.restore_if_any()
+        eval_every = config.eval_steps or self.steps_per_epoch
+        batches = train_batches(self.train_arrays, self.global_batch, config.seed, start_step=start)
+        pending: list[dict] = []
+        eval_metrics: dict[str, float] = {}
+        started = time.perf_counter()
+        compile_seconds = None
+        step = start
+        while step < self.total_steps:
+            t0 = time.perf_counter()
+            self.state, metrics = self._train_step(self.state, self._to_devices(next(batches)))
+            if compile_seconds is None:
+                jax.block_until_ready(metrics["loss"])
+                compile_seconds = time.perf_counter() - t0
+                self.logger.write(f"first step (compile included): {compile_seconds:.1f}s")
+            pending.append(metrics)
+            step += 1
+            self.logger.advance()
+            if step % config.logging_steps == 0 or step == self.total_steps:
+                self._log_train(step, pending, started)
+                pending = []
+            if step % eval_every == 0 or step == self.total_steps:
+                eval_metrics = self.evaluate()
+                self.logger.log(step, {f"eval/{k}": v for k, v in eval_metrics.items()})
+            if (config.save_steps and step % config.save_steps == 0) or step == self.total_steps:
+                self.save(step, eval_metrics if step % eval_every == 0 or step == self.total_steps else None)
+        runtime = time.perf_counter() - started
+        self.checkpointer.wait()
+        trained = max(self.total_steps - start, 0)
+        return {
+            "train_runtime": runtime,
+            "train_samples_per_second": trained * self.global_batch / runtime if runtime else 0.0,
+            "train_steps_per_second": trained / runtime if runtime else 0.0,
+            "train_compile_seconds": compile_seconds or 0.0,
+            "epoch": self.total_steps / self.steps_per_epoch,
+            **{f"eval_{k}": v for k, v in eval_metrics.items()},
+        }
+
+    def _log_train(self, step: int, pending: list[dict], started: float) -> None:
+        host = jax.device_get(pending)
+        values = {f"train/{k}": float(np.mean([m[k] for m in host])) for k in host[0]}
+        if not all(math.isfinite(v) for v in values.values()):
+            self.logger.write(f"warning: non-finite training metrics at step {step}: {values}")
+        self.logger.log(step, values)
+
+    def save(self, step: int, eval_metrics: dict | None) -> None:
+        record = {"step": step, "global_batch": self.global_batch, "seed": self.config.seed,
+                  "epoch": step / self.steps_per_epoch}
+        metrics = {f"eval/{k}": v for k, v in eval_metrics.items()} if eval_metrics else None
+        self.checkpointer.save(step, self.state, record, metrics)
+
+    def evaluate(self) -> dict[str, float]:
+        """Metrics over every example of every eval set (keys suffixed by set, as the task names them)."""
+        results = {}
+        for name, arrays in self.eval_sets.items():
+            outputs: dict[str, list] = {}
+            for batch, valid in eval_batches(arrays, self.eval_batch):
+                predicted = jax.device_get(self._eval_step(self.state.params, self._to_devices(batch)))
+                for key, value in predicted.items():
+                    outputs.setdefault(key, []).append(np.asarray(value)[valid])
+            merged = {k: np.concatenate(v) for k, v in outputs.items()}
+            for key, value in self.task.metrics(merged, arrays).items():
+                results[f"{key}{name}"] = value
+        return results
+
+    def model(self) -> nnx.Module:
+        """The current parameters as a model (for export)."""
+        return nnx.merge(self.graphdef, self.state.params)
+
+    def close(self) -> None:
+        self.checkpointer.close()
+        self.logger.close()
+
+
+def write_json(path: Path, values: dict) -> None:
+    if jax.process_index() != 0:
+        return
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(values, indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, path)

@@ -1,0 +1,157 @@
+"""Fine-tune a Hugging Face model on a GLUE task with jaxseq (sharded over every device you have).
+
+    python scripts/finetune_glue.py --task_name sst2 --output_dir out/sst2
+    python scripts/finetune_glue.py --config configs/glue_sst2.yaml --mesh dp=2,mp=4
+
+Reads GLUE from the Hub (datasets) or a local folder of GLUE TSVs (--data_dir), or your own
+csv/tsv/json files (--train_file/--validation_file). Writes to --output_dir: eval_results.json,
+all_results.json, metrics.jsonl, TensorBoard events, training_curves.png, the config used,
+orbax checkpoints, and the fine-tuned model with its tokenizer as a Hugging Face folder.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from pathlib import Path
+
+from jaxseq.cli import script, setup_compilation_cache
+from jaxseq.config import arg, build_parser, parse_args, save_config
+from jaxseq.data.glue import TASKS
+from jaxseq.errors import JaxseqError
+from jaxseq.train.optim import OptimizerConfig
+from jaxseq.train.trainer import TrainerConfig
+
+DEFAULT_MODEL = "sentence-transformers/all-MiniLM-L6-v2"
+
+
+@dataclasses.dataclass
+class GlueConfig:
+    model_name_or_path: str = arg(DEFAULT_MODEL, "Hub id or local folder of a BERT, GPT-2 or GPT-J checkpoint")
+    tokenizer_name: str | None = arg(None, "tokenizer Hub id or folder (default: the model's)")
+    task_name: str = arg("sst2", "GLUE task", choices=tuple(TASKS))
+    data_dir: str | None = arg(None, "local folder of GLUE TSVs (the GLUE download script's layout); "
+                                     "default: the nyu-mll/glue dataset on the Hub")
+    train_file: str | None = arg(None, "your own training file (csv, tsv, json, jsonl) with the task's "
+                                       "text columns and 'label'")
+    validation_file: str | None = arg(None, "your own validation file, same format as --train_file")
+    max_seq_length: int = arg(128, "tokens per example (longer texts are truncated, shorter padded)")
+    max_train_samples: int | None = arg(None, "use only the first N training examples")
+    max_eval_samples: int | None = arg(None, "use only the first N examples of each eval split")
+    mesh: str = arg("", "device mesh, e.g. 'dp=2,mp=4' (axes dp, fsdp, mp; default: all devices on dp)")
+    dtype: str = arg("float32", "compute dtype (parameters stay float32)", choices=("float32", "bfloat16"))
+    compilation_cache_dir: str | None = arg(None, "persistent XLA cache (default ~/.cache/jaxseq/xla; '' disables)")
+
+
+SECTIONS = (GlueConfig, TrainerConfig, OptimizerConfig)
+
+
+def load_examples(glue: GlueConfig):
+    from jaxseq.data.glue import get_task, load_split
+
+    task = get_task(glue.task_name)
+    train = load_split(task, "train", data_dir=glue.data_dir, file=glue.train_file)
+    if glue.validation_file:
+        evals = {"": load_split(task, "validation", file=glue.validation_file)}
+    else:
+        evals = {}
+        for split in task.eval_splits:
+            from jaxseq.data.glue import SPLIT_SUFFIX
+
+            evals[SPLIT_SUFFIX.get(split, "")] = load_split(task, split, data_dir=glue.data_dir)
+    if glue.max_train_samples:
+        train = train[: glue.max_train_samples]
+    if glue.max_eval_samples:
+        evals = {k: v[: glue.max_eval_samples] for k, v in evals.items()}
+    return task, train, evals
+
+
+def resolve_model(glue: GlueConfig) -> Path:
+    from jaxseq.models.hub import resolve
+
+    try:
+        return resolve(glue.model_name_or_path)
+    except JaxseqError as e:
+        if "cannot download" in str(e):
+            raise JaxseqError(
+                f"{e}. To run offline, pass --model_name_or_path /path/to/hf-model-folder and "
+                "--data_dir /path/to/glue-tsvs"
+            ) from None
+        raise
+
+
+def max_positions(config) -> int | None:
+    for name in ("max_position_embeddings", "n_positions"):
+        if getattr(config, name, None):
+            return int(getattr(config, name))
+    return None
+
+
+@script
+def main(argv) -> int:
+    parser = build_parser(__doc__, *SECTIONS)
+    args, (glue, trainer_config, optimizer_config) = parse_args(parser, SECTIONS, argv)
+
+    import jax
+    import jax.numpy as jnp
+    from transformers import AutoTokenizer
+
+    from jaxseq.data.glue import encode
+    from jaxseq.mesh import make_mesh
+    from jaxseq.models import load_config, load_pretrained, save_pretrained
+    from jaxseq.train.objectives import SequenceClassification
+    from jaxseq.train.trainer import Trainer, write_json
+
+    setup_compilation_cache(glue.compilation_cache_dir)
+    mesh = make_mesh(glue.mesh or None)
+    task, train_examples, eval_examples = load_examples(glue)
+    folder = resolve_model(glue)
+    config = load_config(folder)
+    limit = max_positions(config)
+    if limit is not None and glue.max_seq_length > limit:
+        raise JaxseqError(f"--max_seq_length {glue.max_seq_length} exceeds the model's {limit} positions; lower it")
+    tokenizer = AutoTokenizer.from_pretrained(glue.tokenizer_name or folder)
+    overrides = {}
+    if tokenizer.pad_token is None:  # GPT-2 style: pad with EOS, and classify at the last real token
+        tokenizer.pad_token = tokenizer.eos_token
+    if getattr(config, "pad_token_id", None) is None:
+        overrides["pad_token_id"] = tokenizer.pad_token_id
+    if not task.is_regression:
+        overrides["id2label"] = dict(enumerate(task.labels))
+        overrides["label2id"] = {name: i for i, name in enumerate(task.labels)}
+    model = load_pretrained(folder, "sequence-classification", num_labels=task.num_labels, mesh=mesh,
+                            dtype=jnp.dtype(glue.dtype), seed=trainer_config.seed, **overrides)
+    if len(tokenizer) > model.config.vocab_size:
+        raise JaxseqError(f"the tokenizer has {len(tokenizer)} tokens but the model only {model.config.vocab_size}; "
+                          "pass the model's own tokenizer")
+    train_arrays = encode(task, train_examples, tokenizer, glue.max_seq_length)
+    eval_sets = {k: encode(task, v, tokenizer, glue.max_seq_length) for k, v in eval_examples.items()}
+
+    output_dir = Path(trainer_config.output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    save_config(output_dir / "config.yaml", *((glue, trainer_config, optimizer_config)))
+    trainer = Trainer(model, SequenceClassification(task), trainer_config, optimizer_config, train_arrays,
+                      eval_sets, mesh)
+    trainer.logger.write(
+        f"{task.name}: {len(train_examples)} train / {sum(map(len, eval_examples.values()))} eval examples, "
+        f"{trainer.total_steps} steps of global batch {trainer.global_batch} on {jax.device_count()} devices "
+        f"(mesh {dict(mesh.shape)})"
+    )
+    try:
+        train_results = trainer.train()
+    finally:
+        trainer.close()
+    eval_results = {k: v for k, v in train_results.items() if k.startswith("eval_")}
+    eval_results["eval_samples"] = len(next(iter(eval_examples.values())))
+    write_json(output_dir / "eval_results.json", eval_results)
+    write_json(output_dir / "all_results.json", {**train_results, "eval_samples": eval_results["eval_samples"],
+                                                  "train_samples": len(train_examples)})
+    trainer.logger.plot()
+    if jax.process_index() == 0:
+        save_pretrained(trainer.model(), output_dir, tokenizer=tokenizer)
+    print(" ".join(f"{k}={v:.4f}" for k, v in sorted(eval_results.items()) if isinstance(v, float)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
