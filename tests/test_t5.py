@@ -67,14 +67,13 @@ def t5(request, tmp_path_factory):
 def test_relative_position_buckets_match_transformers():
     bucket = transformers.models.t5.modeling_t5.T5Attention._relative_position_bucket
     relative = np.arange(-700, 701)
-    for bidirectional in (True, False):
-        for num_buckets, max_distance in ((8, 20), (32, 128)):
-            want = bucket(torch.as_tensor(relative), bidirectional=bidirectional, num_buckets=num_buckets,
-                          max_distance=max_distance).numpy()
-            got = jax.jit(lambda r: relative_position_bucket(  # noqa: B023
-                r, bidirectional=bidirectional, num_buckets=num_buckets, max_distance=max_distance
-            ))(jnp.asarray(relative, jnp.int32))
-            np.testing.assert_array_equal(np.asarray(got), want)
+    cases = [(b, n, d) for b in (True, False) for n, d in ((8, 20), (32, 128))]
+    got = jax.jit(lambda r: [
+        relative_position_bucket(r, bidirectional=b, num_buckets=n, max_distance=d) for b, n, d in cases
+    ])(jnp.asarray(relative, jnp.int32))
+    for (b, n, d), ours in zip(cases, got):
+        want = bucket(torch.as_tensor(relative), bidirectional=b, num_buckets=n, max_distance=d).numpy()
+        np.testing.assert_array_equal(np.asarray(ours), want)
 
 
 def test_shift_right_matches_transformers():
@@ -92,11 +91,6 @@ def test_logits_match_pytorch(t5):
     assert out.logits.dtype == jnp.float32 and out.logits.shape == want.shape
     assert max_diff_on(dec_mask, out.logits, want) <= 1e-4
     assert max_diff_on(mask, out.encoder_last_hidden_state, want_enc) <= 1e-4
-    # The encoder output is reusable: decoding from it gives the same logits.
-    decode = nnx.jit(lambda m, h, mask, ids, dec_mask: m.decode(ids, h, mask, dec_mask))
-    again = decode(model, out.encoder_last_hidden_state, jnp.asarray(mask), jnp.asarray(dec_ids),
-                   jnp.asarray(dec_mask)).logits
-    assert max_diff_on(dec_mask, again, out.logits) <= 1e-5
 
 
 def test_export_round_trip(t5, tmp_path):
@@ -109,39 +103,56 @@ def test_export_round_trip(t5, tmp_path):
     assert max_diff_on(dec_mask, out.logits, want) <= 1e-4
 
 
+def test_loads_checkpoint_with_tied_copies_and_legacy_bias(t5, tmp_path):
+    """Old checkpoints store every tied copy and an unused cross-attention bias; they load all the same."""
+    _, _, path, model, _ = t5
+    from safetensors.numpy import load_file, save_file
+
+    tensors = load_file(path / "model.safetensors")
+    for name in ("encoder.embed_tokens.weight", "decoder.embed_tokens.weight", "lm_head.weight"):
+        tensors.setdefault(name, tensors["shared.weight"])  # v1.1 keeps its own lm_head
+    tensors["decoder.block.0.layer.1.EncDecAttention.relative_attention_bias.weight"] = np.zeros((8, 4), np.float32)
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    (tmp_path / "config.json").write_text((path / "config.json").read_text())
+    again = load_pretrained(tmp_path, "seq2seq-lm")
+    for (name, ours), (_, theirs) in zip(nnx.to_flat_state(nnx.state(model)), nnx.to_flat_state(nnx.state(again))):
+        np.testing.assert_array_equal(np.asarray(ours.get_value()), np.asarray(theirs.get_value()), err_msg=str(name))
+
+
 def test_cached_decoding_matches_teacher_forcing(t5):
+    """Under one jit: encode once, init_cache, prefill the first decoder tokens together, then feed the
+    rest one at a time through the cache; equals the teacher-forced forward on the real positions."""
     _, _, _, model, out = t5
     ids, mask, dec_ids, dec_mask = (jnp.asarray(a) for a in batches())
-    full = out.logits
-    steps, max_len = dec_ids.shape[1], dec_ids.shape[1] + 3  # spare cache positions stay masked
+    steps, max_len, prefill = dec_ids.shape[1], dec_ids.shape[1] + 3, 3  # spare positions stay masked
     cache_mask = jnp.pad(dec_mask, ((0, 0), (0, max_len - steps)))
     graphdef, state = nnx.split(model)
-    traces = []
 
     @jax.jit
-    def encode(state, ids, mask):
-        return nnx.merge(graphdef, state).encode(ids, mask)
+    def generate(state):
+        model = nnx.merge(graphdef, state)
+        encoder_hidden = model.encode(ids, mask)
+        cache = model.init_cache(encoder_hidden, mask, max_len)
+        first = model.decode(dec_ids[:, :prefill], None, mask, cache_mask, cache=cache)
 
-    @jax.jit
-    def step(state, token, mask, cache):
-        traces.append(1)
-        return nnx.merge(graphdef, state).decode(token, None, mask, cache_mask, cache=cache)
+        def step(cache, token):
+            step_out = model.decode(token[:, None], None, mask, cache_mask, cache=cache)
+            return step_out.cache, step_out.logits[:, 0]
 
-    encoder_hidden = encode(state, ids, mask)
-    cache = model.init_cache(encoder_hidden, mask, max_len)
-    logits = []
-    for t in range(steps):
-        out = step(state, dec_ids[:, t:t + 1], mask, cache)
-        logits.append(out.logits)
-        cache = out.cache
-    assert len(traces) == 1 and int(cache.index) == steps
-    assert max_diff_on(np.asarray(dec_mask), jnp.concatenate(logits, axis=1), full) <= 1e-4
+        cache, logits = jax.lax.scan(step, first.cache, dec_ids[:, prefill:].T)
+        return cache, jnp.concatenate([first.logits, jnp.swapaxes(logits, 0, 1)], axis=1)
+
+    cache, logits = generate(state)
+    assert int(cache.index) == steps
+    assert [kv.k.shape for kv in cache.cross] == [(3, ids.shape[1], 4, 16)] * 2
+    assert max_diff_on(np.asarray(dec_mask), logits, out.logits) <= 1e-4
 
 
 def test_bfloat16_compute_stays_close_to_float32(t5):
-    """bfloat16 keeps 8 significant bits (relative rounding 2**-9); through 2 + 2 layers of attention and
-    feed-forward the errors compound to a few percent of the logits' range, far below what would change
-    a prediction. Measured: 0.9% (v1.0) and 0.6% (v1.1) of the largest |logit|; bound 3%."""
+    """bfloat16 keeps 8 significant bits: every matmul output and residual add is rounded by up to 2**-9
+    (0.2%) of its size, and through the 2 + 2 blocks these roundings compound to about 1% of the logits'
+    size. Measured max |diff|: 0.035 with |logits| <= 6.6 (v1.0, 0.5%) and 0.29 with |logits| <= 29 (v1.1,
+    whose untied head is not scaled down; 1.0%). The bound, 3% of the largest |logit|, leaves 3x margin."""
     _, _, path, _, out = t5
     _, _, _, dec_mask = batches()
     want = np.asarray(out.logits)
@@ -156,23 +167,30 @@ def test_bfloat16_compute_stays_close_to_float32(t5):
 
 @pytest.fixture(scope="module")
 def fresh():
-    """A randomly initialised v1.1 model, wide enough to measure the initial weights' spread."""
-    config = tiny_config("v1.1", d_model=256, d_ff=512, dropout_rate=0.5, relative_attention_num_buckets=256)
+    """A randomly initialised one-layer v1.1 model (many buckets, to measure their initial spread)."""
+    config = tiny_config("v1.1", num_layers=1, num_decoder_layers=1, dropout_rate=0.5,
+                         relative_attention_num_buckets=256)
     return from_config(config, "seq2seq-lm")
 
 
 def test_dropout_only_with_rngs(fresh):
-    eval_a = run(fresh, *batches()).logits
-    eval_b = run(fresh, *batches()).logits
-    train = run(fresh, *batches(), rngs=nnx.Rngs(dropout=1)).logits
-    np.testing.assert_array_equal(np.asarray(eval_a), np.asarray(eval_b))
-    assert not np.allclose(np.asarray(train), np.asarray(eval_a))
+    ids, mask, _, _ = (jnp.asarray(a) for a in batches())
+
+    @nnx.jit
+    def encode(model, rngs):
+        return model.encode(ids, mask), model.encode(ids, mask, rngs=rngs)
+
+    eval_out, train_out = (np.asarray(h) for h in encode(fresh, nnx.Rngs(dropout=1)))
+    eval_again, train_again = (np.asarray(h) for h in encode(fresh, nnx.Rngs(dropout=2)))
+    np.testing.assert_array_equal(eval_out, eval_again)
+    assert np.isfinite(train_out).all()
+    assert not np.allclose(train_out, eval_out) and not np.allclose(train_out, train_again)
 
 
 def test_init_follows_transformers_scales(fresh):
-    d, d_kv, d_ff = 256, 16, 512
+    d, d_kv, d_ff = 64, 16, 128
     attn = fresh.encoder.block[0].layer[0].SelfAttention
-    ff = fresh.decoder.block[1].layer[2].DenseReluDense
+    ff = fresh.decoder.block[0].layer[2].DenseReluDense
     expected = {
         "shared": (fresh.shared.embedding, 1.0),
         "lm_head": (fresh.lm_head.kernel, 1.0),
@@ -186,15 +204,3 @@ def test_init_follows_transformers_scales(fresh):
     for name, (param, std) in expected.items():
         assert abs(np.std(np.asarray(param[...])) / std - 1) < 0.1, name
     np.testing.assert_array_equal(np.asarray(fresh.encoder.final_layer_norm.scale[...]), 1.0)
-
-
-@pytest.mark.xfail(strict=True, reason="needs the loader to copy shared.weight into a missing lm_head.weight")
-def test_v1_1_checkpoint_with_tied_lm_head(tmp_path):
-    """transformers 5 saves a freshly built v1.1 model with lm_head tied to shared (unscaled output), so
-    the checkpoint has no lm_head.weight; today the loader initialises it randomly instead."""
-    ref = transformers.T5ForConditionalGeneration(tiny_config("v1.1"))
-    ref.save_pretrained(tmp_path)
-    ids, mask, dec_ids, dec_mask = batches()
-    want, _ = torch_logits(ref, ids, mask, dec_ids, dec_mask)
-    got = run(load_pretrained(tmp_path, "seq2seq-lm"), ids, mask, dec_ids, dec_mask).logits
-    assert max_diff_on(dec_mask, got, want) <= 1e-4

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from jaxseq.errors import JaxseqError
 from jaxseq.models.attention import attend, make_mask, merge_heads, split_heads
@@ -246,10 +247,27 @@ FAMILY = Family(
         "masked-lm": BertForMaskedLM,
     },
     base_prefix="bert",
-    heads=(r"^classifier\.", r"^cls\.", r"^bert\.pooler\."),
+    heads=(r"^classifier\.", r"^cls\.", r"(^|\.)pooler\."),
     aliases={
         "cls.predictions.decoder.weight": "bert.embeddings.word_embeddings.weight",
         "cls.predictions.decoder.bias": "cls.predictions.bias",
     },
     ignore=(r"(^|\.)position_ids$",),
+    # Megatron-style: q/k/v and the feed-forward input split by output column over mp, the attention and
+    # feed-forward outputs by input row; the other kernel dimension over fsdp. Embeddings are split along
+    # the hidden size, not the vocabulary: BERT's 30522 tokens divide by 2 but not by 4 or 8.
+    partition_rules=(
+        (r"_embeddings/embedding$", P(None, "fsdp")),
+        (r"(query|key|value)/kernel$", P("fsdp", "mp")),
+        (r"(query|key|value)/bias$", P("mp")),
+        (r"intermediate/dense/kernel$", P("fsdp", "mp")),
+        (r"intermediate/dense/bias$", P("mp")),
+        (r"output/dense/kernel$", P("mp", "fsdp")),
+        (r"output/dense/bias$", P()),
+        (r"LayerNorm/(scale|bias)$", P()),
+        (r"(pooler|transform)/dense/kernel$", P("fsdp", None)),
+        (r"(pooler|transform)/dense/bias$", P()),
+        (r"(classifier|decoder)/kernel$", P("fsdp", None)),
+        (r"(classifier|decoder|predictions)/bias$", P()),
+    ),
 )

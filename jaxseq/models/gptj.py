@@ -10,6 +10,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from jaxseq.models.attention import Cache, KVCache, attend, make_mask, merge_heads, split_heads, update_kv
 from jaxseq.models.family import Family
@@ -159,7 +160,7 @@ class GPTJForCausalLM(nnx.Module):
         out = self.transformer(input_ids, attention_mask, position_ids, cache=cache, rngs=rngs)
         h, cache = out.last_hidden_state, out.cache
         if self.config.tie_word_embeddings:
-            logits = self.transformer.wte.attend(h) + self.lm_head.bias.astype(h.dtype)
+            logits = self.transformer.wte.attend(h) + self.lm_head.bias[...].astype(h.dtype)
         else:
             logits = self.lm_head(h)
         return LMOutput(logits.astype(jnp.float32), cache)
@@ -199,4 +200,17 @@ FAMILY = Family(
     heads=(r"^lm_head\.", r"^score\."),
     aliases={"lm_head.weight": "transformer.wte.weight"},
     ignore=(r"\.attn\.bias$", r"\.attn\.masked_bias$"),
+    # Megatron-style, as GPT-2: q/k/v and fc_in split by output column (whole heads) over mp, out_proj and
+    # fc_out by input row; the other kernel dimension over fsdp; embeddings and the head by vocabulary.
+    partition_rules=(
+        (r"wte/embedding$", P("mp", "fsdp")),
+        (r"(q_proj|k_proj|v_proj|fc_in)/kernel$", P("fsdp", "mp")),
+        (r"fc_in/bias$", P("mp")),
+        (r"(out_proj|fc_out)/kernel$", P("mp", "fsdp")),
+        (r"fc_out/bias$", P()),
+        (r"(ln_1|ln_f)/(scale|bias)$", P()),
+        (r"lm_head/kernel$", P("fsdp", "mp")),
+        (r"lm_head/bias$", P("mp")),
+        (r"score/kernel$", P("fsdp", None)),
+    ),
 )

@@ -221,7 +221,9 @@ def match_names(family: Family, expected: set[str], found: dict[str, Callable]):
         ours_prefixed = any(n.startswith(prefix) for n in expected)
         theirs_prefixed = any(n.startswith(prefix) for n in found)
         if ours_prefixed and not theirs_prefixed:  # a bare base-model checkpoint into a head model
-            found = {(n if family.is_head(n) else prefix + n): t for n, t in found.items()}
+            found = {
+                (prefix + n if prefix + n in expected or not family.is_head(n) else n): t for n, t in found.items()
+            }
         elif theirs_prefixed and not ours_prefixed:  # a head-model checkpoint into the bare base model
             found = {(n[len(prefix):] if n.startswith(prefix) else n): t for n, t in found.items()}
     for alias, target in family.aliases.items():

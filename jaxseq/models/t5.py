@@ -18,6 +18,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from jaxseq.errors import JaxseqError
 from jaxseq.models.attention import (
@@ -351,4 +352,17 @@ FAMILY = Family(
     },
     # Old checkpoints carry a relative bias for the first cross-attention that T5 never uses.
     ignore=(r"^decoder\.block\.0\.layer\.1\.EncDecAttention\.relative_attention_bias\.weight$",),
+    # Megatron-style, as GPT-2: q/k/v and wi* split by output column (heads, d_ff) over mp, o and wo by
+    # input row; the other kernel dimension over fsdp; embeddings split by vocabulary. The relative
+    # position tables (buckets x heads) are tiny and replicated.
+    partition_rules=(
+        (r"shared/embedding$", P("mp", "fsdp")),
+        (r"relative_attention_bias/embedding$", P()),
+        (r"(SelfAttention|EncDecAttention)/(q|k|v)/kernel$", P("fsdp", "mp")),
+        (r"(SelfAttention|EncDecAttention)/o/kernel$", P("mp", "fsdp")),
+        (r"DenseReluDense/(wi|wi_0|wi_1)/kernel$", P("fsdp", "mp")),
+        (r"DenseReluDense/wo/kernel$", P("mp", "fsdp")),
+        (r"layer_norm/scale$", P()),
+        (r"lm_head/kernel$", P("fsdp", "mp")),
+    ),
 )

@@ -152,7 +152,7 @@ class Trainer:
                 loss, grads = jax.tree.map(lambda x: x / accumulate, (loss, grads))
             updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
             params = optax.apply_updates(state.params, updates)
-            metrics = {"loss": loss, "grad_norm": optax.global_norm(grads),
+            metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads),
                        "learning_rate": self.schedule(state.step)}
             return TrainState(state.step + 1, params, opt_state), metrics
 
