@@ -204,3 +204,14 @@ def test_init_follows_transformers_scales(fresh):
     for name, (param, std) in expected.items():
         assert abs(np.std(np.asarray(param[...])) / std - 1) < 0.1, name
     np.testing.assert_array_equal(np.asarray(fresh.encoder.final_layer_norm.scale[...]), 1.0)
+
+
+def test_fresh_v11_checkpoint_of_transformers_5_takes_lm_head_from_shared(tmp_path):
+    """transformers 5 saves a freshly built v1.1 model with its head tied, i.e. only ``shared.weight``."""
+    torch.manual_seed(1)
+    ref = transformers.T5ForConditionalGeneration(tiny_config("v1.1"))
+    ref.save_pretrained(tmp_path)
+    ids, mask, dec_ids, dec_mask = batches()
+    want, _ = torch_logits(ref, ids, mask, dec_ids, dec_mask)
+    got = run(load_pretrained(tmp_path, "seq2seq-lm"), ids, mask, dec_ids, dec_mask).logits
+    assert max_diff_on(dec_mask, got, want) <= 1e-4

@@ -19,6 +19,8 @@ class Family:
     - ``heads``: regexes of parameters that belong to a task head. A missing head is initialised and
       reported; a head of another task in the checkpoint is dropped and reported.
     - ``aliases``: checkpoint names that are copies of one of our parameters (tied weights).
+    - ``fallbacks``: where to take a parameter from when the checkpoint lacks it (T5 v1.1 saved by
+      transformers 5 stores its tied ``lm_head`` only as ``shared``).
     - ``ignore``: checkpoint names that are not parameters (old buffers such as ``attn.bias``).
     - ``partition_rules``: ordered ``(regex, PartitionSpec)`` pairs over ``/``-joined parameter paths
       (see ``jaxseq.partition``).
@@ -29,6 +31,7 @@ class Family:
     base_prefix: str | None = None
     heads: tuple[str, ...] = ()
     aliases: dict[str, str] = dataclasses.field(default_factory=dict)
+    fallbacks: dict[str, str] = dataclasses.field(default_factory=dict)
     ignore: tuple[str, ...] = ()
     partition_rules: tuple = ()
 

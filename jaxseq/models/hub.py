@@ -233,6 +233,9 @@ def match_names(family: Family, expected: set[str], found: dict[str, Callable]):
                 found[alias] = tensor
             elif target in expected and target not in found:
                 found[target] = tensor
+    for name, source in family.fallbacks.items():
+        if name in expected and name not in found and source in found:
+            found[name] = found[source]
     unexpected = sorted(n for n in found if n not in expected and not family.is_ignored(n))
     missing = sorted(n for n in expected if n not in found)
     dropped = [n for n in unexpected if family.is_head(n)]

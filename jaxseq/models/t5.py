@@ -350,6 +350,7 @@ FAMILY = Family(
         "decoder.embed_tokens.weight": "shared.weight",
         "lm_head.weight": "shared.weight",
     },
+    fallbacks={"lm_head.weight": "shared.weight"},
     # Old checkpoints carry a relative bias for the first cross-attention that T5 never uses.
     ignore=(r"^decoder\.block\.0\.layer\.1\.EncDecAttention\.relative_attention_bias\.weight$",),
     # Megatron-style, as GPT-2: q/k/v and wi* split by output column (heads, d_ff) over mp, o and wo by
