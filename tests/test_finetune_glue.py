@@ -1,0 +1,111 @@
+"""scripts/finetune_glue.py as a user runs it: real MiniLM, real GLUE TSVs, a few steps, all outputs;
+and bad input ending in one line, a non-zero exit and no half-written model."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import shared_asset
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "finetune_glue.py"
+pytest.importorskip("transformers")
+
+
+def run_script(*args, timeout=600):
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "HF_HUB_OFFLINE": "1"}
+    return subprocess.run([sys.executable, str(SCRIPT), *map(str, args)], capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+def quick_args(tmp_path, task, *extra):
+    return ["--model_name_or_path", shared_asset("models/all-MiniLM-L6-v2"), "--data_dir", shared_asset("data/glue"),
+            "--task_name", task, "--output_dir", tmp_path, "--max_train_samples", 64, "--max_eval_samples", 50,
+            "--max_seq_length", 64, "--per_device_train_batch_size", 2, "--per_device_eval_batch_size", 4,
+            "--max_steps", 4, "--logging_steps", 2, "--learning_rate", 1e-4, "--compilation_cache_dir", "",
+            *extra]
+
+
+@pytest.mark.slow
+def test_mrpc_end_to_end_on_a_mesh(tmp_path):
+    result = run_script(*quick_args(tmp_path, "mrpc", "--mesh", "dp=2,mp=4"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    results = json.loads((tmp_path / "eval_results.json").read_text())
+    assert {"eval_accuracy", "eval_f1", "eval_loss", "eval_combined_score"} <= set(results)
+    assert results["eval_samples"] == 50
+    assert 0.0 <= results["eval_accuracy"] <= 1.0
+    all_results = json.loads((tmp_path / "all_results.json").read_text())
+    assert all_results["train_samples"] == 64 and "train_runtime" in all_results
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "train/loss" in r] == [2, 4]
+    for name in ("config.yaml", "training_curves.png", "model.safetensors", "config.json", "tokenizer.json"):
+        assert (tmp_path / name).is_file(), name
+    assert list((tmp_path / "tensorboard").iterdir())
+    assert (tmp_path / "checkpoints" / "4").is_dir()
+
+    import torch
+    import transformers
+
+    model, info = transformers.BertForSequenceClassification.from_pretrained(tmp_path, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    assert model.config.id2label == {0: "not_equivalent", 1: "equivalent"}
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    with torch.no_grad():
+        logits = model(**tokenizer(["a test"], ["another test"], return_tensors="pt")).logits
+    assert logits.shape == (1, 2)
+
+
+@pytest.mark.slow
+def test_stsb_regression_end_to_end(tmp_path):
+    result = run_script(*quick_args(tmp_path, "stsb"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    results = json.loads((tmp_path / "eval_results.json").read_text())
+    assert {"eval_pearson", "eval_spearmanr"} <= set(results)
+    assert -1.0 <= results["eval_pearson"] <= 1.0
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert len(config["id2label"]) == 1  # a regression head
+
+
+def write(path: Path, text: str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
+
+
+BAD = {
+    "unknown task": (lambda t: ["--task_name", "squad"], "invalid choice: 'squad'"),
+    "missing columns": (lambda t: ["--train_file", write(t / "train.csv", "text,label\nhi,1\n")],
+                        "lacks column(s) sentence"),
+    "label out of range": (lambda t: ["--train_file", write(t / "train.csv", "sentence,label\nhi,7\n")],
+                           "label 7 is outside 0..1 for sst2"),
+    "empty split": (lambda t: ["--train_file", write(t / "train.csv", "sentence,label\n")], "has no examples"),
+    "sequence too long": (lambda t: ["--max_seq_length", "4096"], "exceeds the model's 512 positions"),
+    "mesh": (lambda t: ["--mesh", "dp=3"], "needs 3 devices but 8 are available"),
+    "bad yaml": (lambda t: ["--config", write(t / "c.yaml", "learning_rate: [1e-4\n")], "is not valid YAML"),
+    "unknown yaml key": (lambda t: ["--config", write(t / "c.yaml", "learning_rat: 1e-4\n")],
+                         "unknown key(s) learning_rat"),
+    "missing model": (lambda t: ["--model_name_or_path", t / "nowhere"], "is not a folder"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_input_is_one_line_and_leaves_nothing(case, tmp_path):
+    make_args, message = BAD[case]
+    out = tmp_path / "out"
+    args = quick_args(out, "sst2")
+    extra = make_args(tmp_path)
+    for flag, value in zip(extra[::2], extra[1::2]):  # flags given later win; replace to keep argv tidy
+        if flag in args:
+            args[args.index(flag) + 1] = value
+        else:
+            args += [flag, value]
+    result = run_script(*args)
+    assert result.returncode != 0
+    lines = [line for line in result.stderr.strip().splitlines() if not line.startswith("[transformers]")]
+    assert len(lines) == 1, result.stderr
+    assert message in lines[0]
+    assert "Traceback" not in result.stderr
+    assert not (out / "model.safetensors").exists()
