@@ -56,6 +56,30 @@ def match_partition_rules(rules: Rules, tree):
     return jax.tree_util.tree_map_with_path(spec_for, tree)
 
 
+def follow_params(params, param_specs, tree):
+    """Specs for an optimizer state: a leaf whose path ends in a parameter's path and has its shape takes
+    the parameter's spec (Adam's moments); one with an extra leading dimension (L-BFGS's history) takes
+    it behind a replicated dimension; everything else (counters, coefficients) is replicated."""
+    known = {name: (np.shape(leaf), spec)
+             for (name, leaf), spec in zip(named_leaves(params), jax.tree.leaves(param_specs, is_leaf=_is_spec))}
+
+    def spec_for(path, leaf):
+        parts = path_string(path).split("/")
+        for i in range(len(parts)):
+            match = known.get("/".join(parts[i:]))
+            if match is None:
+                continue
+            shape, spec = match
+            if np.shape(leaf) == shape:
+                return spec
+            if np.shape(leaf)[1:] == shape:
+                return P(None, *spec)
+            break
+        return P()
+
+    return jax.tree_util.tree_map_with_path(spec_for, tree)
+
+
 def _is_spec(x) -> bool:
     return isinstance(x, P)
 

@@ -11,7 +11,9 @@ from jaxseq.config import arg
 from jaxseq.errors import JaxseqError
 
 
-OPTIMIZERS = ("adamw", "adafactor", "lion", "sgd")
+OPTIMIZERS = ("adamw", "adafactor", "lion", "sgd", "muon", "lbfgs")
+# Distributed Shampoo is left out: optax-shampoo 0.0.6 (the newest on PyPI) calls jax.tree_map, which
+# current JAX removed, and no maintained successor is published.
 SCHEDULES = ("linear", "cosine", "constant")
 
 
@@ -53,6 +55,11 @@ def decay_mask(params):
     return jax.tree.map(lambda p: p.ndim >= 2, params)
 
 
+def needs_value_fn(config: OptimizerConfig) -> bool:
+    """L-BFGS's line search re-evaluates the loss: its update takes ``value``, ``grad`` and ``value_fn``."""
+    return config.optimizer.lower() == "lbfgs"
+
+
 def make_optimizer(config: OptimizerConfig, total_steps: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
     """The optimizer (with global-norm clipping) and its schedule over ``total_steps`` updates."""
     schedule = make_schedule(config, total_steps)
@@ -65,6 +72,11 @@ def make_optimizer(config: OptimizerConfig, total_steps: int) -> tuple[optax.Gra
     elif name == "lion":
         tx = optax.lion(schedule, config.adam_beta1, config.adam_beta2, weight_decay=config.weight_decay,
                         mask=decay_mask)
+    elif name == "muon":  # orthogonalised momentum on matrices, AdamW on the rest (optax.contrib)
+        tx = optax.contrib.muon(schedule, weight_decay=config.weight_decay, weight_decay_mask=decay_mask,
+                                adam_b1=config.adam_beta1, adam_b2=config.adam_beta2)
+    elif name == "lbfgs":  # full-batch style: its zoom line search picks the step; the schedule scales it
+        tx = optax.lbfgs(learning_rate=None)
     elif name == "sgd":
         tx = optax.chain(optax.add_decayed_weights(config.weight_decay, decay_mask),
                          optax.sgd(schedule, momentum=config.momentum or None))

@@ -26,7 +26,7 @@ from jaxseq.errors import JaxseqError
 from jaxseq.mesh import batch_spec, data_parallel_size
 from jaxseq.train.checkpoint import Checkpointer, abstract_like
 from jaxseq.train.logs import RunLogger
-from jaxseq.train.optim import OptimizerConfig, make_optimizer
+from jaxseq.train.optim import OptimizerConfig, make_optimizer, needs_value_fn
 
 
 @dataclasses.dataclass
@@ -68,8 +68,9 @@ class Task(Protocol):
 
 
 def state_specs(rules, state: TrainState) -> TrainState:
-    return TrainState(P(), partition.match_partition_rules(rules, state.params),
-                      partition.match_partition_rules(rules, state.opt_state))
+    """Parameters by the rules; the optimizer state follows its parameters."""
+    param_specs = partition.match_partition_rules(rules, state.params)
+    return TrainState(P(), param_specs, partition.follow_params(state.params, param_specs, state.opt_state))
 
 
 class Trainer:
@@ -107,6 +108,10 @@ class Trainer:
         self.graphdef, params = nnx.split(model)
         rules = rules if rules is not None else partition.get_partition_rules(model.config.model_type)
         self.tx, self.schedule = make_optimizer(optimizer, self.total_steps)
+        self.line_search = needs_value_fn(optimizer)
+        if self.line_search and config.gradient_accumulation_steps > 1:
+            raise JaxseqError("--optimizer lbfgs re-evaluates the loss on the whole batch; drop "
+                              "--gradient_accumulation_steps")
         abstract = TrainState(jax.ShapeDtypeStruct((), jnp.int32), params, jax.eval_shape(self.tx.init, params))
         specs = state_specs(rules, abstract)
         partition.check_divisible(abstract, specs, mesh)
@@ -150,7 +155,13 @@ class Trainer:
                 zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, state.params))
                 (loss, grads), _ = jax.lax.scan(body, zeros, (jnp.arange(accumulate), micro))
                 loss, grads = jax.tree.map(lambda x: x / accumulate, (loss, grads))
-            updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
+            if self.line_search:
+                updates, opt_state = self.tx.update(
+                    grads, state.opt_state, state.params, value=loss, grad=grads,
+                    value_fn=lambda p: loss_of(p, batch, key),
+                )
+            else:
+                updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
             params = optax.apply_updates(state.params, updates)
             metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads),
                        "learning_rate": self.schedule(state.step)}
@@ -225,6 +236,8 @@ class Trainer:
             if (config.save_steps and step % config.save_steps == 0) or step == self.total_steps:
                 self.save(step, eval_metrics if step % eval_every == 0 or step == self.total_steps else None)
         runtime = time.perf_counter() - started
+        if not eval_metrics:  # resumed from a finished run: nothing trained, still report where it stands
+            eval_metrics = self.evaluate()
         self.checkpointer.wait()
         trained = max(self.total_steps - start, 0)
         return {
