@@ -39,7 +39,9 @@ class GlueConfig:
     max_train_samples: int | None = arg(None, "use only the first N training examples")
     max_eval_samples: int | None = arg(None, "use only the first N examples of each eval split")
     mesh: str = arg("", "device mesh, e.g. 'dp=2,mp=4' (axes dp, fsdp, mp; default: all devices on dp)")
-    dtype: str = arg("float32", "compute dtype (parameters stay float32)", choices=("float32", "bfloat16"))
+    dtype: str = arg("float32", "compute dtype; parameters stay float32 (float16 adds dynamic loss scaling)",
+                     choices=("float32", "bfloat16", "float16"))
+    remat: bool = arg(False, "recompute each block's activations in the backward pass (less memory, more compute)")
     compilation_cache_dir: str | None = arg(None, "persistent XLA cache (default ~/.cache/jaxseq/xla; '' disables)")
 
 
@@ -99,6 +101,7 @@ def main(argv) -> int:
     from jaxseq.data.glue import encode
     from jaxseq.mesh import make_mesh
     from jaxseq.models import load_config, load_pretrained, save_pretrained
+    from jaxseq.models.layers import enable_remat
     from jaxseq.train.objectives import SequenceClassification
     from jaxseq.train.trainer import Trainer, write_json
 
@@ -121,6 +124,8 @@ def main(argv) -> int:
         overrides["label2id"] = {name: i for i, name in enumerate(task.labels)}
     model = load_pretrained(folder, "sequence-classification", num_labels=task.num_labels, mesh=mesh,
                             dtype=jnp.dtype(glue.dtype), seed=trainer_config.seed, **overrides)
+    if glue.remat:
+        enable_remat(model)
     if len(tokenizer) > model.config.vocab_size:
         raise JaxseqError(f"the tokenizer has {len(tokenizer)} tokens but the model only {model.config.vocab_size}; "
                           "pass the model's own tokenizer")
@@ -131,7 +136,8 @@ def main(argv) -> int:
     output_dir.mkdir(parents=True, exist_ok=True)
     save_config(output_dir / "config.yaml", *((glue, trainer_config, optimizer_config)))
     trainer = Trainer(model, SequenceClassification(task), trainer_config, optimizer_config, train_arrays,
-                      eval_sets, mesh)
+                      eval_sets, mesh, loss_scaling=glue.dtype == "float16")
+    trainer.logger.write(trainer.describe())
     trainer.logger.write(
         f"{task.name}: {len(train_examples)} train / {sum(map(len, eval_examples.values()))} eval examples, "
         f"{trainer.total_steps} steps of global batch {trainer.global_batch} on {jax.device_count()} devices "

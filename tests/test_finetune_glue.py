@@ -25,13 +25,12 @@ def quick_args(tmp_path, task, *extra):
     return ["--model_name_or_path", shared_asset("models/all-MiniLM-L6-v2"), "--data_dir", shared_asset("data/glue"),
             "--task_name", task, "--output_dir", tmp_path, "--max_train_samples", 64, "--max_eval_samples", 50,
             "--max_seq_length", 64, "--per_device_train_batch_size", 2, "--per_device_eval_batch_size", 4,
-            "--max_steps", 4, "--logging_steps", 2, "--learning_rate", 1e-4, "--compilation_cache_dir", "",
-            *extra]
+            "--max_steps", 4, "--logging_steps", 2, "--learning_rate", 1e-4, *extra]
 
 
 @pytest.mark.slow
 def test_mrpc_end_to_end_on_a_mesh(tmp_path):
-    result = run_script(*quick_args(tmp_path, "mrpc", "--mesh", "dp=2,mp=4"))
+    result = run_script(*quick_args(tmp_path, "mrpc", "--mesh", "dp=2,mp=4", "--compilation_cache_dir", ""))
     assert result.returncode == 0, result.stderr[-3000:]
     results = json.loads((tmp_path / "eval_results.json").read_text())
     assert {"eval_accuracy", "eval_f1", "eval_loss", "eval_combined_score"} <= set(results)
@@ -59,14 +58,20 @@ def test_mrpc_end_to_end_on_a_mesh(tmp_path):
 
 
 @pytest.mark.slow
-def test_stsb_regression_end_to_end(tmp_path):
-    result = run_script(*quick_args(tmp_path, "stsb"))
-    assert result.returncode == 0, result.stderr[-3000:]
-    results = json.loads((tmp_path / "eval_results.json").read_text())
+def test_stsb_regression_end_to_end_and_second_run_compiles_nothing(tmp_path):
+    cache = tmp_path / "xla-cache"
+    first = run_script(*quick_args(tmp_path / "first", "stsb", "--compilation_cache_dir", cache))
+    assert first.returncode == 0, first.stderr[-3000:]
+    results = json.loads((tmp_path / "first" / "eval_results.json").read_text())
     assert {"eval_pearson", "eval_spearmanr"} <= set(results)
     assert -1.0 <= results["eval_pearson"] <= 1.0
-    config = json.loads((tmp_path / "config.json").read_text())
+    config = json.loads((tmp_path / "first" / "config.json").read_text())
     assert len(config["id2label"]) == 1  # a regression head
+    cached = sorted(p.name for p in cache.iterdir())
+    assert cached, "the first run persisted its compiled programs"
+    second = run_script(*quick_args(tmp_path / "second", "stsb", "--compilation_cache_dir", cache))
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert sorted(p.name for p in cache.iterdir()) == cached  # every program came from the cache
 
 
 def write(path: Path, text: str) -> Path:
@@ -95,7 +100,7 @@ BAD = {
 def test_bad_input_is_one_line_and_leaves_nothing(case, tmp_path):
     make_args, message = BAD[case]
     out = tmp_path / "out"
-    args = quick_args(out, "sst2")
+    args = quick_args(out, "sst2", "--compilation_cache_dir", "")
     extra = make_args(tmp_path)
     for flag, value in zip(extra[::2], extra[1::2]):  # flags given later win; replace to keep argv tidy
         if flag in args:

@@ -144,3 +144,39 @@ def test_every_optimizer_lowers_the_loss(tmp_path, tokenizer, sst2, optimizer):
     trainer.train_arrays = {k: np.tile(v[:16], (8,) + (1,) * (v.ndim - 1)) for k, v in trainer.train_arrays.items()}
     losses = train_losses(trainer)
     assert losses[-1] < losses[0]
+
+
+def test_loss_scale_skips_overflow_and_grows_after_a_finite_run():
+    import jax.numpy as jnp
+
+    from jaxseq.train.precision import LossScale
+
+    scale = LossScale.create(initial=1024.0, period=3)
+    scale = scale.adjust(jnp.bool_(False))
+    assert float(scale.scale) == 512.0 and int(scale.skipped) == 1 and int(scale.good_steps) == 0
+    for _ in range(2):
+        scale = scale.adjust(jnp.bool_(True))
+    assert float(scale.scale) == 512.0 and int(scale.good_steps) == 2
+    scale = scale.adjust(jnp.bool_(True))
+    assert float(scale.scale) == 1024.0 and int(scale.good_steps) == 0
+
+
+def test_float16_training_with_loss_scaling(tmp_path, tokenizer, sst2):
+    import jax.numpy as jnp
+
+    task, train, dev = sst2
+    mesh = make_mesh("dp=8")
+    config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, n_positions=64, vocab_size=50264,
+                                     num_labels=2, pad_token_id=tokenizer.pad_token_id)
+    model = from_config(config, "sequence-classification", mesh=mesh, dtype=jnp.float16)
+    trainer = Trainer(model, SequenceClassification(task),
+                      TrainerConfig(output_dir=str(tmp_path), per_device_train_batch_size=2, max_steps=6,
+                                    logging_steps=1, eval_steps=6, seed=0),
+                      OptimizerConfig(learning_rate=3e-3, lr_scheduler_type="constant"),
+                      {k: np.tile(v[:16], (2,) + (1,) * (v.ndim - 1)) for k, v in train.items()}, {"": dev}, mesh,
+                      loss_scaling=True)
+    assert trainer.state.params["score"]["kernel"][...].dtype == jnp.float32  # master weights
+    losses = train_losses(trainer)
+    records = [r for r in trainer.logger.records if "train/loss_scale" in r]
+    assert records[0]["train/loss_scale"] == 2.0**15 and records[-1]["train/skipped_updates"] == 0
+    assert np.isfinite(losses).all() and losses[-1] < losses[0]

@@ -88,7 +88,9 @@ def attend(
 ) -> jax.Array:
     """Scaled dot-product attention. Without attention dropout this is ``jax.nn.dot_product_attention``
     (cuDNN flash attention on GPUs); with it, the same math written out so the probabilities can drop."""
-    if rngs is None or dropout_rate == 0.0:
+    # XLA:CPU has no float16 x float16 -> float32 dot, which jax.nn.dot_product_attention asks for
+    cpu_half = q.dtype == jnp.float16 and jax.default_backend() == "cpu"
+    if (rngs is None or dropout_rate == 0.0) and not cpu_half:
         return jax.nn.dot_product_attention(q, k, v, bias=bias, mask=mask, scale=scale)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     logits = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) * scale

@@ -9,7 +9,7 @@ from jax.sharding import PartitionSpec as P
 from jaxseq.errors import JaxseqError
 from jaxseq.models.attention import attend, make_mask, merge_heads, split_heads
 from jaxseq.models.family import Family
-from jaxseq.models.layers import activation, dropout, normal
+from jaxseq.models.layers import call_block, activation, dropout, normal
 from jaxseq.models.outputs import BaseOutput
 
 
@@ -104,10 +104,11 @@ class BertEncoder(nnx.Module):
     def __init__(self, config, *, dtype, param_dtype, rngs: nnx.Rngs):
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.layer = nnx.List([BertLayer(config, **kw) for _ in range(config.num_hidden_layers)])
+        self.remat = False  # see layers.enable_remat
 
     def __call__(self, x, mask, rngs=None):
         for layer in self.layer:
-            x = layer(x, mask, rngs)
+            x = call_block(layer, self.remat, x, mask, rngs)
         return x
 
 

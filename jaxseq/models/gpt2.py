@@ -10,7 +10,7 @@ from jax.sharding import PartitionSpec as P
 from jaxseq.errors import JaxseqError
 from jaxseq.models.attention import Cache, KVCache, attend, make_mask, merge_heads, split_heads, update_kv
 from jaxseq.models.family import Family
-from jaxseq.models.layers import Conv1D, activation, dropout, normal
+from jaxseq.models.layers import Conv1D, call_block, activation, dropout, normal
 from jaxseq.models.outputs import BaseOutput, LMOutput
 
 
@@ -81,6 +81,7 @@ class GPT2Model(nnx.Module):
         self.wpe = nnx.Embed(config.n_positions, config.n_embd, embedding_init=normal(std), **kw)
         self.h = nnx.List([GPT2Block(config, **kw) for _ in range(config.n_layer)])
         self.ln_f = nnx.LayerNorm(config.n_embd, epsilon=config.layer_norm_epsilon, **kw)
+        self.remat = False  # see layers.enable_remat
 
     def __call__(self, input_ids, attention_mask=None, position_ids=None, *, cache=None, rngs=None):
         seq = input_ids.shape[1]
@@ -93,8 +94,9 @@ class GPT2Model(nnx.Module):
         mask = make_mask(attention_mask, seq, kv_len, causal=True, index=index)
         new_layers = []
         for i, block in enumerate(self.h):
-            x, layer_cache = block(
-                x, mask, cache=None if cache is None else cache.layers[i], index=index, rngs=rngs
+            x, layer_cache = call_block(
+                block, self.remat, x, mask,
+                cache=None if cache is None else cache.layers[i], index=index, rngs=rngs,
             )
             new_layers.append(layer_cache)
         if cache is not None:

@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 from jaxseq.models.attention import Cache, KVCache, attend, make_mask, merge_heads, split_heads, update_kv
 from jaxseq.models.family import Family
 from jaxseq.models.gpt2 import last_token_index
-from jaxseq.models.layers import activation, dropout, normal
+from jaxseq.models.layers import call_block, activation, dropout, normal
 from jaxseq.models.outputs import BaseOutput, LMOutput
 
 
@@ -105,6 +105,7 @@ class GPTJModel(nnx.Module):
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.wte = nnx.Embed(config.vocab_size, config.n_embd, embedding_init=normal(config.initializer_range), **kw)
         self.h = nnx.List([GPTJBlock(config, **kw) for _ in range(config.n_layer)])
+        self.remat = False  # see layers.enable_remat
         self.ln_f = nnx.LayerNorm(config.n_embd, epsilon=config.layer_norm_epsilon, **kw)
 
     def __call__(self, input_ids, attention_mask=None, position_ids=None, *, cache=None, rngs=None):
@@ -118,8 +119,9 @@ class GPTJModel(nnx.Module):
         mask = make_mask(attention_mask, seq, kv_len, causal=True, index=index)
         new_layers = []
         for i, block in enumerate(self.h):
-            x, layer_cache = block(
-                x, mask, rope, cache=None if cache is None else cache.layers[i], index=index, rngs=rngs
+            x, layer_cache = call_block(
+                block, self.remat, x, mask, rope,
+                cache=None if cache is None else cache.layers[i], index=index, rngs=rngs,
             )
             new_layers.append(layer_cache)
         if cache is not None:

@@ -44,3 +44,24 @@ def dropout(x: jax.Array, rate: float, rngs: nnx.Rngs | None) -> jax.Array:
         return x
     keep = jax.random.bernoulli(rngs.dropout(), 1.0 - rate, x.shape)
     return jnp.where(keep, x / (1.0 - rate), 0).astype(x.dtype)
+
+
+def call_block(block: nnx.Module, remat: bool, *args, **kwargs):
+    """``block(*args, **kwargs)``; with ``remat`` the block's activations are recomputed in the backward
+    pass instead of kept (memory for one more forward; see ``enable_remat``)."""
+    if not remat:
+        return block(*args, **kwargs)
+    names = tuple(kwargs)
+
+    def run(block, *values):
+        return block(*values[: len(args)], **dict(zip(names, values[len(args):])))
+
+    return nnx.remat(run)(block, *args, *kwargs.values())
+
+
+def enable_remat(model: nnx.Module, enabled: bool = True) -> nnx.Module:
+    """Turn rematerialisation of every transformer block on (or off) in ``model``, in place."""
+    for _, module in nnx.iter_modules(model):
+        if hasattr(module, "remat"):
+            module.remat = enabled
+    return model

@@ -32,7 +32,7 @@ from jaxseq.models.attention import (
     update_kv,
 )
 from jaxseq.models.family import Family
-from jaxseq.models.layers import activation, dropout, normal
+from jaxseq.models.layers import call_block, activation, dropout, normal
 from jaxseq.models.outputs import BaseOutput, LMOutput
 
 
@@ -240,6 +240,7 @@ class T5Stack(nnx.Module):
         self.final_layer_norm = nnx.RMSNorm(config.d_model, epsilon=config.layer_norm_epsilon, **kw)
         self.is_decoder = is_decoder
         self.dropout_rate = config.dropout_rate
+        self.remat = False  # see layers.enable_remat
 
     def __call__(self, embeds, attention_mask=None, *, encoder_hidden=None, encoder_mask=None,
                  cache: Cache | None = None, rngs=None) -> BaseOutput:
@@ -259,8 +260,8 @@ class T5Stack(nnx.Module):
         x = dropout(embeds, self.dropout_rate, rngs)
         new_layers = []
         for i, block in enumerate(self.block):
-            x, layer_cache = block(
-                x, mask, bias, encoder_hidden=encoder_hidden, encoder_mask=cross_mask,
+            x, layer_cache = call_block(
+                block, self.remat, x, mask, bias, encoder_hidden=encoder_hidden, encoder_mask=cross_mask,
                 cross=None if cache is None else cache.cross[i],
                 cache=None if cache is None else cache.layers[i], index=index, rngs=rngs,
             )

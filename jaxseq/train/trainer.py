@@ -27,6 +27,7 @@ from jaxseq.mesh import batch_spec, data_parallel_size
 from jaxseq.train.checkpoint import Checkpointer, abstract_like
 from jaxseq.train.logs import RunLogger
 from jaxseq.train.optim import OptimizerConfig, make_optimizer, needs_value_fn
+from jaxseq.train.precision import LossScale, all_finite, select
 
 
 @dataclasses.dataclass
@@ -54,6 +55,7 @@ class TrainState:
     step: jax.Array
     params: Any
     opt_state: Any
+    loss_scale: LossScale | None = None  # float16 compute only
 
 
 class Task(Protocol):
@@ -68,9 +70,10 @@ class Task(Protocol):
 
 
 def state_specs(rules, state: TrainState) -> TrainState:
-    """Parameters by the rules; the optimizer state follows its parameters."""
+    """Parameters by the rules; the optimizer state follows its parameters; scalars are replicated."""
     param_specs = partition.match_partition_rules(rules, state.params)
-    return TrainState(P(), param_specs, partition.follow_params(state.params, param_specs, state.opt_state))
+    return TrainState(P(), param_specs, partition.follow_params(state.params, param_specs, state.opt_state),
+                      jax.tree.map(lambda _: P(), state.loss_scale))
 
 
 class Trainer:
@@ -85,7 +88,9 @@ class Trainer:
         mesh: jax.sharding.Mesh,
         rules=None,
         logger: RunLogger | None = None,
+        loss_scaling: bool = False,
     ):
+        """``loss_scaling``: dynamic loss scaling, for models computing in float16."""
         self.task, self.config, self.mesh = task, config, mesh
         self.train_arrays, self.eval_sets = train_arrays, eval_sets
         self.output_dir = Path(config.output_dir)
@@ -112,13 +117,16 @@ class Trainer:
         if self.line_search and config.gradient_accumulation_steps > 1:
             raise JaxseqError("--optimizer lbfgs re-evaluates the loss on the whole batch; drop "
                               "--gradient_accumulation_steps")
-        abstract = TrainState(jax.ShapeDtypeStruct((), jnp.int32), params, jax.eval_shape(self.tx.init, params))
+        loss_scale = LossScale.create() if loss_scaling else None
+        abstract = TrainState(jax.ShapeDtypeStruct((), jnp.int32), params, jax.eval_shape(self.tx.init, params),
+                              jax.eval_shape(lambda: loss_scale))
         specs = state_specs(rules, abstract)
         partition.check_divisible(abstract, specs, mesh)
+        self._param_specs = specs.params
         self.state_shardings = partition.make_shardings(mesh, specs)
         self._abstract_state = abstract_like(abstract, self.state_shardings)
         self.state = jax.jit(
-            lambda p: TrainState(jnp.zeros((), jnp.int32), p, self.tx.init(p)),
+            lambda p: TrainState(jnp.zeros((), jnp.int32), p, self.tx.init(p), loss_scale),
             in_shardings=(self.state_shardings.params,),
             out_shardings=self.state_shardings,
         )(params)
@@ -137,24 +145,28 @@ class Trainer:
         accumulate = self.config.gradient_accumulation_steps
         base_key = jax.random.key(self.config.seed)
 
-        def loss_of(params, batch, key):
-            return self.task.loss(nnx.merge(self.graphdef, params), batch, nnx.Rngs(dropout=key))
+        def loss_of(params, batch, key, scale=None):
+            loss = self.task.loss(nnx.merge(self.graphdef, params), batch, nnx.Rngs(dropout=key))
+            return loss if scale is None else loss * scale
 
         def train_step(state: TrainState, batch):
             key = jax.random.fold_in(base_key, state.step)
+            scale = None if state.loss_scale is None else state.loss_scale.scale
             if accumulate == 1:
-                loss, grads = jax.value_and_grad(loss_of)(state.params, batch, key)
+                loss, grads = jax.value_and_grad(loss_of)(state.params, batch, key, scale)
             else:
                 micro = jax.tree.map(lambda x: x.reshape(accumulate, -1, *x.shape[1:]), batch)
 
                 def body(carry, xs):
                     i, mb = xs
-                    loss, grads = jax.value_and_grad(loss_of)(state.params, mb, jax.random.fold_in(key, i))
+                    loss, grads = jax.value_and_grad(loss_of)(state.params, mb, jax.random.fold_in(key, i), scale)
                     return jax.tree.map(jnp.add, carry, (loss, grads)), None
 
                 zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, state.params))
                 (loss, grads), _ = jax.lax.scan(body, zeros, (jnp.arange(accumulate), micro))
                 loss, grads = jax.tree.map(lambda x: x / accumulate, (loss, grads))
+            if scale is not None:
+                loss, grads = jax.tree.map(lambda x: x / scale, (loss, grads))
             if self.line_search:
                 updates, opt_state = self.tx.update(
                     grads, state.opt_state, state.params, value=loss, grad=grads,
@@ -165,7 +177,13 @@ class Trainer:
             params = optax.apply_updates(state.params, updates)
             metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads),
                        "learning_rate": self.schedule(state.step)}
-            return TrainState(state.step + 1, params, opt_state), metrics
+            loss_scale = state.loss_scale
+            if loss_scale is not None:  # an overflowing step changes nothing but the scale
+                finite = all_finite(grads)
+                params, opt_state = select(finite, (params, opt_state), (state.params, state.opt_state))
+                loss_scale = loss_scale.adjust(finite)
+                metrics.update(loss_scale=loss_scale.scale, skipped_updates=loss_scale.skipped)
+            return TrainState(state.step + 1, params, opt_state, loss_scale), metrics
 
         return jax.jit(train_step, in_shardings=(self.state_shardings, None),
                        out_shardings=(self.state_shardings, None), donate_argnums=(0,))
@@ -251,7 +269,8 @@ class Trainer:
 
     def _log_train(self, step: int, pending: list[dict], started: float) -> None:
         host = jax.device_get(pending)
-        values = {f"train/{k}": float(np.mean([m[k] for m in host])) for k in host[0]}
+        latest = ("learning_rate", "loss_scale", "skipped_updates")  # states, not per-step amounts
+        values = {f"train/{k}": float(host[-1][k] if k in latest else np.mean([m[k] for m in host])) for k in host[0]}
         if not all(math.isfinite(v) for v in values.values()):
             self.logger.write(f"warning: non-finite training metrics at step {step}: {values}")
         self.logger.log(step, values)
@@ -275,6 +294,10 @@ class Trainer:
             for key, value in self.task.metrics(merged, arrays).items():
                 results[f"{key}{name}"] = value
         return results
+
+    def describe(self) -> str:
+        """Table of every parameter's shape, dtype, spec and bytes per device (printed at start)."""
+        return partition.describe(self.state.params, self._param_specs, self.mesh)
 
     def model(self) -> nnx.Module:
         """The current parameters as a model (for export)."""
