@@ -25,6 +25,16 @@ def shared_asset(relative: str) -> Path:
     return path
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _compilation_cache(tmp_path_factory):
+    """One persistent XLA cache for the session: tests that build the same program compile it once."""
+    import jax
+
+    jax.config.update("jax_compilation_cache_dir", str(tmp_path_factory.mktemp("xla-cache")))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
 @pytest.fixture(autouse=True)
 def _seed_torch():
     """Same random PyTorch reference weights in every run."""
