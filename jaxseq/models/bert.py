@@ -9,7 +9,7 @@ from jax.sharding import PartitionSpec as P
 from jaxseq.errors import JaxseqError
 from jaxseq.models.attention import attend, make_mask, merge_heads, split_heads
 from jaxseq.models.family import Family
-from jaxseq.models.layers import call_block, activation, dropout, normal
+from jaxseq.models.layers import activation, call_block, dropout, normal
 from jaxseq.models.outputs import BaseOutput
 
 

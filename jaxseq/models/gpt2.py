@@ -10,7 +10,7 @@ from jax.sharding import PartitionSpec as P
 from jaxseq.errors import JaxseqError
 from jaxseq.models.attention import Cache, KVCache, attend, make_mask, merge_heads, split_heads, update_kv
 from jaxseq.models.family import Family
-from jaxseq.models.layers import Conv1D, call_block, activation, dropout, normal
+from jaxseq.models.layers import Conv1D, activation, call_block, dropout, normal
 from jaxseq.models.outputs import BaseOutput, LMOutput
 
 
@@ -144,14 +144,15 @@ def last_token_index(input_ids, pad_token_id):
     return jnp.argmax(jnp.where(input_ids != pad_token_id, positions, -1), axis=-1)
 
 
-class GPT2ForSequenceClassification(nnx.Module):
-    """GPT-2 scoring the hidden state of each row's last non-padding token (``config.pad_token_id``)."""
+class LastTokenClassifier(nnx.Module):
+    """A decoder (``base``) scoring the hidden state of each row's last non-padding token
+    (``config.pad_token_id``), as transformers' GPT-style classifiers do."""
 
-    hf_architecture = "GPT2ForSequenceClassification"
+    base: type
 
     def __init__(self, config, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
         self.config = config
-        self.transformer = GPT2Model(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.transformer = self.base(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.score = nnx.Linear(
             config.n_embd, config.num_labels, use_bias=False, dtype=dtype, param_dtype=param_dtype,
             kernel_init=normal(config.initializer_range), rngs=rngs,
@@ -162,6 +163,11 @@ class GPT2ForSequenceClassification(nnx.Module):
         last = last_token_index(input_ids, self.config.pad_token_id)
         pooled = jnp.take_along_axis(h, last[:, None, None], axis=1)[:, 0]
         return self.score(pooled).astype(jnp.float32)
+
+
+class GPT2ForSequenceClassification(LastTokenClassifier):
+    hf_architecture = "GPT2ForSequenceClassification"
+    base = GPT2Model
 
 
 FAMILY = Family(

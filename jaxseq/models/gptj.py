@@ -14,8 +14,8 @@ from jax.sharding import PartitionSpec as P
 
 from jaxseq.models.attention import Cache, KVCache, attend, make_mask, merge_heads, split_heads, update_kv
 from jaxseq.models.family import Family
-from jaxseq.models.gpt2 import last_token_index
-from jaxseq.models.layers import call_block, activation, dropout, normal
+from jaxseq.models.gpt2 import LastTokenClassifier
+from jaxseq.models.layers import activation, call_block, dropout, normal
 from jaxseq.models.outputs import BaseOutput, LMOutput
 
 
@@ -171,24 +171,9 @@ class GPTJForCausalLM(nnx.Module):
         return self.transformer.init_cache(batch, max_len, dtype)
 
 
-class GPTJForSequenceClassification(nnx.Module):
-    """GPT-J scoring the hidden state of each row's last non-padding token (``config.pad_token_id``)."""
-
+class GPTJForSequenceClassification(LastTokenClassifier):
     hf_architecture = "GPTJForSequenceClassification"
-
-    def __init__(self, config, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
-        self.config = config
-        self.transformer = GPTJModel(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-        self.score = nnx.Linear(
-            config.n_embd, config.num_labels, use_bias=False, dtype=dtype, param_dtype=param_dtype,
-            kernel_init=normal(config.initializer_range), rngs=rngs,
-        )
-
-    def __call__(self, input_ids, attention_mask=None, *, rngs=None):
-        h = self.transformer(input_ids, attention_mask, rngs=rngs).last_hidden_state
-        last = last_token_index(input_ids, self.config.pad_token_id)
-        pooled = jnp.take_along_axis(h, last[:, None, None], axis=1)[:, 0]
-        return self.score(pooled).astype(jnp.float32)
+    base = GPTJModel
 
 
 FAMILY = Family(

@@ -32,7 +32,7 @@ from jaxseq.models.attention import (
     update_kv,
 )
 from jaxseq.models.family import Family
-from jaxseq.models.layers import call_block, activation, dropout, normal
+from jaxseq.models.layers import activation, call_block, dropout, normal
 from jaxseq.models.outputs import BaseOutput, LMOutput
 
 
