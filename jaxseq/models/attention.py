@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxseq.models.layers import dropout
+from jaxseq.models.layers import call_block, dropout
 
 
 class KVCache(NamedTuple):
@@ -39,6 +39,26 @@ class Cache(NamedTuple):
     layers: tuple[KVCache, ...]
     index: jax.Array
     cross: tuple[KVCache, ...] | None = None
+
+    @classmethod
+    def zeros(cls, num_layers: int, batch: int, max_len: int, heads: int, head_dim: int, dtype) -> "Cache":
+        layer = KVCache.zeros(batch, max_len, heads, head_dim, dtype)
+        return cls(tuple(layer for _ in range(num_layers)), jnp.zeros((), jnp.int32))
+
+
+def run_blocks(blocks, remat: bool, x, mask, *args, cache: Cache | None, rngs):
+    """Run decoder blocks in order, each reading and writing its own layer of ``cache`` (if given) at the
+    cache's index; returns the output and the cache advanced past ``x``'s positions."""
+    index = 0 if cache is None else cache.index
+    layers = []
+    for i, block in enumerate(blocks):
+        x, layer = call_block(
+            block, remat, x, mask, *args, cache=None if cache is None else cache.layers[i], index=index, rngs=rngs
+        )
+        layers.append(layer)
+    if cache is not None:
+        cache = cache._replace(layers=tuple(layers), index=cache.index + x.shape[1])
+    return x, cache
 
 
 def update_kv(cache: KVCache, k: jax.Array, v: jax.Array, index: jax.Array) -> KVCache:

@@ -12,10 +12,12 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from jaxseq.models.attention import Cache, KVCache, attend, make_mask, merge_heads, split_heads, update_kv
+from jaxseq.models.attention import (
+    Cache, KVCache, attend, make_mask, merge_heads, run_blocks, split_heads, update_kv,
+)
 from jaxseq.models.family import Family
 from jaxseq.models.gpt2 import LastTokenClassifier
-from jaxseq.models.layers import activation, call_block, dropout, normal
+from jaxseq.models.layers import activation, dropout, normal
 from jaxseq.models.outputs import BaseOutput, LMOutput
 
 
@@ -117,21 +119,12 @@ class GPTJModel(nnx.Module):
         x = dropout(self.wte(input_ids), self.config.embd_pdrop, rngs)
         kv_len = seq if cache is None else cache.layers[0].k.shape[1]
         mask = make_mask(attention_mask, seq, kv_len, causal=True, index=index)
-        new_layers = []
-        for i, block in enumerate(self.h):
-            x, layer_cache = call_block(
-                block, self.remat, x, mask, rope,
-                cache=None if cache is None else cache.layers[i], index=index, rngs=rngs,
-            )
-            new_layers.append(layer_cache)
-        if cache is not None:
-            cache = Cache(tuple(new_layers), cache.index + seq)
+        x, cache = run_blocks(self.h, self.remat, x, mask, rope, cache=cache, rngs=rngs)
         return BaseOutput(self.ln_f(x), cache)
 
     def init_cache(self, batch: int, max_len: int, dtype=None) -> Cache:
         c = self.config
-        layer = KVCache.zeros(batch, max_len, c.n_head, c.n_embd // c.n_head, dtype or self.dtype)
-        return Cache(tuple(layer for _ in range(c.n_layer)), jnp.zeros((), jnp.int32))
+        return Cache.zeros(c.n_layer, batch, max_len, c.n_head, c.n_embd // c.n_head, dtype or self.dtype)
 
 
 class TiedHeadBias(nnx.Module):

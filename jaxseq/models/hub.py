@@ -12,7 +12,6 @@ import copy
 import json
 import logging
 import os
-import re
 import tempfile
 from pathlib import Path
 from typing import Callable

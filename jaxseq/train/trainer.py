@@ -10,7 +10,7 @@ import math
 import os
 import time
 from pathlib import Path
-from typing import Any, Callable, Mapping, Protocol
+from typing import Any, Mapping, Protocol
 
 import jax
 import jax.numpy as jnp
