@@ -42,6 +42,8 @@ class GlueConfig:
     dtype: str = arg("float32", "compute dtype; parameters stay float32 (float16 adds dynamic loss scaling)",
                      choices=("float32", "bfloat16", "float16"))
     remat: bool = arg(False, "recompute each block's activations in the backward pass (less memory, more compute)")
+    pack_sequences: bool = arg(False, "pack several short examples into each row of --max_seq_length (same "
+                                      "math per example, much less padding: several times faster on short texts)")
     compilation_cache_dir: str | None = arg(None, "persistent XLA cache (default ~/.cache/jaxseq/xla; '' disables)")
 
 
@@ -136,13 +138,17 @@ def main(argv) -> int:
     output_dir.mkdir(parents=True, exist_ok=True)
     save_config(output_dir / "config.yaml", *((glue, trainer_config, optimizer_config)))
     trainer = Trainer(model, SequenceClassification(task), trainer_config, optimizer_config, train_arrays,
-                      eval_sets, mesh, loss_scaling=glue.dtype == "float16")
+                      eval_sets, mesh, loss_scaling=glue.dtype == "float16",
+                      pack=model.pooled_token if glue.pack_sequences else None)
     trainer.logger.write(trainer.describe())
     trainer.logger.write(
         f"{task.name}: {len(train_examples)} train / {sum(map(len, eval_examples.values()))} eval examples, "
         f"{trainer.total_steps} steps of global batch {trainer.global_batch} on {jax.device_count()} devices "
         f"(mesh {dict(mesh.shape)})"
     )
+    if trainer.pack:
+        trainer.logger.write(f"packing {trainer.micro_batch} examples into {trainer.train_rows} rows per "
+                             f"micro-batch (of {glue.max_seq_length} tokens)")
     try:
         train_results = trainer.train()
     finally:

@@ -54,7 +54,8 @@ def make_trainer(tmp_path, tokenizer, data, mesh_spec="dp=8", devices=None, **kw
     optim_kw = {k: v for k, v in kw.items() if k in {f.name for f in dataclasses.fields(OptimizerConfig)}}
     optim = OptimizerConfig(**{"learning_rate": 1e-3, "weight_decay": 0.01, **optim_kw})
     model = tiny_classifier(tokenizer, task.num_labels, mesh=mesh, dropout=kw.get("dropout", 0.1))
-    return Trainer(model, SequenceClassification(task), TrainerConfig(**trainer_kw), optim, train, {"": dev}, mesh)
+    return Trainer(model, SequenceClassification(task), TrainerConfig(**trainer_kw), optim, train, {"": dev}, mesh,
+                   pack=kw.get("pack"))
 
 
 def train_losses(trainer):

@@ -83,11 +83,20 @@ def make_mask(
     causal: bool,
     index: jax.Array | int = 0,
 ) -> jax.Array:
-    """Boolean ``[batch or 1, 1, q_len, kv_len]`` mask from a ``[batch, kv_len]`` padding mask (1 = real
-    token, or None for no padding) and, if ``causal``, the rule key position <= query position."""
+    """Boolean ``[batch or 1, 1, q_len, kv_len]`` mask from a ``[batch, kv_len]`` padding mask and, if
+    ``causal``, the rule key position <= query position.
+
+    The padding mask holds segment ids: 0 for padding, 1 for a row's tokens, and 1, 2, ... when several
+    examples are packed into one row (``jaxseq.data.packing``). Without a cache (``q_len == kv_len``) a
+    query attends only to keys of its own segment; a padding query attends to every real key (its output
+    is discarded, and a fully masked row would only make NaNs). None means no padding."""
     mask = jnp.ones((1, 1, q_len, kv_len), dtype=bool)
     if key_mask is not None:
-        mask = mask & key_mask.astype(bool)[:, None, None, :]
+        keys = key_mask[:, None, None, :]
+        mask = mask & (keys != 0)
+        if q_len == kv_len:
+            queries = key_mask[:, None, :, None]
+            mask = mask & ((queries == keys) | (queries == 0))
     if causal:
         q_pos = query_positions(q_len, index)
         k_pos = jnp.arange(kv_len, dtype=jnp.int32)

@@ -113,7 +113,8 @@ class BertEncoder(nnx.Module):
 
 
 class BertPooler(nnx.Module):
-    """``tanh(dense(h))`` of the first token ([CLS])."""
+    """``tanh(dense(h))`` of each row's first token ([CLS]), or of the flat positions ``pool_index``
+    (``row * seq + column``) when rows hold several packed examples."""
 
     def __init__(self, config, *, dtype, param_dtype, rngs: nnx.Rngs):
         self.dense = nnx.Linear(
@@ -121,14 +122,16 @@ class BertPooler(nnx.Module):
             kernel_init=normal(config.initializer_range), rngs=rngs,
         )
 
-    def __call__(self, h):
-        return jnp.tanh(self.dense(h[:, 0]))
+    def __call__(self, h, pool_index=None):
+        first = h[:, 0] if pool_index is None else h.reshape(-1, h.shape[-1])[pool_index]
+        return jnp.tanh(self.dense(first))
 
 
 class BertModel(nnx.Module):
     """The encoder, and the pooler unless ``add_pooling_layer=False`` (as in ``BertForMaskedLM``).
-    ``attention_mask`` is ``[batch, seq]`` (1 = token, 0 = padding); ``token_type_ids`` default to 0 (segment A)
-    and ``position_ids`` to ``0 .. seq - 1``. Attention is bidirectional unless ``config.is_decoder``."""
+    ``attention_mask`` is ``[batch, seq]`` (1 = token, 0 = padding, or packed segment ids, see
+    ``jaxseq.data.packing``); ``token_type_ids`` default to 0 (segment A) and ``position_ids`` to
+    ``0 .. seq - 1``. Attention is bidirectional unless ``config.is_decoder``."""
 
     hf_architecture = "BertModel"
 
@@ -149,7 +152,8 @@ class BertModel(nnx.Module):
         self.encoder = BertEncoder(config, **kw)
         self.pooler = BertPooler(config, **kw) if add_pooling_layer else None
 
-    def __call__(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None, *, rngs=None):
+    def __call__(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None, *,
+                 pool_index=None, rngs=None):
         seq = input_ids.shape[1]
         if position_ids is None:
             if seq > self.config.max_position_embeddings:
@@ -163,13 +167,14 @@ class BertModel(nnx.Module):
         x = self.embeddings(input_ids, token_type_ids, position_ids, rngs)
         mask = make_mask(attention_mask, seq, seq, causal=bool(self.config.is_decoder))
         h = self.encoder(x, mask, rngs)
-        return BaseOutput(h, pooler_output=None if self.pooler is None else self.pooler(h))
+        return BaseOutput(h, pooler_output=None if self.pooler is None else self.pooler(h, pool_index))
 
 
 class BertForSequenceClassification(nnx.Module):
     """BERT scoring the pooled [CLS] state; ``num_labels=1`` is regression (logits ``[batch, 1]``)."""
 
     hf_architecture = "BertForSequenceClassification"
+    pooled_token = "first"  # which token of a packed example pool_index points at
 
     def __init__(self, config, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
         self.config = config
@@ -181,8 +186,11 @@ class BertForSequenceClassification(nnx.Module):
         rate = config.classifier_dropout
         self.classifier_dropout = config.hidden_dropout_prob if rate is None else rate
 
-    def __call__(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None, *, rngs=None):
-        pooled = self.bert(input_ids, attention_mask, token_type_ids, position_ids, rngs=rngs).pooler_output
+    def __call__(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None, *,
+                 pool_index=None, rngs=None):
+        """Logits ``[batch, num_labels]``, or ``[len(pool_index), num_labels]`` for packed rows."""
+        out = self.bert(input_ids, attention_mask, token_type_ids, position_ids, pool_index=pool_index, rngs=rngs)
+        pooled = out.pooler_output
         return self.classifier(dropout(pooled, self.classifier_dropout, rngs)).astype(jnp.float32)
 
 

@@ -138,9 +138,11 @@ def last_token_index(input_ids, pad_token_id):
 
 class LastTokenClassifier(nnx.Module):
     """A decoder (``base``) scoring the hidden state of each row's last non-padding token
-    (``config.pad_token_id``), as transformers' GPT-style classifiers do."""
+    (``config.pad_token_id``), as transformers' GPT-style classifiers do; or, for rows of packed
+    examples (``jaxseq.data.packing``), the hidden states at the flat positions ``pool_index``."""
 
     base: type
+    pooled_token = "last"  # which token of a packed example pool_index points at
 
     def __init__(self, config, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
         self.config = config
@@ -150,10 +152,13 @@ class LastTokenClassifier(nnx.Module):
             kernel_init=normal(config.initializer_range), rngs=rngs,
         )
 
-    def __call__(self, input_ids, attention_mask=None, *, rngs=None):
-        h = self.transformer(input_ids, attention_mask, rngs=rngs).last_hidden_state
-        last = last_token_index(input_ids, self.config.pad_token_id)
-        pooled = jnp.take_along_axis(h, last[:, None, None], axis=1)[:, 0]
+    def __call__(self, input_ids, attention_mask=None, position_ids=None, *, pool_index=None, rngs=None):
+        h = self.transformer(input_ids, attention_mask, position_ids, rngs=rngs).last_hidden_state
+        if pool_index is None:
+            last = last_token_index(input_ids, self.config.pad_token_id)
+            pooled = jnp.take_along_axis(h, last[:, None, None], axis=1)[:, 0]
+        else:
+            pooled = h.reshape(-1, h.shape[-1])[pool_index]
         return self.score(pooled).astype(jnp.float32)
 
 

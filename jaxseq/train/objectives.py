@@ -10,6 +10,7 @@ import numpy as np
 import optax
 
 from jaxseq.data.glue import GlueTask, compute_metrics
+from jaxseq.metrics import perplexity
 
 
 class SequenceClassification:
@@ -19,7 +20,7 @@ class SequenceClassification:
         self.task = task
 
     def _logits(self, model, batch, rngs=None):
-        extra = {"token_type_ids": batch["token_type_ids"]} if "token_type_ids" in batch else {}
+        extra = {k: batch[k] for k in ("token_type_ids", "position_ids", "pool_index") if k in batch}
         return model(batch["input_ids"], batch["attention_mask"], **extra, rngs=rngs)
 
     def _losses(self, logits, labels):
@@ -38,3 +39,29 @@ class SequenceClassification:
     def metrics(self, outputs: dict[str, np.ndarray], arrays: Mapping[str, np.ndarray]) -> dict[str, float]:
         return {"loss": float(outputs["loss"].mean()),
                 **compute_metrics(self.task, outputs["prediction"], arrays["labels"])}
+
+
+class CausalLM:
+    """Next-token cross-entropy: position t predicts token t+1 of ``input_ids`` (a target whose
+    ``attention_mask`` is 0, if the batch has one, is left out). The loss is the mean over every predicted
+    token of the batch; ``predict`` keeps each example's summed loss and token count, so the eval loss and
+    perplexity are exact over all tokens of the eval set, whatever the batching."""
+
+    def _token_losses(self, model, batch, rngs=None) -> tuple[jax.Array, jax.Array]:
+        ids = batch["input_ids"].astype(jnp.int32)  # the data may be stored as uint16
+        mask = batch.get("attention_mask")
+        logits = model(ids, mask, rngs=rngs).logits[:, :-1]
+        weights = jnp.ones(ids[:, 1:].shape, jnp.float32) if mask is None else mask[:, 1:].astype(jnp.float32)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, ids[:, 1:]) * weights, weights
+
+    def loss(self, model, batch: Mapping[str, jax.Array], rngs) -> jax.Array:
+        losses, weights = self._token_losses(model, batch, rngs)
+        return losses.sum() / jnp.maximum(weights.sum(), 1.0)
+
+    def predict(self, model, batch: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
+        losses, weights = self._token_losses(model, batch)
+        return {"loss_sum": losses.sum(axis=-1), "tokens": weights.sum(axis=-1)}
+
+    def metrics(self, outputs: dict[str, np.ndarray], arrays: Mapping[str, np.ndarray]) -> dict[str, float]:
+        loss = float(outputs["loss_sum"].astype(np.float64).sum() / max(outputs["tokens"].sum(), 1.0))
+        return {"loss": loss, "perplexity": perplexity(loss)}

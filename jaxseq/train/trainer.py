@@ -21,6 +21,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxseq import partition
 from jaxseq.config import arg
+from jaxseq.data import packing
 from jaxseq.data.batches import eval_batches, num_examples, steps_per_epoch, train_batches
 from jaxseq.errors import JaxseqError
 from jaxseq.mesh import batch_spec, data_parallel_size
@@ -28,6 +29,7 @@ from jaxseq.train.checkpoint import Checkpointer, abstract_like
 from jaxseq.train.logs import RunLogger
 from jaxseq.train.optim import OptimizerConfig, make_optimizer, needs_value_fn
 from jaxseq.train.precision import LossScale, all_finite, select
+from jaxseq.train.throughput import Throughput
 
 
 @dataclasses.dataclass
@@ -89,8 +91,17 @@ class Trainer:
         rules=None,
         logger: RunLogger | None = None,
         loss_scaling: bool = False,
+        pack: str | None = None,
+        tokens_per_example: int | None = None,
+        flops_per_example: float | None = None,
+        peak_flops: float | None = None,
     ):
-        """``loss_scaling``: dynamic loss scaling, for models computing in float16."""
+        """``loss_scaling``: dynamic loss scaling, for models computing in float16. ``pack``: pack short
+        examples into shared rows (``jaxseq.data.packing``), pooling each example's ``"first"`` or
+        ``"last"`` token; the row counts are sized once for the whole run, so shapes stay static.
+        ``tokens_per_example``, ``flops_per_example`` (model FLOPs of one example's forward and backward) and
+        ``peak_flops`` (FLOP/s of all devices): when given, the training log adds tokens/s, model FLOP/s and
+        MFU (see ``jaxseq.train.throughput``)."""
         self.task, self.config, self.mesh = task, config, mesh
         self.train_arrays, self.eval_sets = train_arrays, eval_sets
         self.output_dir = Path(config.output_dir)
@@ -98,6 +109,7 @@ class Trainer:
         self.micro_batch = config.per_device_train_batch_size * dp
         self.global_batch = self.micro_batch * config.gradient_accumulation_steps
         self.eval_batch = config.per_device_eval_batch_size * dp
+        self.throughput = Throughput(self.global_batch, tokens_per_example, flops_per_example, peak_flops)
         n = num_examples(train_arrays)
         self.steps_per_epoch = steps_per_epoch(n, self.global_batch)
         if self.steps_per_epoch == 0:
@@ -110,6 +122,9 @@ class Trainer:
         else:
             self.total_steps = max(1, math.ceil(config.num_train_epochs * self.steps_per_epoch))
 
+        self.pack = pack
+        if pack:
+            self._size_packed_batches(dp)
         self.graphdef, params = nnx.split(model)
         rules = rules if rules is not None else partition.get_partition_rules(model.config.model_type)
         self.tx, self.schedule = make_optimizer(optimizer, self.total_steps)
@@ -188,6 +203,26 @@ class Trainer:
         return jax.jit(train_step, in_shardings=(self.state_shardings, None),
                        out_shardings=(self.state_shardings, None), donate_argnums=(0,))
 
+    def _size_packed_batches(self, dp: int) -> None:
+        """Packed rows per micro-batch (the most any micro-batch of the run needs) and per eval batch."""
+        micro = self.config.gradient_accumulation_steps
+        seq = self.train_arrays["input_ids"].shape[1]
+        batches = train_batches({"n": packing.lengths(self.train_arrays)}, self.global_batch, self.config.seed)
+        run = (next(batches)["n"] for _ in range(self.total_steps))
+        self.train_rows = packing.max_rows((m for b in run for m in np.split(b, micro)), seq, dp)
+        self.eval_rows = {
+            name: packing.max_rows((packing.lengths(b) for b, _ in eval_batches(arrays, self.eval_batch)),
+                                   arrays["input_ids"].shape[1], dp)
+            for name, arrays in self.eval_sets.items()
+        }
+
+    def _packed_train_batch(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Each micro-batch packed on its own (its pool_index local to it), stacked back together."""
+        micro = self.config.gradient_accumulation_steps
+        parts = [packing.pack({k: np.split(v, micro)[i] for k, v in batch.items()}, self.train_rows, self.pack)
+                 for i in range(micro)]
+        return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+
     def _predict(self, params, batch):
         return self.task.predict(nnx.merge(self.graphdef, params), batch)
 
@@ -215,13 +250,21 @@ class Trainer:
                 raise JaxseqError(f"no checkpoint in {source}; drop --resume_from_checkpoint to start afresh")
             return 0
         state, record = checkpointer.restore(step, self._abstract_state)
-        if record.get("global_batch") not in (None, self.global_batch) or record.get("seed") not in (None, self.config.seed):
+        # the data order is a function of these and the step: a resumed run must see the same ones
+        now = {"global batch": self.global_batch, "seed": self.config.seed,
+               "training examples": num_examples(self.train_arrays)}
+        saved = {"global batch": record.get("global_batch"), "seed": record.get("seed"),
+                 "training examples": record.get("train_examples")}
+        changed = [name for name in now if saved[name] not in (None, now[name])]
+        if changed:
             raise JaxseqError(
-                f"checkpoint in {checkpointer.directory} was made with global batch {record.get('global_batch')} "
-                f"and seed {record.get('seed')}; resume with the same settings or use a fresh --output_dir"
+                f"checkpoint in {checkpointer.directory} was made with "
+                f"{', '.join(f'{name} {saved[name]}' for name in changed)} (this run: "
+                f"{', '.join(f'{name} {now[name]}' for name in changed)}); resume with the same settings and data "
+                "or use a fresh --output_dir"
             )
         self.state = state
-        self.logger.bar.update(step)
+        self.logger.resume(step)
         self.logger.write(f"resumed from {checkpointer.directory / str(step)} (step {step})")
         return step
 
@@ -237,22 +280,32 @@ class Trainer:
         step = start
         while step < self.total_steps:
             t0 = time.perf_counter()
-            self.state, metrics = self._train_step(self.state, self._to_devices(next(batches)))
+            batch = next(batches)
+            if self.pack:
+                batch = self._packed_train_batch(batch)
+            self.state, metrics = self._train_step(self.state, self._to_devices(batch))
             if compile_seconds is None:
                 jax.block_until_ready(metrics["loss"])
                 compile_seconds = time.perf_counter() - t0
                 self.logger.write(f"first step (compile included): {compile_seconds:.1f}s")
+                self.throughput.start(step + 1)
             pending.append(metrics)
             step += 1
             self.logger.advance()
             if step % config.logging_steps == 0 or step == self.total_steps:
                 self._log_train(step, pending, started)
                 pending = []
-            if step % eval_every == 0 or step == self.total_steps:
-                eval_metrics = self.evaluate()
-                self.logger.log(step, {f"eval/{k}": v for k, v in eval_metrics.items()})
-            if (config.save_steps and step % config.save_steps == 0) or step == self.total_steps:
-                self.save(step, eval_metrics if step % eval_every == 0 or step == self.total_steps else None)
+            evaluate_now = step % eval_every == 0 or step == self.total_steps
+            save_now = (config.save_steps and step % config.save_steps == 0) or step == self.total_steps
+            if evaluate_now or save_now:  # not training: keep it out of the throughput figures
+                jax.block_until_ready(self.state)
+                self.throughput.pause(step)
+                if evaluate_now:
+                    eval_metrics = self.evaluate()
+                    self.logger.log(step, {f"eval/{k}": v for k, v in eval_metrics.items()})
+                if save_now:
+                    self.save(step, eval_metrics if evaluate_now else None)
+                self.throughput.resume(step)
         runtime = time.perf_counter() - started
         if not eval_metrics:  # resumed from a finished run: nothing trained, still report where it stands
             eval_metrics = self.evaluate()
@@ -264,6 +317,7 @@ class Trainer:
             "train_steps_per_second": trained / runtime if runtime else 0.0,
             "train_compile_seconds": compile_seconds or 0.0,
             "epoch": self.total_steps / self.steps_per_epoch,
+            **{f"train_{k}": v for k, v in self.throughput.summary().items()},
             **{f"eval_{k}": v for k, v in eval_metrics.items()},
         }
 
@@ -271,13 +325,14 @@ class Trainer:
         host = jax.device_get(pending)
         latest = ("learning_rate", "loss_scale", "skipped_updates")  # states, not per-step amounts
         values = {f"train/{k}": float(host[-1][k] if k in latest else np.mean([m[k] for m in host])) for k in host[0]}
+        values.update({f"train/{k}": v for k, v in self.throughput.report(step).items()})  # synced just above
         if not all(math.isfinite(v) for v in values.values()):
             self.logger.write(f"warning: non-finite training metrics at step {step}: {values}")
         self.logger.log(step, values)
 
     def save(self, step: int, eval_metrics: dict | None) -> None:
         record = {"step": step, "global_batch": self.global_batch, "seed": self.config.seed,
-                  "epoch": step / self.steps_per_epoch}
+                  "train_examples": num_examples(self.train_arrays), "epoch": step / self.steps_per_epoch}
         metrics = {f"eval/{k}": v for k, v in eval_metrics.items()} if eval_metrics else None
         self.checkpointer.save(step, self.state, record, metrics)
 
@@ -287,6 +342,8 @@ class Trainer:
         for name, arrays in self.eval_sets.items():
             outputs: dict[str, list] = {}
             for batch, valid in eval_batches(arrays, self.eval_batch):
+                if self.pack:
+                    batch = packing.pack(batch, self.eval_rows[name], self.pack)
                 predicted = jax.device_get(self._eval_step(self.state.params, self._to_devices(batch)))
                 for key, value in predicted.items():
                     outputs.setdefault(key, []).append(np.asarray(value)[valid])
