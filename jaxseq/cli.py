@@ -2,12 +2,39 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import sys
 from pathlib import Path
 
+from jaxseq.config import arg
 from jaxseq.errors import JaxseqError
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclasses.dataclass
+class RuntimeConfig:
+    """How a script runs, whatever it trains."""
+
+    mesh: str = arg("", "device mesh, e.g. 'dp=2,mp=4' (axes dp, fsdp, mp; default: all devices on dp)")
+    dtype: str = arg("float32", "compute dtype; parameters stay float32 (float16 adds dynamic loss scaling)",
+                     choices=DTYPES)
+    remat: bool = arg(False, "recompute each block's activations in the backward pass (less memory, more compute)")
+    compilation_cache_dir: str | None = arg(None, "persistent XLA cache (default ~/.cache/jaxseq/xla; '' disables)")
+
+
+def start(runtime: RuntimeConfig, distributed=None):
+    """Join a multi-host run if asked (before anything touches devices), turn on the compilation cache,
+    and return the device mesh."""
+    from jaxseq.distributed import initialize
+    from jaxseq.mesh import make_mesh
+
+    if distributed is not None:
+        initialize(distributed)
+    setup_compilation_cache(runtime.compilation_cache_dir)
+    return make_mesh(runtime.mesh or None)
 
 
 def default_cache_dir() -> Path:

@@ -57,6 +57,8 @@ def build_parser(description: str, *sections: type) -> argparse.ArgumentParser:
                 kwargs["choices"] = field.metadata["choices"]
             if tp is bool:
                 kwargs.update(type=_str2bool, nargs="?", const=True, metavar="BOOL")
+            elif typing.get_origin(tp) is list:  # repeatable flag: --prompt a --prompt b
+                kwargs.update(type=typing.get_args(tp)[0], action="append")
             else:
                 kwargs["type"] = tp if tp in (int, float, str) else str
             group.add_argument(f"--{field.name}", **kwargs)

@@ -15,9 +15,10 @@ import dataclasses
 import sys
 from pathlib import Path
 
-from jaxseq.cli import script, setup_compilation_cache
+from jaxseq.cli import RuntimeConfig, script, start
 from jaxseq.config import arg, build_parser, parse_args, save_config
 from jaxseq.data.glue import TASKS
+from jaxseq.distributed import DistributedConfig
 from jaxseq.errors import JaxseqError
 from jaxseq.train.optim import OptimizerConfig
 from jaxseq.train.trainer import TrainerConfig
@@ -38,16 +39,11 @@ class GlueConfig:
     max_seq_length: int = arg(128, "tokens per example (longer texts are truncated, shorter padded)")
     max_train_samples: int | None = arg(None, "use only the first N training examples")
     max_eval_samples: int | None = arg(None, "use only the first N examples of each eval split")
-    mesh: str = arg("", "device mesh, e.g. 'dp=2,mp=4' (axes dp, fsdp, mp; default: all devices on dp)")
-    dtype: str = arg("float32", "compute dtype; parameters stay float32 (float16 adds dynamic loss scaling)",
-                     choices=("float32", "bfloat16", "float16"))
-    remat: bool = arg(False, "recompute each block's activations in the backward pass (less memory, more compute)")
     pack_sequences: bool = arg(False, "pack several short examples into each row of --max_seq_length (same "
                                       "math per example, much less padding: several times faster on short texts)")
-    compilation_cache_dir: str | None = arg(None, "persistent XLA cache (default ~/.cache/jaxseq/xla; '' disables)")
 
 
-SECTIONS = (GlueConfig, TrainerConfig, OptimizerConfig)
+SECTIONS = (GlueConfig, RuntimeConfig, TrainerConfig, OptimizerConfig, DistributedConfig)
 
 
 def load_examples(glue: GlueConfig):
@@ -94,21 +90,19 @@ def max_positions(config) -> int | None:
 @script
 def main(argv) -> int:
     parser = build_parser(__doc__, *SECTIONS)
-    args, (glue, trainer_config, optimizer_config) = parse_args(parser, SECTIONS, argv)
+    args, (glue, runtime, trainer_config, optimizer_config, distributed) = parse_args(parser, SECTIONS, argv)
 
     import jax
     import jax.numpy as jnp
     from transformers import AutoTokenizer
 
     from jaxseq.data.glue import encode
-    from jaxseq.mesh import make_mesh
     from jaxseq.models import load_config, load_pretrained, save_pretrained
     from jaxseq.models.layers import enable_remat
     from jaxseq.train.objectives import SequenceClassification
     from jaxseq.train.trainer import Trainer, write_json
 
-    setup_compilation_cache(glue.compilation_cache_dir)
-    mesh = make_mesh(glue.mesh or None)
+    mesh = start(runtime, distributed)
     task, train_examples, eval_examples = load_examples(glue)
     folder = resolve_model(glue)
     config = load_config(folder)
@@ -125,8 +119,8 @@ def main(argv) -> int:
         overrides["id2label"] = dict(enumerate(task.labels))
         overrides["label2id"] = {name: i for i, name in enumerate(task.labels)}
     model = load_pretrained(folder, "sequence-classification", num_labels=task.num_labels, mesh=mesh,
-                            dtype=jnp.dtype(glue.dtype), seed=trainer_config.seed, **overrides)
-    if glue.remat:
+                            dtype=jnp.dtype(runtime.dtype), seed=trainer_config.seed, **overrides)
+    if runtime.remat:
         enable_remat(model)
     if len(tokenizer) > model.config.vocab_size:
         raise JaxseqError(f"the tokenizer has {len(tokenizer)} tokens but the model only {model.config.vocab_size}; "
@@ -136,9 +130,10 @@ def main(argv) -> int:
 
     output_dir = Path(trainer_config.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
-    save_config(output_dir / "config.yaml", *((glue, trainer_config, optimizer_config)))
+    if jax.process_index() == 0:
+        save_config(output_dir / "config.yaml", glue, runtime, trainer_config, optimizer_config)
     trainer = Trainer(model, SequenceClassification(task), trainer_config, optimizer_config, train_arrays,
-                      eval_sets, mesh, loss_scaling=glue.dtype == "float16",
+                      eval_sets, mesh, loss_scaling=runtime.dtype == "float16",
                       pack=model.pooled_token if glue.pack_sequences else None)
     trainer.logger.write(trainer.describe())
     trainer.logger.write(
@@ -159,9 +154,9 @@ def main(argv) -> int:
     write_json(output_dir / "all_results.json", {**train_results, "eval_samples": eval_results["eval_samples"],
                                                   "train_samples": len(train_examples)})
     trainer.logger.plot()
+    save_pretrained(trainer.model(), output_dir, tokenizer=tokenizer)
     if jax.process_index() == 0:
-        save_pretrained(trainer.model(), output_dir, tokenizer=tokenizer)
-    print(" ".join(f"{k}={v:.4f}" for k, v in sorted(eval_results.items()) if isinstance(v, float)))
+        print(" ".join(f"{k}={v:.4f}" for k, v in sorted(eval_results.items()) if isinstance(v, float)))
     return 0
 
 

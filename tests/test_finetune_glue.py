@@ -93,6 +93,8 @@ BAD = {
     "unknown yaml key": (lambda t: ["--config", write(t / "c.yaml", "learning_rat: 1e-4\n")],
                          "unknown key(s) learning_rat"),
     "missing model": (lambda t: ["--model_name_or_path", t / "nowhere"], "is not a folder"),
+    "half the multi-host flags": (lambda t: ["--num_processes", "2"],
+                                  "need --coordinator_address, --num_processes and --process_id together"),
 }
 
 

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import csv
 import dataclasses
-import json
 from pathlib import Path
 from typing import Callable
 
 import numpy as np
 
 from jaxseq import metrics
+from jaxseq.data.records import read_records, require_columns
 from jaxseq.errors import JaxseqError
 
 Example = tuple[str, str | None, float]  # (text_a, text_b, label)
@@ -139,27 +139,9 @@ def _examples(task, rows, columns, where) -> list[Example]:
 
 def read_user_file(task: GlueTask, path: Path) -> list[Example]:
     """A user's csv/tsv (with a header) or json/jsonl file with the task's text columns and ``label``."""
-    if not path.is_file():
-        raise JaxseqError(f"file {path} does not exist")
-    suffix = path.suffix.lower()
-    if suffix in (".csv", ".tsv"):
-        with open(path, encoding="utf-8-sig", newline="") as f:
-            records = list(csv.DictReader(f, delimiter="\t" if suffix == ".tsv" else ","))
-    elif suffix in (".json", ".jsonl"):
-        text = path.read_text(encoding="utf-8")
-        try:
-            records = json.loads(text) if text.lstrip().startswith("[") else [
-                json.loads(line) for line in text.splitlines() if line.strip()
-            ]
-        except json.JSONDecodeError as e:
-            raise JaxseqError(f"{path} is not valid JSON/JSONL: {e}") from None
-    else:
-        raise JaxseqError(f"{path}: unsupported file type {suffix!r}; use .csv, .tsv, .json or .jsonl")
+    records = read_records(path)
     keys = [k for k in task.keys if k is not None]
-    if records:
-        missing = [k for k in (*keys, "label") if k not in records[0]]
-        if missing:
-            raise JaxseqError(f"{path} lacks column(s) {', '.join(missing)}; it has {', '.join(records[0])}")
+    require_columns(records, [*keys, "label"], path)
     rows = [[str(r[k]) for k in keys] + [str(r["label"])] for r in records]
     columns = (0, 1 if len(keys) == 2 else None, len(keys))
     return _examples(task, rows, columns, str(path))

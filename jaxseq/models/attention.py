@@ -82,19 +82,21 @@ def make_mask(
     *,
     causal: bool,
     index: jax.Array | int = 0,
+    cross: bool = False,
 ) -> jax.Array:
     """Boolean ``[batch or 1, 1, q_len, kv_len]`` mask from a ``[batch, kv_len]`` padding mask and, if
     ``causal``, the rule key position <= query position.
 
     The padding mask holds segment ids: 0 for padding, 1 for a row's tokens, and 1, 2, ... when several
-    examples are packed into one row (``jaxseq.data.packing``). Without a cache (``q_len == kv_len``) a
-    query attends only to keys of its own segment; a padding query attends to every real key (its output
-    is discarded, and a fully masked row would only make NaNs). None means no padding."""
+    examples are packed into one row (``jaxseq.data.packing``). In self-attention without a cache
+    (``q_len == kv_len``, not ``cross``) a query attends only to keys of its own segment; a padding query
+    attends to every real key (its output is discarded; a fully masked row would only make NaNs). None
+    means no padding. ``cross``: the keys are another sequence's (encoder-decoder attention)."""
     mask = jnp.ones((1, 1, q_len, kv_len), dtype=bool)
     if key_mask is not None:
         keys = key_mask[:, None, None, :]
         mask = mask & (keys != 0)
-        if q_len == kv_len:
+        if q_len == kv_len and not cross:
             queries = key_mask[:, None, :, None]
             mask = mask & ((queries == keys) | (queries == 0))
     if causal:

@@ -43,8 +43,9 @@ def _is_weights_folder(path: Path) -> bool:
     )
 
 
-def resolve(name_or_path: str | os.PathLike) -> Path:
-    """A local folder as is; otherwise a Hub id, downloaded (config, tokenizer, one weight format)."""
+def resolve(name_or_path: str | os.PathLike, *, weights: bool = True) -> Path:
+    """A local folder as is; otherwise a Hub id, downloaded (config, tokenizer and, if ``weights``, one
+    weight format)."""
     path = Path(name_or_path).expanduser()
     if path.is_dir():
         return path
@@ -60,8 +61,8 @@ def resolve(name_or_path: str | os.PathLike) -> Path:
     )
 
     try:
-        for weights in _WEIGHT_PATTERNS:
-            folder = Path(snapshot_download(name, allow_patterns=_HUB_PATTERNS + weights))
+        for patterns in _WEIGHT_PATTERNS if weights else ([],):
+            folder = Path(snapshot_download(name, allow_patterns=_HUB_PATTERNS + patterns))
             if _is_weights_folder(folder):
                 return folder
         return folder
@@ -91,6 +92,43 @@ def load_config(folder: Path, *, num_labels: int | None = None, **overrides):
     except (ValueError, KeyError, OSError, json.JSONDecodeError) as e:
         raise JaxseqError(f"cannot read {folder / 'config.json'}: {str(e).splitlines()[0]}") from None
     return apply_overrides(config, num_labels=num_labels, **overrides)
+
+
+def parse_overrides(text: str | None, config) -> dict:
+    """``"n_layer=2,n_embd=128,resid_pdrop=0"`` -> typed values (the type of the config's current value,
+    a number for an unset field, ``None`` for ``none``/``null``). Unknown field names are left for
+    ``apply_overrides`` to report."""
+    booleans = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
+    overrides = {}
+    for item in filter(None, (part.strip() for part in (text or "").split(","))):
+        key, eq, raw = (s.strip() for s in item.partition("="))
+        if not eq or not key:
+            raise JaxseqError(f"bad config override {item!r}: write them like 'n_layer=2,n_embd=128'")
+        current = getattr(config, key, None)
+        try:
+            if raw.lower() in ("none", "null"):
+                value = None
+            elif isinstance(current, bool):
+                value = booleans[raw.lower()]
+            elif isinstance(current, (int, float)):
+                value = float(raw) if isinstance(current, float) else int(raw)
+            elif current is None:  # an unset field (n_inner): a number if it reads as one
+                value = _number(raw)
+            else:
+                value = raw
+        except (ValueError, KeyError):
+            raise JaxseqError(f"config override {key}={raw!r}: expected a {type(current).__name__}") from None
+        overrides[key] = value
+    return overrides
+
+
+def _number(raw: str) -> int | float | str:
+    for kind in (int, float):
+        try:
+            return kind(raw)
+        except ValueError:
+            pass
+    return raw
 
 
 def apply_overrides(config, *, num_labels: int | None = None, **overrides):
@@ -380,15 +418,18 @@ def _put(array: np.ndarray, sharding: jax.sharding.Sharding) -> jax.Array:
 
 def save_pretrained(model: nnx.Module, out_dir: str | os.PathLike, tokenizer=None) -> Path:
     """Write ``config.json`` + ``model.safetensors`` (PyTorch names) and the tokenizer, if given, so that
-    the matching transformers PyTorch class loads the folder with no missing or unexpected weights."""
+    the matching transformers PyTorch class loads the folder with no missing or unexpected weights.
+    In a multi-host run every process calls this (the shards are gathered); process 0 writes."""
     from safetensors.numpy import save_file
 
     from jaxseq.partition import gather
 
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     flat = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
-    host = gather({path: v.get_value() for path, v in flat.items()})
+    host = gather({path: v.get_value() for path, v in flat.items()})  # every process takes part
+    if jax.process_index() != 0:
+        return out
+    out.mkdir(parents=True, exist_ok=True)
     tensors = {}
     for name, (path, transpose) in torch_layout(model).items():
         array = host[path]

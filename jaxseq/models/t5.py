@@ -256,7 +256,7 @@ class T5Stack(nnx.Module):
             if cache is None and encoder_hidden is None:
                 raise JaxseqError("the T5 decoder needs encoder_hidden (or a cache from init_cache)")
             enc_len = encoder_hidden.shape[1] if cache is None else cache.cross[0].k.shape[1]
-            cross_mask = make_mask(encoder_mask, seq, enc_len, causal=False)
+            cross_mask = make_mask(encoder_mask, seq, enc_len, causal=False, cross=True)
         x = dropout(embeds, self.dropout_rate, rngs)
         new_layers = []
         for i, block in enumerate(self.block):

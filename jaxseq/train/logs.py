@@ -44,6 +44,33 @@ class RunLogger:
         if shown:
             self.bar.set_postfix(shown, refresh=False)
 
+    def resume(self, step: int) -> None:
+        """Continue a run restored at ``step``: keep its records up to ``step`` (for the plot) and drop the
+        later ones an interrupted run logged before it died, which the resumed run logs again (in
+        ``metrics.jsonl`` and, through a purge marker, in TensorBoard)."""
+        self.bar.update(step - self.bar.n)
+        if not self.enabled:
+            return
+        path = self.output_dir / "metrics.jsonl"
+        self._jsonl.close()
+        kept = []
+        for line in path.read_text(encoding="utf-8").splitlines():
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:  # a line cut short by the kill
+                continue
+            if record.get("step", step + 1) <= step:
+                kept.append(record)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")
+        tmp.replace(path)
+        self.records = kept + self.records
+        self._jsonl = open(path, "a", encoding="utf-8")
+        from tensorboardX import SummaryWriter
+
+        self._tb.close()
+        self._tb = SummaryWriter(str(self.output_dir / "tensorboard"), purge_step=step + 1)
+
     def advance(self, steps: int = 1) -> None:
         self.bar.update(steps)
 

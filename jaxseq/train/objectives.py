@@ -50,9 +50,13 @@ class CausalLM:
     def _token_losses(self, model, batch, rngs=None) -> tuple[jax.Array, jax.Array]:
         ids = batch["input_ids"].astype(jnp.int32)  # the data may be stored as uint16
         mask = batch.get("attention_mask")
-        logits = model(ids, mask, rngs=rngs).logits[:, :-1]
-        weights = jnp.ones(ids[:, 1:].shape, jnp.float32) if mask is None else mask[:, 1:].astype(jnp.float32)
-        return optax.softmax_cross_entropy_with_integer_labels(logits, ids[:, 1:]) * weights, weights
+        logits = model(ids, mask, rngs=rngs).logits
+        # the last position has no next token: it is scored against a wrapped-around target with weight 0,
+        # which spares slicing the logits (a copy of the step's largest array, and a pad in the backward)
+        targets = jnp.roll(ids, -1, axis=1)
+        weights = jnp.ones(ids.shape, jnp.float32) if mask is None else jnp.roll(mask, -1, axis=1).astype(jnp.float32)
+        weights = weights.at[:, -1].set(0.0)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, targets) * weights, weights
 
     def loss(self, model, batch: Mapping[str, jax.Array], rngs) -> jax.Array:
         losses, weights = self._token_losses(model, batch, rngs)
@@ -65,3 +69,45 @@ class CausalLM:
     def metrics(self, outputs: dict[str, np.ndarray], arrays: Mapping[str, np.ndarray]) -> dict[str, float]:
         loss = float(outputs["loss_sum"].astype(np.float64).sum() / max(outputs["tokens"].sum(), 1.0))
         return {"loss": loss, "perplexity": perplexity(loss)}
+
+
+class Seq2SeqLM(CausalLM):
+    """Teacher-forced cross-entropy of an encoder-decoder (T5) on ``labels`` (``decoder_attention_mask``
+    marks the real target tokens); eval loss and perplexity exact over all target tokens. With a
+    ``tokenizer`` and ``max_new_tokens`` > 0, evaluation also decodes greedily and scores the text:
+    exact match (stripped strings equal)."""
+
+    def __init__(self, tokenizer=None, max_new_tokens: int = 0):
+        self.tokenizer, self.max_new_tokens = tokenizer, max_new_tokens
+
+    def _token_losses(self, model, batch, rngs=None) -> tuple[jax.Array, jax.Array]:
+        from jaxseq.models.t5 import shift_right
+
+        config, labels = model.config, batch["labels"]
+        decoder_input_ids = shift_right(labels, config.decoder_start_token_id, config.pad_token_id)
+        logits = model(batch["input_ids"], batch["attention_mask"], decoder_input_ids, rngs=rngs).logits
+        weights = batch["decoder_attention_mask"].astype(jnp.float32)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, labels) * weights, weights
+
+    def predict(self, model, batch: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
+        outputs = super().predict(model, batch)
+        if self.tokenizer is not None and self.max_new_tokens > 0:
+            from jaxseq.generation import greedy_tokens
+
+            outputs["generated"] = greedy_tokens(
+                model, batch["input_ids"], batch["attention_mask"], max_new_tokens=self.max_new_tokens,
+                eos_token_id=model.config.eos_token_id, pad_token_id=model.config.pad_token_id,
+            )
+        return outputs
+
+    def metrics(self, outputs: dict[str, np.ndarray], arrays: Mapping[str, np.ndarray]) -> dict[str, float]:
+        results = super().metrics(outputs, arrays)
+        if "generated" in outputs:
+            predictions = self.decode(outputs["generated"])
+            references = self.decode(np.where(arrays["decoder_attention_mask"] > 0, arrays["labels"],
+                                              self.tokenizer.pad_token_id))
+            results["exact_match"] = float(np.mean([p == r for p, r in zip(predictions, references)]))
+        return results
+
+    def decode(self, ids: np.ndarray) -> list[str]:
+        return [text.strip() for text in self.tokenizer.batch_decode(ids, skip_special_tokens=True)]

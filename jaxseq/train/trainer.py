@@ -227,13 +227,13 @@ class Trainer:
         return self.task.predict(nnx.merge(self.graphdef, params), batch)
 
     def _to_devices(self, batch: Mapping[str, np.ndarray]) -> dict[str, jax.Array]:
-        """Global host batch -> arrays split over the batch axes (each process gives its own rows)."""
+        """Global host batch -> arrays split over the batch axes; each process hands over only the rows
+        its own devices hold."""
         out = {}
         for name, value in batch.items():
             sharding = NamedSharding(self.mesh, batch_spec(value.ndim))
-            rows = value.shape[0] // jax.process_count()
-            local = value[jax.process_index() * rows:(jax.process_index() + 1) * rows]
-            out[name] = jax.make_array_from_process_local_data(sharding, local, value.shape)
+            rows = local_rows(sharding, value.shape)
+            out[name] = jax.make_array_from_process_local_data(sharding, value[rows], value.shape)
         return out
 
     # ------------------------------------------------------------------ loop
@@ -322,7 +322,7 @@ class Trainer:
         }
 
     def _log_train(self, step: int, pending: list[dict], started: float) -> None:
-        host = jax.device_get(pending)
+        host = partition.gather(pending)
         latest = ("learning_rate", "loss_scale", "skipped_updates")  # states, not per-step amounts
         values = {f"train/{k}": float(host[-1][k] if k in latest else np.mean([m[k] for m in host])) for k in host[0]}
         values.update({f"train/{k}": v for k, v in self.throughput.report(step).items()})  # synced just above
@@ -344,7 +344,7 @@ class Trainer:
             for batch, valid in eval_batches(arrays, self.eval_batch):
                 if self.pack:
                     batch = packing.pack(batch, self.eval_rows[name], self.pack)
-                predicted = jax.device_get(self._eval_step(self.state.params, self._to_devices(batch)))
+                predicted = partition.gather(self._eval_step(self.state.params, self._to_devices(batch)))
                 for key, value in predicted.items():
                     outputs.setdefault(key, []).append(np.asarray(value)[valid])
             merged = {k: np.concatenate(v) for k, v in outputs.items()}
@@ -363,6 +363,14 @@ class Trainer:
     def close(self) -> None:
         self.checkpointer.close()
         self.logger.close()
+
+
+def local_rows(sharding: NamedSharding, shape: tuple[int, ...]) -> slice:
+    """The rows of a global array of ``shape`` that this process's devices hold under ``sharding``."""
+    if jax.process_count() == 1:
+        return slice(None)
+    spans = [index[0] for index in sharding.addressable_devices_indices_map(shape).values()]
+    return slice(min(s.start or 0 for s in spans), max(shape[0] if s.stop is None else s.stop for s in spans))
 
 
 def write_json(path: Path, values: dict) -> None:

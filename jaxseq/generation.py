@@ -1,0 +1,331 @@
+"""Text generation: prefill a KV cache once, then a ``lax.while_loop`` that writes one position per step.
+
+``generate(model, input_ids, attention_mask, max_new_tokens=...)`` works for the decoder-only language
+models (GPT-2, GPT-J) and for T5:
+
+- Decoder-only: each prompt row is left-aligned (padding first, wherever the caller put it), its
+  position ids come from the mask's cumulative sum as in transformers, and one forward pass fills the
+  cache with all prompt tokens but the last. Every loop step then feeds one token (the last prompt token
+  first), reads the next token's logits and writes its keys/values at the next cache position.
+- T5: the encoder runs once, ``init_cache`` computes every decoder layer's cross-attention keys/values,
+  and the loop starts from ``decoder_start_token_id``.
+
+The loop stops when every row has produced EOS (rows that finished emit padding) or after
+``max_new_tokens``. The whole call is one compiled program. Prompts are padded on the left up to a
+multiple of ``bucket`` tokens, so prompts of similar lengths share it; a program is compiled once per
+(model structure, batch size, prompt bucket, ``max_new_tokens``, greedy/sampling, ``top_k``, EOS/pad ids)
+and reused: temperature, top-p, the seed and ``min_new_tokens`` are inputs, not constants.
+
+On a mesh (a model loaded with ``load_pretrained(..., mesh=mesh)``) the parameters stay on their
+shardings, the batch is split over ``dp``/``fsdp`` (padded to a multiple of their size) and the cache over
+the batch and, where the heads divide, ``mp``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jaxseq.errors import JaxseqError
+from jaxseq.mesh import BATCH_AXES, batch_sharding, data_parallel_size
+
+PROMPT_BUCKET = 32
+
+
+class GenerationOutput(NamedTuple):
+    """``sequences``: the new tokens only, int32 ``[batch, max_new_tokens]``; a row that produced EOS keeps
+    it and is padded after it. ``logprobs`` (with ``return_logprobs=True``, else None): float32
+    ``[batch, max_new_tokens]``, the log-probability of each new token under the model's own distribution
+    (log-softmax of its logits, before temperature, top-k/top-p and ``min_new_tokens``); 0 on padding."""
+
+    sequences: jax.Array
+    logprobs: jax.Array | None = None
+
+
+# --------------------------------------------------------------------------- choosing the next token
+
+
+def filter_logits(logits: jax.Array, *, temperature=1.0, top_k: int = 0, top_p=1.0) -> jax.Array:
+    """The logits of the sampling distribution, as transformers' warpers build it: divided by
+    ``temperature``; then all but the ``top_k`` largest set to -inf (0 = off); then, of the tokens sorted
+    by probability, all after the smallest prefix holding at least ``top_p`` of the mass set to -inf
+    (nucleus sampling; 1.0 = off). Ties at either threshold are kept. ``temperature`` and ``top_p`` may
+    be traced values; a Python 1.0 leaves the step out."""
+    if not (isinstance(temperature, (int, float)) and temperature == 1.0):
+        logits = logits / temperature
+    if top_k:
+        kth = jax.lax.top_k(logits, min(top_k, logits.shape[-1]))[0][..., -1:]
+        logits = jnp.where(logits >= kth, logits, -jnp.inf)
+    if not (isinstance(top_p, (int, float)) and top_p >= 1.0):
+        ordered = jnp.sort(logits, axis=-1)[..., ::-1]
+        probs = jax.nn.softmax(ordered, axis=-1)
+        mass_before = jnp.cumsum(probs, axis=-1) - probs
+        # a token stays if the more likely tokens before it hold less than top_p (so the first always does)
+        threshold = jnp.min(jnp.where(mass_before < top_p, ordered, jnp.inf), axis=-1, keepdims=True)
+        logits = jnp.where(logits >= threshold, logits, -jnp.inf)
+    return logits
+
+
+def choose_tokens(logits: jax.Array, key: jax.Array | None, *, do_sample: bool, temperature=1.0,
+                  top_k: int = 0, top_p=1.0) -> jax.Array:
+    """int32 ``[batch]``: the most likely token of each row (greedy), or one drawn from
+    ``filter_logits(logits, ...)`` with ``key``."""
+    if not do_sample:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    filtered = filter_logits(logits, temperature=temperature, top_k=top_k, top_p=top_p)
+    return jax.random.categorical(key, filtered, axis=-1).astype(jnp.int32)
+
+
+# --------------------------------------------------------------------------- the compiled program
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """What the compiled program depends on besides input shapes (everything else is an input)."""
+
+    max_new_tokens: int
+    do_sample: bool
+    top_k: int
+    use_top_p: bool
+    eos: tuple[int, ...]
+    pad: int
+    return_logprobs: bool
+    decoder_start: int | None  # T5's first decoder token; None for decoder-only models
+    mesh: Mesh | None
+
+
+def decode_loop(step, cache, first_token, settings: Settings, key, temperature, top_p, min_new_tokens):
+    """Run ``step(cache, token, t) -> (logits [batch, vocab], cache)`` from ``first_token`` until every
+    row has produced EOS or ``max_new_tokens`` tokens exist; returns ``(tokens, logprobs or None)``."""
+    n, pad = settings.max_new_tokens, settings.pad
+    batch = first_token.shape[0]
+    eos = jnp.asarray(settings.eos, jnp.int32)
+
+    def cond(carry):
+        t, _, _, done, _, _ = carry
+        return (t < n) & ~jnp.all(done)
+
+    def body(carry):
+        t, cache, token, done, tokens, logprobs = carry
+        logits, cache = step(cache, token, t)
+        scores = logits
+        if settings.eos:  # no EOS before min_new_tokens (transformers' MinNewTokensLengthLogitsProcessor)
+            is_eos = (jnp.arange(logits.shape[-1]) == eos[:, None]).any(0)
+            scores = jnp.where(is_eos & (t < min_new_tokens), -jnp.inf, logits)
+        new = choose_tokens(
+            scores, jax.random.fold_in(key, t), do_sample=settings.do_sample, temperature=temperature,
+            top_k=settings.top_k, top_p=top_p if settings.use_top_p else 1.0,
+        )
+        new = jnp.where(done, pad, new)
+        tokens = jax.lax.dynamic_update_slice(tokens, new[:, None], (0, t))
+        if logprobs is not None:
+            lp = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), new[:, None], axis=-1)[:, 0]
+            logprobs = jax.lax.dynamic_update_slice(logprobs, jnp.where(done, 0.0, lp)[:, None], (0, t))
+        if settings.eos:
+            done = done | (new[:, None] == eos).any(-1)
+        return t + 1, cache, new, done, tokens, logprobs
+
+    logprobs = jnp.zeros((batch, n), jnp.float32) if settings.return_logprobs else None
+    init = (jnp.int32(0), cache, first_token, jnp.zeros((batch,), bool), jnp.full((batch, n), pad, jnp.int32),
+            logprobs)
+    _, _, _, _, tokens, logprobs = jax.lax.while_loop(cond, body, init)
+    return tokens, logprobs
+
+
+def left_align(ids, mask):
+    """Each row's tokens moved to the right end, in order, padding first (a stable sort on the mask)."""
+    order = jnp.argsort(mask, axis=1, stable=True)
+    return jnp.take_along_axis(ids, order, axis=1), jnp.take_along_axis(mask, order, axis=1)
+
+
+def shard_cache(cache, mesh: Mesh | None):
+    """Keys/values split over the batch axes and, when the heads divide, over ``mp``."""
+    if mesh is None:
+        return cache
+
+    def spec(x):
+        if x.ndim != 4:
+            return NamedSharding(mesh, P())
+        heads = "mp" if x.shape[2] % mesh.shape["mp"] == 0 else None
+        return NamedSharding(mesh, P(BATCH_AXES, None, heads, None))
+
+    return jax.lax.with_sharding_constraint(cache, jax.tree.map(spec, cache))
+
+
+def program(graphdef, settings: Settings):
+    """The jitted generation function for one model structure and ``settings``:
+    ``(state, ids, mask, key, temperature, top_p, min_new_tokens) -> (tokens, logprobs)``."""
+    n = settings.max_new_tokens
+
+    def decoder_only(state, ids, mask, key, temperature, top_p, min_new_tokens):
+        model = nnx.merge(graphdef, state)
+        ids, mask = left_align(ids, mask)
+        batch, width = ids.shape
+        cache = shard_cache(model.init_cache(batch, width + n - 1), settings.mesh)
+        positions = jnp.maximum(jnp.cumsum(mask, axis=1) - 1, 0)
+        # keys of all cache positions; the model adds causality, so later positions are not seen early
+        full_mask = jnp.concatenate([mask, jnp.ones((batch, n - 1), mask.dtype)], axis=1)
+        if width > 1:  # the prefill's logits are unused, so XLA drops its vocabulary projection
+            cache = model(ids[:, :-1], full_mask, positions[:, :-1], cache=cache).cache
+
+        def step(cache, token, t):
+            out = model(token[:, None], full_mask, (positions[:, -1] + t)[:, None], cache=cache)
+            return out.logits[:, 0], out.cache
+
+        return decode_loop(step, cache, ids[:, -1], settings, key, temperature, top_p, min_new_tokens)
+
+    def encoder_decoder(state, ids, mask, key, temperature, top_p, min_new_tokens):
+        model = nnx.merge(graphdef, state)
+        encoded = model.encode(ids, mask)
+        cache = shard_cache(model.init_cache(encoded, mask, n), settings.mesh)
+
+        def step(cache, token, t):
+            out = model.decode(token[:, None], None, mask, cache=cache)
+            return out.logits[:, 0], out.cache
+
+        first = jnp.full((ids.shape[0],), settings.decoder_start, jnp.int32)
+        return decode_loop(step, cache, first, settings, key, temperature, top_p, min_new_tokens)
+
+    return jax.jit(decoder_only if settings.decoder_start is None else encoder_decoder)
+
+
+class ProgramKey:
+    """Cache key of a compiled program. A GraphDef holds the model's config, which transformers makes
+    unhashable, so the hash uses the settings and the graph's size and equality compares the graphs."""
+
+    def __init__(self, graphdef, settings: Settings):
+        self.graphdef, self.settings = graphdef, settings
+
+    def __hash__(self):
+        return hash((self.settings, len(self.graphdef.nodes)))
+
+    def __eq__(self, other):
+        return self.settings == other.settings and self.graphdef == other.graphdef
+
+
+@functools.lru_cache(maxsize=16)
+def cached_program(key: ProgramKey):
+    return program(key.graphdef, key.settings)
+
+
+# --------------------------------------------------------------------------- the public call
+
+
+def parameter_mesh(state) -> Mesh | None:
+    """The mesh the parameters are sharded over, or None if they live on single devices."""
+    for leaf in jax.tree.leaves(state):
+        sharding = getattr(leaf, "sharding", None)
+        if isinstance(sharding, NamedSharding):
+            return sharding.mesh
+    return None
+
+
+def _check(model, ids, mask, max_new_tokens, do_sample, temperature, top_k, top_p, min_new_tokens):
+    if ids.ndim != 2 or mask.shape != ids.shape:
+        raise JaxseqError(
+            f"input_ids {ids.shape} and attention_mask {mask.shape} must both be [batch, prompt_length]"
+        )
+    if max_new_tokens < 1:
+        raise JaxseqError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+    if not 0 <= min_new_tokens <= max_new_tokens:
+        raise JaxseqError(f"min_new_tokens must be between 0 and max_new_tokens, got {min_new_tokens}")
+    if do_sample and not temperature > 0:
+        raise JaxseqError(f"temperature must be positive, got {temperature}")
+    if top_k < 0 or not 0 < top_p <= 1:
+        raise JaxseqError(f"top_k must be >= 0 and top_p in (0, 1], got top_k={top_k}, top_p={top_p}")
+    lengths = mask.sum(axis=1)
+    if ids.shape[0] == 0 or not lengths.all():
+        empty = [int(i) for i in np.flatnonzero(lengths == 0)]
+        raise JaxseqError(f"prompt row(s) {empty or 'all'} have no tokens; every prompt needs at least one")
+    limit = getattr(model.config, "n_positions", None)
+    if not hasattr(model, "encode") and limit and lengths.max() + max_new_tokens > limit:
+        raise JaxseqError(
+            f"a prompt of {lengths.max()} tokens plus max_new_tokens={max_new_tokens} exceeds the model's "
+            f"{limit} positions; shorten the prompt or generate fewer tokens"
+        )
+
+
+def generate(
+    model,
+    input_ids,
+    attention_mask=None,
+    *,
+    max_new_tokens: int,
+    do_sample: bool = False,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    eos_token_id: int | list[int] | None = None,
+    pad_token_id: int | None = None,
+    seed: int = 0,
+    min_new_tokens: int = 0,
+    return_logprobs: bool = False,
+    bucket: int = PROMPT_BUCKET,
+) -> GenerationOutput:
+    """Continue each prompt of the batch by up to ``max_new_tokens`` tokens.
+
+    ``model``: a ``causal-lm`` (GPT-2, GPT-J) or ``seq2seq-lm`` (T5) model. ``input_ids`` and
+    ``attention_mask`` (1 = token, 0 = padding; default all ones): ``[batch, prompt_length]`` host or
+    device arrays; either padding side works (decoder prompts are left-aligned internally).
+
+    Greedy (the most likely token) unless ``do_sample``, which draws from the logits divided by
+    ``temperature`` and restricted to the ``top_k`` most likely tokens and the ``top_p`` nucleus (see
+    ``filter_logits``); draws use ``jax.random.key(seed)`` folded with the step, so a seed repeats its
+    output. A row stops at any of ``eos_token_id`` (None: never; transformers would use
+    ``model.config.eos_token_id``), which cannot come before ``min_new_tokens`` tokens; afterwards it
+    emits ``pad_token_id`` (default: the first EOS id, else 0). Returns a ``GenerationOutput``.
+    """
+    ids = np.asarray(input_ids, np.int32)
+    mask = np.ones_like(ids) if attention_mask is None else np.asarray(attention_mask, np.int32)
+    _check(model, ids, mask, max_new_tokens, do_sample, temperature, top_k, top_p, min_new_tokens)
+    eos = () if eos_token_id is None else tuple(int(e) for e in np.atleast_1d(eos_token_id))
+    pad = pad_token_id if pad_token_id is not None else (eos[0] if eos else 0)
+    decoder_start = None
+    if hasattr(model, "encode"):
+        decoder_start = model.config.decoder_start_token_id
+        if decoder_start is None:
+            raise JaxseqError("the model's config has no decoder_start_token_id; set it (T5 uses the pad id, 0)")
+
+    graphdef, state = nnx.split(model)
+    mesh = parameter_mesh(state)
+    batch = ids.shape[0]
+    rows = batch if mesh is None else math.ceil(batch / data_parallel_size(mesh)) * data_parallel_size(mesh)
+    width = math.ceil(ids.shape[1] / bucket) * bucket
+    # padding on the left up to the bucket, and whole copies of the last row up to the dp multiple
+    ids = np.pad(ids, ((0, rows - batch), (width - ids.shape[1], 0)), mode="edge")
+    mask = np.pad(mask, ((0, rows - batch), (0, 0)), mode="edge")
+    mask = np.pad(mask, ((0, 0), (width - mask.shape[1], 0)))
+    if mesh is not None:
+        ids, mask = (jax.device_put(a, batch_sharding(mesh)) for a in (ids, mask))
+
+    settings = Settings(
+        max_new_tokens=max_new_tokens, do_sample=do_sample, top_k=top_k if do_sample else 0,
+        use_top_p=do_sample and top_p < 1.0, eos=eos, pad=int(pad), return_logprobs=return_logprobs,
+        decoder_start=decoder_start, mesh=mesh,
+    )
+    run = cached_program(ProgramKey(graphdef, settings))
+    tokens, logprobs = run(state, ids, mask, jax.random.key(seed), jnp.float32(temperature), jnp.float32(top_p),
+                           jnp.int32(min_new_tokens))
+    return GenerationOutput(tokens[:batch], None if logprobs is None else logprobs[:batch])
+
+
+def greedy_tokens(model, input_ids: jax.Array, attention_mask: jax.Array, *, max_new_tokens: int,
+                  eos_token_id: int, pad_token_id: int) -> jax.Array:
+    """Greedy ``sequences`` of ``generate`` as plain traced JAX, for use inside another jitted function
+    (an evaluation step): no host-side checks, bucketing or program cache; the caller's jit compiles it."""
+    graphdef, state = nnx.split(model)
+    decoder_start = model.config.decoder_start_token_id if hasattr(model, "encode") else None
+    settings = Settings(max_new_tokens=max_new_tokens, do_sample=False, top_k=0, use_top_p=False,
+                        eos=(int(eos_token_id),), pad=int(pad_token_id), return_logprobs=False,
+                        decoder_start=decoder_start, mesh=None)
+    tokens, _ = program(graphdef, settings)(state, input_ids.astype(jnp.int32), attention_mask.astype(jnp.int32),
+                                            jax.random.key(0), jnp.float32(1.0), jnp.float32(1.0), jnp.int32(0))
+    return tokens

@@ -1,0 +1,88 @@
+"""Where a training script's model comes from: a pretrained checkpoint (``--model_name_or_path``), or a
+config to start from scratch (``--config_name`` or ``--model_type``, plus ``--config_overrides``), and
+the tokenizer that goes with it."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from jaxseq.config import arg
+from jaxseq.errors import JaxseqError
+
+
+@dataclasses.dataclass
+class ModelSource:
+    model_name_or_path: str | None = arg(None, "Hub id or local folder of a checkpoint to start from (omit to "
+                                               "train from scratch with --config_name or --model_type)")
+    config_name: str | None = arg(None, "train from scratch: a local folder holding config.json, or a Hub id")
+    model_type: str | None = arg(None, "train from scratch from transformers' default config of this type "
+                                       "(e.g. gpt2, gptj, t5) instead of --config_name")
+    config_overrides: str | None = arg(None, "config fields to change, comma-separated, e.g. "
+                                             "'n_layer=2,n_embd=128,n_head=4,resid_pdrop=0'")
+    tokenizer_name: str | None = arg(None, "tokenizer Hub id or folder (default: the one beside the model or "
+                                           "config); it must be a fast tokenizer")
+
+
+def check(source: ModelSource, default_model: str | None = None) -> None:
+    """Exactly one of a checkpoint, --config_name or --model_type (``default_model`` fills a missing one)."""
+    scratch = source.config_name or source.model_type
+    if not source.model_name_or_path and not scratch:
+        if default_model is None:
+            raise JaxseqError("pass --model_name_or_path (start from a checkpoint) or --config_name/--model_type "
+                              "(train from scratch)")
+        source.model_name_or_path = default_model
+    if source.model_name_or_path and scratch:
+        raise JaxseqError("pass either --model_name_or_path or --config_name/--model_type, not both")
+    if source.config_name and source.model_type:
+        raise JaxseqError("pass either --config_name or --model_type, not both")
+
+
+def model_config(source: ModelSource, task: str):
+    """(HF config with the overrides applied, the folder it came from or None, the overrides), after
+    checking that jaxseq has a ``task`` model for its type."""
+    from transformers import AutoConfig
+
+    from jaxseq.models import FAMILIES
+    from jaxseq.models.hub import apply_overrides, load_config, parse_overrides, resolve
+
+    folder = None
+    if source.model_type:
+        try:
+            config = AutoConfig.for_model(source.model_type)
+        except ValueError:
+            config = None
+    else:
+        folder = resolve(source.model_name_or_path or source.config_name, weights=bool(source.model_name_or_path))
+        config = load_config(folder)
+    supported = sorted(name for name, family in FAMILIES.items() if task in family.tasks)
+    model_type = source.model_type if config is None else config.model_type
+    if model_type not in supported:
+        raise JaxseqError(f"model_type {model_type!r} has no {task} model in jaxseq; use one of {', '.join(supported)}")
+    overrides = parse_overrides(source.config_overrides, config)
+    return apply_overrides(config, **overrides), folder, overrides
+
+
+def load_tokenizer(name: str | Path | None):
+    """A fast tokenizer from a folder or Hub id, or a one-line error."""
+    from transformers import AutoTokenizer
+
+    if name is None:
+        raise JaxseqError("--model_type gives no tokenizer: pass --tokenizer_name")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(name)
+    except (OSError, ValueError, TypeError, KeyError) as e:
+        raise JaxseqError(f"cannot load a tokenizer from {name} ({str(e).splitlines()[0][:150]}); "
+                          "pass --tokenizer_name") from None
+    if not tokenizer.is_fast:
+        raise JaxseqError(f"the tokenizer of {name} is not a fast (Rust) tokenizer; pass one with a tokenizer.json")
+    return tokenizer
+
+
+def build_model(source: ModelSource, task: str, config, folder, overrides, *, mesh, dtype, seed: int):
+    """The pretrained checkpoint (with ``overrides``) or a fresh model of ``config``, placed on ``mesh``."""
+    from jaxseq.models import from_config, load_pretrained
+
+    if source.model_name_or_path:
+        return load_pretrained(folder, task, mesh=mesh, dtype=dtype, seed=seed, **overrides)
+    return from_config(config, task, mesh=mesh, dtype=dtype, seed=seed)

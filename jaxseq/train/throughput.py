@@ -1,0 +1,108 @@
+"""How fast training runs: model FLOPs of a decoder, the machine's measured matmul peak, and a meter of
+tokens/s and model FLOPs utilisation (MFU) that leaves out compilation, evaluation and checkpointing."""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+
+def matmul_parameters(model: nnx.Module) -> int:
+    """Parameters a token meets in matrix products: all but the embedding tables (a lookup costs nothing),
+    plus the output projection when it reuses the token embedding (``tie_word_embeddings``), as nanoGPT's
+    ``estimate_mfu`` counts them."""
+    tables = {path for path, module in nnx.iter_modules(model) if isinstance(module, nnx.Embed)}
+    count = sum(int(np.prod(v.get_value().shape)) for path, v in nnx.to_flat_state(nnx.state(model, nnx.Param))
+                if tuple(path[:-1]) not in tables)
+    config = model.config
+    if getattr(config, "tie_word_embeddings", False):
+        count += config.vocab_size * config.hidden_size
+    return count
+
+
+def flops_per_token(model: nnx.Module, seq_len: int) -> float:
+    """Training FLOPs (forward and backward) per token of a decoder at sequence length ``seq_len``: the
+    standard 6 N + 12 n_layer d_model seq (Kaplan et al. 2020; PaLM appendix B), N from ``matmul_parameters``;
+    the attention term counts the full (not causally halved) score matrix."""
+    config = model.config
+    return 6.0 * matmul_parameters(model) + 12.0 * config.num_hidden_layers * config.hidden_size * seq_len
+
+
+def measure_peak_flops(devices=None, dtype=jnp.float32, size: int = 1024, repeats: int = 5) -> float:
+    """FLOP/s of ``devices`` (default: all) together, each multiplying two ``size`` x ``size`` matrices of
+    ``dtype`` at once: the best of ``repeats`` timed runs after a warm-up (about a second on a laptop CPU)."""
+    devices = list(jax.devices() if devices is None else devices)
+    sharding = NamedSharding(Mesh(np.asarray(devices), ("d",)), P("d"))
+    shape = (len(devices), size, size)
+    make = jax.jit(lambda key: jax.random.normal(key, shape, dtype), out_shardings=sharding)
+    a, b = make(jax.random.key(0)), make(jax.random.key(1))
+    matmul = jax.jit(lambda a, b: jnp.einsum("bij,bjk->bik", a, b), out_shardings=sharding)
+    matmul(a, b).block_until_ready()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        matmul(a, b).block_until_ready()
+        best = min(best, time.perf_counter() - start)
+    return 2.0 * size**3 * len(devices) / best
+
+
+class Throughput:
+    """Examples, tokens and model FLOPs per second over the steps since the last report, and over the run.
+
+    The caller marks the clock at points where the device is idle (after a host sync): ``start`` after the
+    compiling first step, ``pause``/``resume`` around evaluation and checkpoints, ``report`` at each log
+    (which restarts the window). ``tokens_per_example``/``flops_per_example``/``peak_flops`` are optional;
+    only what they allow is reported."""
+
+    def __init__(self, examples_per_step: int, tokens_per_example: int | None = None,
+                 flops_per_example: float | None = None, peak_flops: float | None = None):
+        self.examples_per_step = examples_per_step
+        self.tokens_per_example, self.flops_per_example = tokens_per_example, flops_per_example
+        self.peak_flops = peak_flops
+        self.enabled = bool(tokens_per_example or flops_per_example)
+        self._since: tuple[int, float] | None = None  # (step, time) the clock runs from, None when stopped
+        self._window = [0, 0.0]  # steps and seconds since the last report
+        self._total = [0, 0.0]
+
+    def start(self, step: int) -> None:
+        self._since = (step, time.perf_counter())
+
+    def pause(self, step: int) -> None:
+        if self._since is not None:
+            first, since = self._since
+            for acc in (self._window, self._total):
+                acc[0] += step - first
+                acc[1] += time.perf_counter() - since
+            self._since = None
+
+    resume = start
+
+    def report(self, step: int) -> dict[str, float]:
+        """Rates since the last report (restarting the window), keyed like ``tokens_per_second``."""
+        self.pause(step)
+        steps, seconds = self._window
+        self._window = [0, 0.0]
+        self.start(step)
+        return self._rates(steps, seconds)
+
+    def summary(self) -> dict[str, float]:
+        """Rates over every step timed so far."""
+        return self._rates(*self._total)
+
+    def _rates(self, steps: int, seconds: float) -> dict[str, float]:
+        if not self.enabled or steps == 0 or seconds <= 0:
+            return {}
+        examples = steps * self.examples_per_step / seconds
+        rates = {}
+        if self.tokens_per_example:
+            rates["tokens_per_second"] = examples * self.tokens_per_example
+        if self.flops_per_example:
+            rates["model_flops_per_second"] = examples * self.flops_per_example
+            if self.peak_flops:
+                rates["mfu"] = rates["model_flops_per_second"] / self.peak_flops
+        return rates

@@ -1,0 +1,330 @@
+"""Generation against transformers PyTorch ``generate()``: greedy tokens with EOS inside the run, min_new_tokens
+and log-probs for GPT-2, GPT-J and T5; the sampling filters against transformers' warpers and by their
+draws; seeds; one compiled program per bucket; a (dp=2, mp=4) mesh; and scripts/generate.py end to end."""
+
+import importlib.util
+import io
+import json
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from jaxseq.errors import JaxseqError  # noqa: E402
+from jaxseq.generation import ProgramKey, Settings, cached_program, choose_tokens, filter_logits, generate  # noqa: E402
+from jaxseq.mesh import make_mesh  # noqa: E402
+from jaxseq.models import load_pretrained  # noqa: E402
+from tests.conftest import shared_asset  # noqa: E402
+
+VOCAB, NEW, PAD = 128, 32, 0
+# Random weights larger than the usual init, so greedy decoding wanders instead of repeating one token.
+CONFIGS = {
+    "gpt2": lambda: transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        n_layer=2, n_embd=64, n_head=4, vocab_size=VOCAB, n_positions=64, initializer_range=0.3)),
+    "gptj": lambda: transformers.GPTJForCausalLM(transformers.GPTJConfig(
+        n_layer=2, n_embd=64, n_head=4, rotary_dim=8, vocab_size=VOCAB, n_positions=64, initializer_range=0.3)),
+    "t5": lambda: t5_with_unit_weights(transformers.T5ForConditionalGeneration(transformers.T5Config(
+        num_layers=2, num_decoder_layers=2, d_model=64, d_kv=16, num_heads=4, d_ff=128, vocab_size=VOCAB,
+        relative_attention_num_buckets=8, relative_attention_max_distance=20, decoder_start_token_id=0,
+        pad_token_id=0))),
+}
+
+
+def t5_with_unit_weights(model):
+    """Every matrix but the position buckets drawn from N(0, 1): at T5's own scales, or larger factors, a
+    tiny random T5 repeats one token from the first step."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.ndim == 2 and "relative_attention_bias" not in name:
+                param.normal_(0.0, 1.0)
+    return model
+
+
+def prompts(lengths=(12, 7, 3), left=True):
+    """int32 ``(ids, mask)`` of random prompts (tokens 3..VOCAB-1), padded on the left or the right."""
+    rng = np.random.RandomState(0)
+    width = max(lengths)
+    ids, mask = np.full((len(lengths), width), PAD, np.int32), np.zeros((len(lengths), width), np.int32)
+    for row, n in enumerate(lengths):
+        span = slice(width - n, width) if left else slice(0, n)
+        ids[row, span], mask[row, span] = rng.randint(3, VOCAB, n), 1
+    return ids, mask
+
+
+def torch_generate(ref, ids, mask, eos_token_id, **kw):
+    """transformers' greedy ``generate()``: the new tokens padded to NEW, and each step's raw logits.
+    ``eos_token_id=None`` runs all NEW steps (VOCAB is an id no model here produces)."""
+    with torch.no_grad():
+        out = ref.generate(torch.as_tensor(ids).long(), attention_mask=torch.as_tensor(mask).long(),
+                           max_new_tokens=NEW, do_sample=False, pad_token_id=PAD, return_dict_in_generate=True,
+                           output_logits=True, eos_token_id=VOCAB if eos_token_id is None else eos_token_id, **kw)
+    new = out.sequences[:, 1:] if ref.config.is_encoder_decoder else out.sequences[:, ids.shape[1]:]
+    new = np.pad(new.numpy(), ((0, 0), (0, NEW - new.shape[1])), constant_values=PAD)
+    return new, torch.stack(out.logits, 1).numpy()
+
+
+def eos_hit_mid_run(tokens) -> int:
+    """A token that greedy decoding produces in every row, first at different steps, all well before the
+    end (the latest as early as possible): as EOS, rows finish apart and then the whole loop stops early."""
+    firsts = {}
+    for token in set(tokens[0]):
+        steps = [list(row).index(token) if token in row else NEW for row in tokens]
+        if max(steps) < NEW - 4 and len(set(steps)) > 1:
+            firsts[token] = max(steps)
+    return int(min(firsts, key=firsts.get))
+
+
+@pytest.fixture(scope="module", params=sorted(CONFIGS))
+def family(request, tmp_path_factory):
+    """``(name, transformers model, jaxseq model, eos)`` with the same random float32 weights."""
+    torch.manual_seed(0)
+    ref = CONFIGS[request.param]().eval()
+    path = tmp_path_factory.mktemp(request.param)
+    ref.save_pretrained(path)
+    task = "seq2seq-lm" if ref.config.is_encoder_decoder else "causal-lm"
+    free, _ = torch_generate(ref, *prompts(), eos_token_id=None)
+    return request.param, ref, load_pretrained(path, task), eos_hit_mid_run(free)
+
+
+def test_greedy_matches_pytorch_with_eos_inside_the_run(family):
+    """Tokens equal transformers' (EOS kept, padding after it) for prompts padded on either side; log-probs
+    are the log-softmax of transformers' raw logits at the chosen tokens, 0 after EOS."""
+    _, ref, model, eos = family
+    ids, mask = prompts()
+    want, logits = torch_generate(ref, ids, mask, eos_token_id=eos)
+    finished_at = [list(row).index(eos) for row in want]
+    assert len(set(finished_at)) > 1 and max(finished_at) < NEW - 4  # padding while others run; early exit
+    got = generate(model, ids, mask, max_new_tokens=NEW, eos_token_id=eos, pad_token_id=PAD, return_logprobs=True)
+    np.testing.assert_array_equal(np.asarray(got.sequences), want)
+    steps = logits.shape[1]
+    logprobs = torch.log_softmax(torch.as_tensor(logits), -1).numpy()
+    chosen = np.take_along_axis(logprobs, want[:, :steps, None], -1)[..., 0]
+    ended = np.cumsum(np.pad(want == eos, ((0, 0), (1, 0)))[:, :NEW], 1) > 0  # steps after the row's EOS
+    np.testing.assert_allclose(np.asarray(got.logprobs)[:, :steps], np.where(ended[:, :steps], 0.0, chosen),
+                               atol=1e-4)
+    assert (np.asarray(got.logprobs)[:, steps:] == 0).all()
+    # the same prompts padded on the right: left-aligned inside, same program, same tokens
+    again = generate(model, *prompts(left=False), max_new_tokens=NEW, eos_token_id=eos, pad_token_id=PAD,
+                     return_logprobs=True)
+    np.testing.assert_array_equal(np.asarray(again.sequences), want)
+
+
+def test_min_new_tokens_matches_pytorch(family):
+    """EOS cannot end a row before min_new_tokens (set past every row's first EOS)."""
+    _, ref, model, eos = family
+    ids, mask = prompts()
+    free, _ = torch_generate(ref, ids, mask, eos_token_id=None)
+    min_new = max(list(row).index(eos) for row in free) + 1
+    want, _ = torch_generate(ref, ids, mask, eos_token_id=eos, min_new_tokens=min_new)
+    assert (want[:, :min_new] != eos).all()
+    got = generate(model, ids, mask, max_new_tokens=NEW, eos_token_id=eos, pad_token_id=PAD,
+                   min_new_tokens=min_new, return_logprobs=True)  # the program of the test above
+    np.testing.assert_array_equal(np.asarray(got.sequences), want)
+
+
+def test_filters_match_transformers_warpers():
+    from transformers.generation import logits_process as lp
+
+    logits = np.random.RandomState(0).randn(4, 50).astype(np.float32) * 3
+    cases = [
+        (dict(temperature=0.7), [lp.TemperatureLogitsWarper(0.7)]),
+        (dict(top_k=5), [lp.TopKLogitsWarper(5)]),
+        (dict(top_p=0.8), [lp.TopPLogitsWarper(0.8)]),
+        (dict(temperature=1.5, top_k=20, top_p=0.6),
+         [lp.TemperatureLogitsWarper(1.5), lp.TopKLogitsWarper(20), lp.TopPLogitsWarper(0.6)]),
+    ]
+    for kw, warpers in cases:
+        want = torch.as_tensor(logits)
+        for warper in warpers:
+            want = warper(None, want)
+        got = np.asarray(filter_logits(jnp.asarray(logits), **kw))
+        np.testing.assert_array_equal(np.isinf(got), np.isinf(want.numpy()), err_msg=str(kw))
+        np.testing.assert_allclose(got[~np.isinf(got)], want.numpy()[~np.isinf(got)], rtol=1e-6, err_msg=str(kw))
+
+
+@pytest.mark.parametrize("kw, expected", [
+    (dict(), [0.5, 0.2, 0.15, 0.1, 0.05]),
+    (dict(top_k=2), np.array([0.5, 0.2, 0, 0, 0]) / 0.7),
+    (dict(top_p=0.75), np.array([0.5, 0.2, 0.15, 0, 0]) / 0.85),  # 0.5 + 0.2 < 0.75 <= 0.5 + 0.2 + 0.15
+    (dict(temperature=0.5), np.array([0.5, 0.2, 0.15, 0.1, 0.05]) ** 2 / 0.325),  # softmax(log p / T) ~ p**2
+    # at T=2 the probabilities go as sqrt(p): 0.34, 0.21, 0.19, ...; the 0.5 nucleus holds the first two
+    (dict(temperature=2.0, top_p=0.5), np.sqrt([0.5, 0.2]) / np.sqrt([0.5, 0.2]).sum()),
+])
+def test_sampling_frequencies_follow_the_filtered_distribution(kw, expected):
+    """40000 draws: each frequency within 5 standard errors (<= 0.0125) of the renormalised softmax."""
+    draws = 40_000
+    logits = jnp.tile(jnp.log(jnp.asarray([0.5, 0.2, 0.15, 0.1, 0.05])), (draws, 1))
+    tokens = choose_tokens(logits, jax.random.key(0), do_sample=True, **kw)
+    freq = np.bincount(np.asarray(tokens), minlength=5) / draws
+    expected = np.pad(expected, (0, 5 - len(expected)))
+    assert np.abs(freq - expected).max() < 0.0125, (freq, expected)
+    assert (freq[expected == 0] == 0).all()
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """``checkpoint(name)``: the folder of a random CONFIGS[name] model, saved once per module."""
+    paths = {}
+
+    def get(name):
+        if name not in paths:
+            torch.manual_seed(0)
+            paths[name] = tmp_path_factory.mktemp(f"{name}-checkpoint")
+            CONFIGS[name]().save_pretrained(paths[name])
+        return paths[name]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def gpt2(checkpoint):
+    return checkpoint("gpt2")
+
+
+SAMPLE = dict(max_new_tokens=NEW, do_sample=True, temperature=1.3, top_p=0.95)
+
+
+def test_sampling_is_seeded_and_top_k_1_is_greedy(gpt2):
+    model = load_pretrained(gpt2, "causal-lm")
+    ids, mask = prompts()
+    a, b = (np.asarray(generate(model, ids, mask, seed=1, **SAMPLE).sequences) for _ in range(2))
+    c = np.asarray(generate(model, ids, mask, seed=2, **SAMPLE).sequences)
+    np.testing.assert_array_equal(a, b)
+    assert (a != c).mean() > 0.5
+    greedy = np.asarray(generate(model, ids, mask, max_new_tokens=NEW).sequences)
+    assert (a != greedy).mean() > 0.5
+    top1 = generate(model, ids, mask, max_new_tokens=NEW, do_sample=True, top_k=1, temperature=0.5, seed=3)
+    np.testing.assert_array_equal(np.asarray(top1.sequences), greedy)
+
+
+def test_one_compiled_program_per_bucket(gpt2):
+    """Prompt widths 12 and 20 share the 32-token bucket; temperature, top_p, seed and min_new_tokens are
+    inputs of the program, so changing them compiles nothing new."""
+    model = load_pretrained(gpt2, "causal-lm")
+    generate(model, *prompts((12, 7, 3)), **{**SAMPLE, "temperature": 0.9, "top_p": 0.9, "seed": 0})
+    generate(model, *prompts((20, 5, 1)), **{**SAMPLE, "temperature": 1.2, "top_p": 0.5, "seed": 4},
+             min_new_tokens=3)
+    settings = Settings(max_new_tokens=NEW, do_sample=True, top_k=0, use_top_p=True, eos=(), pad=0,
+                        return_logprobs=False, decoder_start=None, mesh=None)
+    assert cached_program(ProgramKey(nnx.graphdef(model), settings))._cache_size() == 1
+
+
+@pytest.mark.parametrize("name, kw", [("gpt2", dict(max_new_tokens=NEW)), ("gpt2", SAMPLE), ("t5", dict(max_new_tokens=NEW))],
+                         ids=["gpt2-greedy", "gpt2-sampled", "t5-greedy"])
+def test_mesh_dp2_mp4_equals_single_device(checkpoint, name, kw):
+    """Parameters sharded by the family's rules, a batch of 3 padded to 4 and split over dp; the same tokens,
+    sampled ones included (the same seed draws the same numbers whatever the sharding)."""
+    task = "seq2seq-lm" if name == "t5" else "causal-lm"
+    ids, mask = prompts()
+    single = generate(load_pretrained(checkpoint(name), task), ids, mask, seed=5, **kw)
+    model = load_pretrained(checkpoint(name), task, mesh=make_mesh("dp=2,mp=4"))
+    assert all(len(leaf.sharding.device_set) == 8 for leaf in jax.tree.leaves(nnx.state(model)))
+    sharded = generate(model, ids, mask, seed=5, **kw)
+    np.testing.assert_array_equal(np.asarray(sharded.sequences), np.asarray(single.sequences))
+
+
+def test_bad_arguments_are_one_line_errors(gpt2):
+    model = load_pretrained(gpt2, "causal-lm")
+    ids, mask = prompts()
+    with pytest.raises(JaxseqError, match="no tokens"):
+        generate(model, ids, mask * np.array([[1], [0], [1]]), max_new_tokens=4)
+    with pytest.raises(JaxseqError, match="exceeds the model's 64 positions"):
+        generate(model, ids, mask, max_new_tokens=53)
+    with pytest.raises(JaxseqError, match="top_p"):
+        generate(model, ids, mask, max_new_tokens=4, do_sample=True, top_p=0.0)
+
+
+# --------------------------------------------------------------------------- scripts/generate.py
+
+
+def load_script():
+    """scripts/generate.py as a module, to call its ``main(argv)`` in this process (imports already paid)."""
+    if "generate_script" not in sys.modules:
+        path = Path(__file__).resolve().parents[1] / "scripts" / "generate.py"
+        spec = importlib.util.spec_from_file_location("generate_script", path)
+        sys.modules[spec.name] = module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    return sys.modules["generate_script"]
+
+
+@pytest.fixture(scope="module")
+def gpt2_with_tokenizer(tmp_path_factory):
+    """A tiny random GPT-2 over the real GPT-2 vocabulary, saved with the real GPT-2 tokenizer."""
+    folder = shared_asset("data/tokenizers/gpt2")
+    tokenizer = transformers.GPT2TokenizerFast(vocab=str(folder / "vocab.json"), merges=str(folder / "merges.txt"))
+    torch.manual_seed(0)
+    ref = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        n_layer=2, n_embd=64, n_head=4, n_positions=64, initializer_range=0.3)).eval()
+    path = tmp_path_factory.mktemp("gpt2-tokenizer")
+    ref.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path, ref, tokenizer
+
+
+def test_script_writes_the_completions_of_pytorch_greedy(gpt2_with_tokenizer, tmp_path, capsys):
+    path, ref, tokenizer = gpt2_with_tokenizer
+    texts = ["The quick brown fox", "Hello", "In 1905, Einstein published four papers that"]
+    (tmp_path / "prompts.jsonl").write_text("".join(json.dumps({"prompt": t, "id": i}) + "\n"
+                                                   for i, t in enumerate(texts)))
+    out = tmp_path / "out" / "completions.jsonl"
+    code = load_script().main(["--model_name_or_path", str(path), "--prompt_file", str(tmp_path / "prompts.jsonl"),
+                               "--output_file", str(out), "--max_new_tokens", "12", "--batch_size", "2",
+                               "--compilation_cache_dir", ""])
+    assert code == 0, capsys.readouterr().err
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["prompt"] for r in records] == texts
+    for record in records:
+        ids = tokenizer(record["prompt"], return_tensors="pt")["input_ids"]
+        with torch.no_grad():
+            want = ref.generate(ids, max_new_tokens=12, do_sample=False, pad_token_id=50256)[0, ids.shape[1]:]
+        assert record["prompt_tokens"] == ids.shape[1]
+        assert record["completion_tokens"] == len(want)
+        assert record["completion"] == tokenizer.decode(want, skip_special_tokens=True)
+
+
+def test_script_reads_stdin_and_prints(gpt2_with_tokenizer, monkeypatch, capsys):
+    path, _, _ = gpt2_with_tokenizer
+    monkeypatch.setattr("sys.stdin", io.StringIO("Once upon a time\nThe end\n"))
+    code = load_script().main(["--model_name_or_path", str(path), "--max_new_tokens", "6", "--do_sample",
+                               "--top_k", "10", "--compilation_cache_dir", ""])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    first, second = captured.out.rstrip("\n").split("\n\n")
+    assert first.startswith("Once upon a time") and len(first) > len("Once upon a time")
+    assert second.startswith("The end")
+    assert "2 prompts, 12 tokens generated" in captured.err
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--prompt", "Hello", "--prompt", "  "], "the prompt at --prompt #2 is empty"),
+    (["--prompt", " ".join(["word"] * 60)], "prompt 1 has 60 token(s); with --max_new_tokens 8 that exceeds"),
+    (["--prompt_file", "prompts.jsonl"], "line 1 of prompts.jsonl has no string 'prompt' field"),
+    (["--prompt", "a", "--batch_size", "0"], "--batch_size must be at least 1"),
+    (["--prompt_file", "missing.txt"], "prompt file missing.txt does not exist"),
+])
+def test_script_bad_input_is_one_line_and_exit_1(gpt2_with_tokenizer, tmp_path, monkeypatch, capsys, args, message):
+    path, _, _ = gpt2_with_tokenizer
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "prompts.jsonl").write_text(json.dumps({"text": "no prompt field"}) + "\n")
+    code = load_script().main(["--model_name_or_path", str(path), "--max_new_tokens", "8", *args])
+    err = capsys.readouterr().err
+    assert code == 1
+    assert err.startswith("error: ") and message in err and err.count("\n") == 1
+
+
+def test_readme_generation_example(capsys):
+    from tests.test_readme import section_code
+
+    scope = {}
+    exec(compile(section_code("Generation"), "README.md", "exec"), scope)
+    out, sampled = scope["out"], scope["sampled"]
+    assert out.sequences.shape == sampled.logprobs.shape == (2, 16)
+    assert (np.asarray(sampled.logprobs) <= 0).all() and (np.asarray(sampled.logprobs) < 0).any()
+    assert "[[" in capsys.readouterr().out

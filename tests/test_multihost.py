@@ -1,0 +1,111 @@
+"""Multi-host training with real processes: 2 processes on 127.0.0.1 with 4 virtual CPU devices each (gloo
+collectives) fine-tune a tiny GPT-2 on a dp=4,mp=2 mesh through scripts/finetune_glue.py, and match 1 process
+with 8 devices: the same loss sequence and final parameters. The 2-process checkpoint then restores in a
+1-process run."""
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+transformers = pytest.importorskip("transformers")
+
+from jaxseq.models import from_config, save_pretrained  # noqa: E402
+from tests.conftest import shared_asset  # noqa: E402
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "finetune_glue.py"
+TIMEOUT = 300
+
+
+@pytest.fixture(scope="module")
+def tiny_gpt2(tmp_path_factory):
+    folder = shared_asset("data/tokenizers/gpt2")
+    tokenizer = transformers.GPT2TokenizerFast(vocab=str(folder / "vocab.json"), merges=str(folder / "merges.txt"))
+    tokenizer.pad_token = tokenizer.eos_token
+    config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, n_positions=64, vocab_size=50264,
+                                     pad_token_id=tokenizer.pad_token_id, num_labels=2)
+    out = tmp_path_factory.mktemp("tiny-gpt2")
+    save_pretrained(from_config(config, "sequence-classification", seed=0), out, tokenizer=tokenizer)
+    return out
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(args, devices: int, output_dir: Path, cache: Path, process_flags=()):
+    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", "HF_HUB_OFFLINE": "1"}
+    cmd = [sys.executable, str(SCRIPT), *map(str, args), "--output_dir", str(output_dir),
+           "--compilation_cache_dir", str(cache), *map(str, process_flags)]
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def finish(processes) -> list[str]:
+    """Wait for every process (killing all of them on timeout or on a failure) and return their output."""
+    outputs = []
+    try:
+        for p in processes:
+            out, _ = p.communicate(timeout=TIMEOUT)
+            outputs.append(out)
+            assert p.returncode == 0, out[-3000:]
+    finally:
+        for p in processes:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return outputs
+
+
+def losses(output_dir: Path) -> list[float]:
+    records = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r["train/loss"] for r in records if "train/loss" in r]
+
+
+def params(output_dir: Path) -> dict[str, np.ndarray]:
+    from safetensors.numpy import load_file
+
+    return load_file(output_dir / "model.safetensors")
+
+
+def test_two_processes_match_one_and_their_checkpoint_restores_in_one(tmp_path, tiny_gpt2):
+    args = ["--model_name_or_path", tiny_gpt2, "--data_dir", shared_asset("data/glue"), "--task_name", "sst2",
+            "--max_train_samples", 64, "--max_eval_samples", 24, "--max_seq_length", 32, "--mesh", "dp=4,mp=2",
+            "--per_device_train_batch_size", 2, "--per_device_eval_batch_size", 2, "--max_steps", 4,
+            "--logging_steps", 1, "--save_steps", 2, "--learning_rate", 1e-4, "--seed", 0]
+    cache = tmp_path / "xla"
+    one, two = tmp_path / "one", tmp_path / "two"
+    finish([launch(args, 8, one, cache)])
+    port = free_port()
+    outputs = finish([
+        launch(args, 4, two, cache, ["--coordinator_address", f"127.0.0.1:{port}", "--num_processes", 2,
+                                     "--process_id", rank])
+        for rank in range(2)
+    ])
+    assert "8 devices" in outputs[0]  # process 0 reports the global device count
+
+    a, b = losses(one), losses(two)
+    assert len(a) == 4 and all(np.isfinite(a)) and len(set(a)) == 4
+    np.testing.assert_allclose(b, a, atol=1e-5)
+    pa, pb = params(one), params(two)
+    assert pa.keys() == pb.keys()
+    assert max(float(np.abs(pa[k] - pb[k]).max()) for k in pa) <= 1e-5
+    assert json.loads((two / "eval_results.json").read_text())["eval_accuracy"] == pytest.approx(
+        json.loads((one / "eval_results.json").read_text())["eval_accuracy"])
+    assert sorted(p.name for p in (two / "checkpoints").iterdir() if p.name.isdigit()) == ["2", "4"]
+
+    # the 2-process checkpoint restores in 1 process: nothing left to train, the same parameters come out
+    resumed = tmp_path / "resumed"
+    shutil.copytree(two, resumed)
+    (resumed / "model.safetensors").unlink()
+    out = finish([launch(args, 8, resumed, cache)])[0]
+    assert "(step 4)" in out
+    pr = params(resumed)
+    assert all(np.array_equal(pr[k], pb[k]) for k in pb)
