@@ -100,7 +100,7 @@ def main(argv) -> int:
     from jaxseq.models import load_config, load_pretrained, save_pretrained
     from jaxseq.models.layers import enable_remat
     from jaxseq.train.objectives import SequenceClassification
-    from jaxseq.train.trainer import Trainer, write_json
+    from jaxseq.train.trainer import Trainer, write_results
 
     mesh = start(runtime, distributed)
     task, train_examples, eval_examples = load_examples(glue)
@@ -148,15 +148,10 @@ def main(argv) -> int:
         train_results = trainer.train()
     finally:
         trainer.close()
-    eval_results = {k: v for k, v in train_results.items() if k.startswith("eval_")}
-    eval_results["eval_samples"] = len(next(iter(eval_examples.values())))
-    write_json(output_dir / "eval_results.json", eval_results)
-    write_json(output_dir / "all_results.json", {**train_results, "eval_samples": eval_results["eval_samples"],
-                                                  "train_samples": len(train_examples)})
+    write_results(output_dir, train_results, train_samples=len(train_examples),
+                  eval_samples=len(next(iter(eval_examples.values()))))
     trainer.logger.plot()
     save_pretrained(trainer.model(), output_dir, tokenizer=tokenizer)
-    if jax.process_index() == 0:
-        print(" ".join(f"{k}={v:.4f}" for k, v in sorted(eval_results.items()) if isinstance(v, float)))
     return 0
 
 

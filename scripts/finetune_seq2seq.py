@@ -79,7 +79,7 @@ def main(argv) -> int:
     from jaxseq.models import save_pretrained
     from jaxseq.models.layers import enable_remat
     from jaxseq.train.objectives import Seq2SeqLM
-    from jaxseq.train.trainer import Trainer, write_json
+    from jaxseq.train.trainer import Trainer, write_results
 
     mesh = start(runtime, distributed)
     config, folder, overrides = model_config(source, "seq2seq-lm")
@@ -115,15 +115,9 @@ def main(argv) -> int:
         train_results = trainer.train()
     finally:
         trainer.close()
-    eval_results = {k: v for k, v in train_results.items() if k.startswith("eval_")}
-    eval_results["eval_samples"] = len(eval_pairs)
-    write_json(output_dir / "eval_results.json", eval_results)
-    write_json(output_dir / "all_results.json", {**train_results, "eval_samples": len(eval_pairs),
-                                                  "train_samples": len(train_pairs)})
+    write_results(output_dir, train_results, train_samples=len(train_pairs), eval_samples=len(eval_pairs))
     trainer.logger.plot()
     save_pretrained(trainer.model(), output_dir, tokenizer=tokenizer)
-    if jax.process_index() == 0:
-        print(" ".join(f"{k}={v:.4f}" for k, v in sorted(eval_results.items()) if isinstance(v, float)))
     return 0
 
 

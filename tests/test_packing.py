@@ -1,7 +1,6 @@
 """Sequence packing: the packed layout holds exactly each example's tokens, and a packed batch gives the same
 logits, losses and training as the unpacked one (real MiniLM on real SST-2, and a tiny GPT-2 on a mesh)."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest

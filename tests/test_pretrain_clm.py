@@ -65,6 +65,15 @@ def records(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
+def last_logged_step(out: Path) -> int:
+    """The last training step in a live run's metrics.jsonl (a line being written is skipped)."""
+    path, step = out / "metrics.jsonl", 0
+    for line in path.read_text().splitlines(keepends=True) if path.exists() else []:
+        if line.endswith("\n") and '"train/loss"' in line:
+            step = json.loads(line)["step"]
+    return step
+
+
 def cache_listing(assets) -> dict[str, int]:
     return {p.name: p.stat().st_mtime_ns for p in (assets["root"] / "token-cache").iterdir()}
 
@@ -90,8 +99,7 @@ def resumed(assets, straight):
     while process.poll() is None and time.monotonic() < deadline:
         names = os.listdir(checkpoints) if checkpoints.is_dir() else []
         saving = any(".orbax-checkpoint-tmp" in n for n in names)
-        logged = [r["step"] for r in records(out) if "train/loss" in r] if (out / "metrics.jsonl").exists() else []
-        if str(SAVE_STEPS) in names and (saving or (logged and logged[-1] >= 2 * SAVE_STEPS + 5)):
+        if str(SAVE_STEPS) in names and (saving or last_logged_step(out) >= 2 * SAVE_STEPS + 5):
             process.send_signal(signal.SIGKILL)
             break
         time.sleep(0.005)
@@ -112,12 +120,14 @@ def resumed(assets, straight):
     return {"out": out, "result": result, "restored_step": steps[-1], "first_output": first_output}
 
 
+@pytest.mark.slow
 def test_pretraining_lowers_validation_perplexity_and_exports_a_model_transformers_agrees_with(assets, straight):
     import torch
 
     out, result, _ = straight
     results = json.loads((out / "eval_results.json").read_text())
-    assert set(results) == {"eval_loss", "perplexity", "eval_samples"} and results["eval_samples"] == 60
+    assert set(results) == {"eval_loss", "eval_perplexity", "perplexity", "eval_samples"}
+    assert results["eval_samples"] == 60 and results["perplexity"] == results["eval_perplexity"]
     assert results["perplexity"] == pytest.approx(np.exp(results["eval_loss"]))
     log = records(out)
     train = [r for r in log if "train/loss" in r]
@@ -128,7 +138,7 @@ def test_pretraining_lowers_validation_perplexity_and_exports_a_model_transforme
     assert all(r["train/tokens_per_second"] > 0 and 0 < r["train/mfu"] < 2 for r in train[1:])
     all_results = json.loads((out / "all_results.json").read_text())
     assert all_results["train_tokens_per_second"] > 0 and all_results["train_mfu"] > 0
-    assert all_results["block_size"] == BLOCK and all_results["train_samples"] > 9000
+    assert all_results["train_samples"] > 9000
     for name in ("config.yaml", "training_curves.png", "model.safetensors", "config.json", "tokenizer.json"):
         assert (out / name).is_file(), name
     assert "GFLOP/s (measured)" in result.stdout + result.stderr
@@ -147,6 +157,7 @@ def test_pretraining_lowers_validation_perplexity_and_exports_a_model_transforme
     assert results["eval_loss"] == pytest.approx(loss, rel=1e-4)
 
 
+@pytest.mark.slow
 def test_sigkill_and_rerun_ends_bitwise_equal_to_an_uninterrupted_run(straight, resumed):
     from safetensors.numpy import load_file
 
@@ -171,6 +182,7 @@ def test_sigkill_and_rerun_ends_bitwise_equal_to_an_uninterrupted_run(straight, 
         (straight[0] / "eval_results.json").read_text())
 
 
+@pytest.mark.slow
 def test_a_rerun_takes_the_tokens_from_the_cache(assets, straight, resumed):
     out, first, listing = straight
     assert "tokens, cached in" in first.stdout
@@ -297,8 +309,8 @@ BAD = {  # flags to change (None drops the flag), the message
     "empty text": (lambda t: {"--train_file": write(t / "empty.txt", "")}, "has no text"),
     "text shorter than a block": (lambda t: {"--train_file": write(t / "short.txt", "Hello there.")},
                                   "not enough for one block of 32"),
-    "unknown model type": (lambda t: {"--config_name": llama_config(t)}, "'llama' cannot be trained as a causal LM"),
-    "unknown --model_type": (lambda t: {"--config_name": None, "--model_type": "gpt3"}, "'gpt3' cannot be trained"),
+    "unknown model type": (lambda t: {"--config_name": llama_config(t)}, "'llama' has no causal-lm model in jaxseq"),
+    "unknown --model_type": (lambda t: {"--config_name": None, "--model_type": "gpt3"}, "'gpt3' has no causal-lm model"),
     "no model": (lambda t: {"--config_name": None}, "pass --model_name_or_path"),
     "model twice": (lambda t: {"--model_name_or_path": t}, "not both"),
     "no text": (lambda t: {"--train_file": None}, "no training text"),
@@ -341,6 +353,7 @@ def test_bad_input_exits_non_zero_from_the_command_line(tmp_path, assets):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow
 def test_gptj_from_scratch_then_from_its_own_checkpoint(tmp_path, assets, script):
     common = ["--tokenizer_name", assets["root"] / "tokenizer", "--train_file", shared_asset("data/text/botchan.txt"),
               "--block_size", 16, "--max_eval_samples", 12, "--per_device_train_batch_size", 1,

@@ -373,6 +373,20 @@ def local_rows(sharding: NamedSharding, shape: tuple[int, ...]) -> slice:
     return slice(min(s.start or 0 for s in spans), max(shape[0] if s.stop is None else s.stop for s in spans))
 
 
+def write_results(output_dir: Path, results: dict, *, train_samples: int, eval_samples: int,
+                  extra_eval: dict | None = None) -> dict:
+    """``eval_results.json`` (the ``eval_*`` entries of ``Trainer.train``'s results, plus ``extra_eval``)
+    and ``all_results.json`` (everything), as transformers' scripts write them; the eval figures are
+    printed on one line. Returns the eval entries."""
+    eval_results = {**{k: v for k, v in results.items() if k.startswith("eval_")}, **(extra_eval or {}),
+                    "eval_samples": eval_samples}
+    write_json(output_dir / "eval_results.json", eval_results)
+    write_json(output_dir / "all_results.json", {**results, **eval_results, "train_samples": train_samples})
+    if jax.process_index() == 0:
+        print(" ".join(f"{k}={v:.4g}" for k, v in sorted(eval_results.items()) if isinstance(v, float)))
+    return eval_results
+
+
 def write_json(path: Path, values: dict) -> None:
     if jax.process_index() != 0:
         return
