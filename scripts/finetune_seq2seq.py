@@ -7,7 +7,7 @@
 
 Files are csv/tsv (with a header), JSON lists or JSONL, with a source and a target column. Training is
 teacher-forced cross-entropy on the target tokens; evaluation reports the loss and perplexity over every
-target token and, by default, decodes greedily to score exact match (and BLEU when sacrebleu is installed).
+target token and, by default, decodes greedily to score exact match.
 Writes to --output_dir: eval_results.json, all_results.json, metrics.jsonl, TensorBoard events,
 training_curves.png, the config used, orbax checkpoints (a rerun resumes), and the model with its tokenizer
 as a Hugging Face folder.
@@ -41,8 +41,7 @@ class Seq2SeqDataConfig:
     max_target_length: int = arg(64, "target tokens per example, EOS included (longer targets are truncated)")
     max_train_samples: int | None = arg(None, "use only the first N training pairs")
     max_eval_samples: int | None = arg(None, "use only the first N evaluation pairs")
-    predict_with_generate: bool = arg(True, "decode the evaluation sources greedily and score exact match (and "
-                                            "BLEU if sacrebleu is installed)")
+    predict_with_generate: bool = arg(True, "decode the evaluation sources greedily and score exact match")
     generation_max_length: int | None = arg(None, "new tokens per generated answer (default: --max_target_length)")
 
 
