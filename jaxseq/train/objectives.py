@@ -41,22 +41,14 @@ class SequenceClassification:
                 **compute_metrics(self.task, outputs["prediction"], arrays["labels"])}
 
 
-class CausalLM:
-    """Next-token cross-entropy: position t predicts token t+1 of ``input_ids`` (a target whose
-    ``attention_mask`` is 0, if the batch has one, is left out). The loss is the mean over every predicted
-    token of the batch; ``predict`` keeps each example's summed loss and token count, so the eval loss and
-    perplexity are exact over all tokens of the eval set, whatever the batching."""
+class TokenLoss:
+    """Cross-entropy over weighted target tokens (``_token_losses``, defined by each job). The loss is the
+    mean over every target token of the batch; ``predict`` keeps each example's summed loss and token
+    count, so the eval loss and perplexity are exact over all tokens of the eval set, whatever the batching."""
 
     def _token_losses(self, model, batch, rngs=None) -> tuple[jax.Array, jax.Array]:
-        ids = batch["input_ids"].astype(jnp.int32)  # the data may be stored as uint16
-        mask = batch.get("attention_mask")
-        logits = model(ids, mask, rngs=rngs).logits
-        # the last position has no next token: it is scored against a wrapped-around target with weight 0,
-        # which spares slicing the logits (a copy of the step's largest array, and a pad in the backward)
-        targets = jnp.roll(ids, -1, axis=1)
-        weights = jnp.ones(ids.shape, jnp.float32) if mask is None else jnp.roll(mask, -1, axis=1).astype(jnp.float32)
-        weights = weights.at[:, -1].set(0.0)
-        return optax.softmax_cross_entropy_with_integer_labels(logits, targets) * weights, weights
+        """Per-token losses and weights (0 = not a target), both ``[batch, seq]``."""
+        raise NotImplementedError
 
     def loss(self, model, batch: Mapping[str, jax.Array], rngs) -> jax.Array:
         losses, weights = self._token_losses(model, batch, rngs)
@@ -71,7 +63,23 @@ class CausalLM:
         return {"loss": loss, "perplexity": perplexity(loss)}
 
 
-class Seq2SeqLM(CausalLM):
+class CausalLM(TokenLoss):
+    """Next-token cross-entropy: position t predicts token t+1 of ``input_ids`` (a target whose
+    ``attention_mask`` is 0, if the batch has one, is left out)."""
+
+    def _token_losses(self, model, batch, rngs=None) -> tuple[jax.Array, jax.Array]:
+        ids = batch["input_ids"].astype(jnp.int32)  # the data may be stored as uint16
+        mask = batch.get("attention_mask")
+        logits = model(ids, mask, rngs=rngs).logits
+        # the last position has no next token: it is scored against a wrapped-around target with weight 0,
+        # which spares slicing the logits (a copy of the step's largest array, and a pad in the backward)
+        targets = jnp.roll(ids, -1, axis=1)
+        weights = jnp.ones(ids.shape, jnp.float32) if mask is None else jnp.roll(mask, -1, axis=1).astype(jnp.float32)
+        weights = weights.at[:, -1].set(0.0)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, targets) * weights, weights
+
+
+class Seq2SeqLM(TokenLoss):
     """Teacher-forced cross-entropy of an encoder-decoder (T5) on ``labels`` (``decoder_attention_mask``
     marks the real target tokens); eval loss and perplexity exact over all target tokens. With a
     ``tokenizer`` and ``max_new_tokens`` > 0, evaluation also decodes greedily and scores the text:

@@ -219,8 +219,8 @@ class Trainer:
     def _packed_train_batch(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Each micro-batch packed on its own (its pool_index local to it), stacked back together."""
         micro = self.config.gradient_accumulation_steps
-        parts = [packing.pack({k: np.split(v, micro)[i] for k, v in batch.items()}, self.train_rows, self.pack)
-                 for i in range(micro)]
+        splits = {k: np.split(v, micro) for k, v in batch.items()}
+        parts = [packing.pack({k: v[i] for k, v in splits.items()}, self.train_rows, self.pack) for i in range(micro)]
         return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
 
     def _predict(self, params, batch):
