@@ -4,6 +4,8 @@
 
 Settings (both sides): the first N SST-2 training examples, 1 epoch, batch 32, lr 5e-5 with linear decay
 and no warmup, AdamW (weight decay 0.01 on matrices, global-norm clip 1.0), max length 64, float32, seed 0.
+Both sides start from the same weights (the new classifier head is drawn once, by PyTorch, and saved) and
+see the examples in the same order (jaxseq's, a function of the seed); only their dropout masks differ.
 Wall time counts the training loop only (jaxseq's also holds its compilation and the final evaluation);
 evaluation is on the full dev set. Prints both dev accuracies and the wall-time ratio.
 
@@ -26,7 +28,8 @@ ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared"
 
 
-def run_jaxseq(args, out: Path) -> dict:
+def run_jaxseq(args, out: Path, extra: tuple[str, ...] = ()) -> dict:
+    """scripts/finetune_glue.py at the settings above; ``extra`` flags come last, so they win."""
     cmd = [
         sys.executable, str(ROOT / "scripts" / "finetune_glue.py"),
         "--model_name_or_path", str(args.model), "--data_dir", str(args.glue), "--task_name", "sst2",
@@ -34,12 +37,25 @@ def run_jaxseq(args, out: Path) -> dict:
         "--per_device_train_batch_size", "32", "--per_device_eval_batch_size", "128", "--num_train_epochs", "1",
         "--learning_rate", "5e-5", "--weight_decay", "0.01", "--lr_scheduler_type", "linear",
         "--logging_steps", "50", "--seed", "0", "--compilation_cache_dir", "",
-    ] + ([] if args.no_pack else ["--pack_sequences"])
+    ] + ([] if args.no_pack else ["--pack_sequences"]) + list(extra)
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     subprocess.run(cmd, check=True, env=env)
     results = json.loads((out / "all_results.json").read_text())
     return {"accuracy": results["eval_accuracy"], "train_seconds": results["train_runtime"],
-            "compile_seconds": results["train_compile_seconds"]}
+            "compile_seconds": results["train_compile_seconds"],
+            "trainable_parameters": results["trainable_parameters"],
+            "optimizer_state_bytes": results["optimizer_state_bytes"]}
+
+
+def initial_model(model: Path, out: Path) -> Path:
+    """MiniLM with a freshly drawn 2-way classifier head (seed 0), saved as the common starting point."""
+    import torch
+    from transformers import AutoTokenizer, BertForSequenceClassification
+
+    torch.manual_seed(0)
+    BertForSequenceClassification.from_pretrained(model, num_labels=2).save_pretrained(out)
+    AutoTokenizer.from_pretrained(model).save_pretrained(out)
+    return out
 
 
 def run_pytorch(args) -> dict:
@@ -47,6 +63,7 @@ def run_pytorch(args) -> dict:
     import torch
     from transformers import AutoTokenizer, BertForSequenceClassification, get_linear_schedule_with_warmup
 
+    from jaxseq.data.batches import epoch_order
     from jaxseq.data.glue import encode, get_task, load_split
 
     torch.manual_seed(0)
@@ -54,14 +71,14 @@ def run_pytorch(args) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     train = encode(task, load_split(task, "train", data_dir=args.glue)[: args.train_samples], tokenizer, 64)
     dev = encode(task, load_split(task, "validation", data_dir=args.glue), tokenizer, 64)
-    model = BertForSequenceClassification.from_pretrained(args.model, num_labels=2)
+    model = BertForSequenceClassification.from_pretrained(args.model)
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}],
                                   lr=5e-5)
     steps = len(train["labels"]) // 32
     scheduler = get_linear_schedule_with_warmup(optimizer, 0, steps)
-    order = np.random.default_rng(0).permutation(len(train["labels"]))
+    order = epoch_order(len(train["labels"]), seed=0, epoch=0)  # jaxseq's order for seed 0
     tensors = {k: torch.as_tensor(v).long() for k, v in train.items()}
     model.train()
     start = time.perf_counter()
@@ -96,8 +113,9 @@ def main() -> int:
     parser.add_argument("--json", type=Path, help="also write the figures here")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        jax_result = run_jaxseq(args, Path(tmp))
-    torch_result = run_pytorch(args)
+        args.model = initial_model(args.model, Path(tmp) / "initial")
+        jax_result = run_jaxseq(args, Path(tmp) / "jaxseq")
+        torch_result = run_pytorch(args)
     report = {
         "jaxseq": {**jax_result, "pack_sequences": not args.no_pack}, "pytorch": torch_result,
         "accuracy_gap_points": 100 * (jax_result["accuracy"] - torch_result["accuracy"]),

@@ -154,8 +154,8 @@ def shard_cache(cache, mesh: Mesh | None):
     def spec(x):
         if x.ndim != 4:
             return NamedSharding(mesh, P())
-        heads = "mp" if x.shape[2] % mesh.shape["mp"] == 0 else None
-        return NamedSharding(mesh, P(BATCH_AXES, None, heads, None))
+        heads = "mp" if x.shape[1] % mesh.shape["mp"] == 0 else None
+        return NamedSharding(mesh, P(BATCH_AXES, heads, None, None))
 
     return jax.lax.with_sharding_constraint(cache, jax.tree.map(spec, cache))
 

@@ -144,7 +144,7 @@ def test_cached_decoding_matches_teacher_forcing(t5):
 
     cache, logits = generate(state)
     assert int(cache.index) == steps
-    assert [kv.k.shape for kv in cache.cross] == [(3, ids.shape[1], 4, 16)] * 2
+    assert [kv.k.shape for kv in cache.cross] == [(3, 4, ids.shape[1], 16)] * 2
     assert max_diff_on(np.asarray(dec_mask), logits, out.logits) <= 1e-4
 
 

@@ -4,8 +4,9 @@ Shapes follow ``jax.nn.dot_product_attention``: queries ``[batch, q_len, heads, 
 values ``[batch, kv_len, heads, head_dim]``, masks ``[batch, 1, q_len, kv_len]`` (True = attend).
 
 The KV cache is a plain pytree of fixed shapes, so it can be carried through ``lax.while_loop``:
-``Cache(layers=(KVCache(k, v), ...), index)`` where ``k``/``v`` are ``[batch, max_len, heads, head_dim]``
-and ``index`` is the int32 position the next token is written to. With a cache, the attention mask the
+``Cache(layers=(KVCache(k, v), ...), index)`` where ``k``/``v`` are ``[batch, heads, max_len, head_dim]``
+(heads before positions, so the attention dots read the whole cache without transposing it every step;
+``attend_cache`` is the attention over it) and ``index`` is the int32 position the next token is written to. With a cache, the attention mask the
 caller passes covers all ``max_len`` key positions (1 for real tokens written so far or about to be).
 """
 
@@ -21,15 +22,24 @@ from jaxseq.models.layers import call_block, dropout
 
 
 class KVCache(NamedTuple):
-    """Keys and values of one attention layer, preallocated to the maximum length."""
+    """Keys and values of one attention layer, ``[batch, heads, max_len, head_dim]``."""
 
     k: jax.Array
     v: jax.Array
 
     @classmethod
     def zeros(cls, batch: int, max_len: int, heads: int, head_dim: int, dtype) -> "KVCache":
-        shape = (batch, max_len, heads, head_dim)
+        shape = (batch, heads, max_len, head_dim)
         return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+
+    @classmethod
+    def of(cls, k: jax.Array, v: jax.Array, dtype=None) -> "KVCache":
+        """A cache holding keys/values given as ``[batch, len, heads, head_dim]`` (T5's cross-attention)."""
+        return cls(*(jnp.swapaxes(t, 1, 2).astype(dtype or t.dtype) for t in (k, v)))
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[2]
 
 
 class Cache(NamedTuple):
@@ -63,10 +73,11 @@ def run_blocks(blocks, remat: bool, x, mask, *args, cache: Cache | None, rngs):
 
 def update_kv(cache: KVCache, k: jax.Array, v: jax.Array, index: jax.Array) -> KVCache:
     """Write ``k``/``v`` (``[batch, t, heads, dim]``) into the cache at sequence position ``index``."""
-    start = (0, index, 0, 0)
+    new = KVCache.of(k, v, cache.k.dtype)
+    start = (0, 0, index, 0)
     return KVCache(
-        jax.lax.dynamic_update_slice(cache.k, k.astype(cache.k.dtype), start),
-        jax.lax.dynamic_update_slice(cache.v, v.astype(cache.v.dtype), start),
+        jax.lax.dynamic_update_slice(cache.k, new.k, start),
+        jax.lax.dynamic_update_slice(cache.v, new.v, start),
     )
 
 
@@ -132,6 +143,20 @@ def attend(
     probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
     probs = dropout(probs, dropout_rate, rngs)
     return jnp.einsum("bhqk,bkhd->bqhd", probs, v)
+
+
+def attend_cache(q: jax.Array, cache: KVCache, mask: jax.Array | None, *, bias: jax.Array | None = None,
+                 scale: float | None = None) -> jax.Array:
+    """``attend`` (without dropout: caches serve inference) over the keys/values of ``cache``."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    k, v = cache.k.astype(q.dtype), cache.v.astype(q.dtype)
+    logits = jnp.einsum("bqhd,bhkd->bhqk", q, k, preferred_element_type=jnp.float32) * scale
+    if bias is not None:
+        logits = logits + bias.astype(jnp.float32)
+    if mask is not None:
+        logits = jnp.where(mask, logits, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
+    return jnp.einsum("bhqk,bhkd->bqhd", probs, v)
 
 
 def split_heads(x: jax.Array, heads: int) -> jax.Array:

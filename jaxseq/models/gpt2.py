@@ -8,7 +8,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxseq.errors import JaxseqError
 from jaxseq.models.attention import (
-    Cache, KVCache, attend, make_mask, merge_heads, run_blocks, split_heads, update_kv,
+    Cache, KVCache, attend, attend_cache, make_mask, merge_heads, run_blocks, split_heads, update_kv,
 )
 from jaxseq.models.family import Family
 from jaxseq.models.layers import Conv1D, activation, dropout, normal
@@ -30,8 +30,9 @@ class GPT2Attention(nnx.Module):
         q, k, v = (split_heads(t, self.num_heads) for t in jnp.split(self.c_attn(x), 3, axis=-1))
         if cache is not None:
             cache = update_kv(cache, k, v, index)
-            k, v = cache.k.astype(q.dtype), cache.v.astype(q.dtype)
-        y = attend(q, k, v, mask, scale=self.scale, dropout_rate=self.attn_pdrop, rngs=rngs)
+            y = attend_cache(q, cache, mask, scale=self.scale)
+        else:
+            y = attend(q, k, v, mask, scale=self.scale, dropout_rate=self.attn_pdrop, rngs=rngs)
         return dropout(self.c_proj(merge_heads(y)), self.resid_pdrop, rngs), cache
 
 
@@ -91,7 +92,7 @@ class GPT2Model(nnx.Module):
             position_ids = (index + jnp.arange(seq, dtype=jnp.int32))[None, :]
         x = self.wte(input_ids) + self.wpe(position_ids)
         x = dropout(x, self.config.embd_pdrop, rngs)
-        kv_len = seq if cache is None else cache.layers[0].k.shape[1]
+        kv_len = seq if cache is None else cache.layers[0].max_len
         mask = make_mask(attention_mask, seq, kv_len, causal=True, index=index)
         x, cache = run_blocks(self.h, self.remat, x, mask, cache=cache, rngs=rngs)
         return BaseOutput(self.ln_f(x), cache)

@@ -13,7 +13,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jaxseq.models.attention import (
-    Cache, KVCache, attend, make_mask, merge_heads, run_blocks, split_heads, update_kv,
+    Cache, KVCache, attend, attend_cache, make_mask, merge_heads, run_blocks, split_heads, update_kv,
 )
 from jaxseq.models.family import Family
 from jaxseq.models.gpt2 import LastTokenClassifier
@@ -63,8 +63,9 @@ class GPTJAttention(nnx.Module):
         q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         if cache is not None:
             cache = update_kv(cache, k, v, index)
-            k, v = cache.k.astype(q.dtype), cache.v.astype(q.dtype)
-        y = attend(q, k, v, mask, scale=self.scale, dropout_rate=self.attn_pdrop, rngs=rngs)
+            y = attend_cache(q, cache, mask, scale=self.scale)
+        else:
+            y = attend(q, k, v, mask, scale=self.scale, dropout_rate=self.attn_pdrop, rngs=rngs)
         return dropout(self.out_proj(merge_heads(y)), self.resid_pdrop, rngs), cache
 
 
@@ -117,7 +118,7 @@ class GPTJModel(nnx.Module):
             position_ids = (index + jnp.arange(seq, dtype=jnp.int32))[None, :]
         rope = sincos(position_ids, rotary_dim(self.config))
         x = dropout(self.wte(input_ids), self.config.embd_pdrop, rngs)
-        kv_len = seq if cache is None else cache.layers[0].k.shape[1]
+        kv_len = seq if cache is None else cache.layers[0].max_len
         mask = make_mask(attention_mask, seq, kv_len, causal=True, index=index)
         x, cache = run_blocks(self.h, self.remat, x, mask, rope, cache=cache, rngs=rngs)
         return BaseOutput(self.ln_f(x), cache)

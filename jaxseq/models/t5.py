@@ -25,6 +25,7 @@ from jaxseq.models.attention import (
     Cache,
     KVCache,
     attend,
+    attend_cache,
     make_mask,
     merge_heads,
     query_positions,
@@ -122,22 +123,25 @@ class T5Attention(nnx.Module):
         )
         return jnp.transpose(self.relative_attention_bias(buckets), (2, 0, 1))[None]
 
-    def key_values(self, states) -> KVCache:
-        return KVCache(split_heads(self.k(states), self.num_heads), split_heads(self.v(states), self.num_heads))
+    def key_values(self, states) -> tuple[jax.Array, jax.Array]:
+        """Keys and values of ``states``, ``[batch, len, heads, d_kv]``."""
+        return split_heads(self.k(states), self.num_heads), split_heads(self.v(states), self.num_heads)
 
     def __call__(self, x, mask, bias=None, *, kv_states=None, kv: KVCache | None = None,
                  cache: KVCache | None = None, index=0, rngs=None):
         """Self-attention over ``x``, or cross-attention over ``kv_states`` (or their precomputed ``kv``).
         With a self-attention ``cache`` the new keys/values are written at ``index`` first."""
         q = split_heads(self.q(x), self.num_heads)
-        if kv is None:
-            kv = self.key_values(x if kv_states is None else kv_states)
-        k, v = kv
-        if cache is not None:
-            cache = update_kv(cache, k, v, index)
-            k, v = cache
-        y = attend(q, k.astype(q.dtype), v.astype(q.dtype), mask, bias=bias, scale=1.0,
-                   dropout_rate=self.dropout_rate, rngs=rngs)
+        if kv is not None:  # cross-attention keys/values from init_cache
+            y = attend_cache(q, kv, mask, bias=bias, scale=1.0)
+        else:
+            k, v = self.key_values(x if kv_states is None else kv_states)
+            if cache is not None:
+                cache = update_kv(cache, k, v, index)
+                y = attend_cache(q, cache, mask, bias=bias, scale=1.0)
+            else:
+                y = attend(q, k.astype(q.dtype), v.astype(q.dtype), mask, bias=bias, scale=1.0,
+                           dropout_rate=self.dropout_rate, rngs=rngs)
         return self.o(merge_heads(y)), cache
 
 
@@ -248,14 +252,14 @@ class T5Stack(nnx.Module):
         ``max_len`` positions. The decoder attends to ``encoder_hidden`` or to ``cache.cross``."""
         seq = embeds.shape[1]
         index = 0 if cache is None else cache.index
-        kv_len = seq if cache is None else cache.layers[0].k.shape[1]
+        kv_len = seq if cache is None else cache.layers[0].max_len
         mask = make_mask(attention_mask, seq, kv_len, causal=self.is_decoder, index=index)
         bias = self.block[0].layer[0].SelfAttention.compute_bias(seq, kv_len, index).astype(embeds.dtype)
         cross_mask = None
         if self.is_decoder:
             if cache is None and encoder_hidden is None:
                 raise JaxseqError("the T5 decoder needs encoder_hidden (or a cache from init_cache)")
-            enc_len = encoder_hidden.shape[1] if cache is None else cache.cross[0].k.shape[1]
+            enc_len = encoder_hidden.shape[1] if cache is None else cache.cross[0].max_len
             cross_mask = make_mask(encoder_mask, seq, enc_len, causal=False, cross=True)
         x = dropout(embeds, self.dropout_rate, rngs)
         new_layers = []
@@ -335,7 +339,7 @@ class T5ForConditionalGeneration(nnx.Module):
         c, dtype = self.config, dtype or self.dtype
         layer = KVCache.zeros(batch, max_len, c.num_heads, c.d_kv, dtype)
         cross = tuple(
-            KVCache(*(t.astype(dtype) for t in block.layer[1].EncDecAttention.key_values(encoder_hidden)))
+            KVCache.of(*block.layer[1].EncDecAttention.key_values(encoder_hidden), dtype)
             for block in self.decoder.block
         )
         return Cache(tuple(layer for _ in self.decoder.block), jnp.zeros((), jnp.int32), cross)
