@@ -55,18 +55,33 @@ def setup_compilation_cache(directory: str | None) -> None:
 
 
 def script(main):
-    """Run ``main(argv)``; a JaxseqError or a bad file ends in one line on stderr and exit code 1
-    (``--debug`` shows the traceback instead)."""
+    """Run ``main(argv)``; a JaxseqError, a failing file operation (unwritable folder, full disk) or a
+    Ctrl-C ends in one line on stderr and a non-zero exit code: 1, or 128 + the signal's number when a
+    signal stopped training (``--debug`` shows the traceback instead)."""
 
     @functools.wraps(main)
     def wrapper(argv=None):
         argv = sys.argv[1:] if argv is None else argv
         try:
             return main(argv) or 0
-        except JaxseqError as e:
+        except (JaxseqError, OSError, KeyboardInterrupt) as e:
             if "--debug" in argv:
                 raise
-            print(f"error: {e}", file=sys.stderr)
-            return 1
+            if isinstance(e, JaxseqError):
+                line, code = f"{e.label}: {e}", e.exit_code
+            elif isinstance(e, OSError):
+                line, code = f"error: {os_error_line(e)}", 1
+            else:
+                line, code = "interrupted: stopped by Ctrl-C; a rerun resumes from the last checkpoint, if any", 130
+            print(line, file=sys.stderr, flush=True)
+            return code
 
     return wrapper
+
+
+def os_error_line(e: OSError) -> str:
+    """One line for a file operation that failed: what, on which path, and what to check."""
+    paths = " -> ".join(str(p) for p in (e.filename, e.filename2) if p is not None)
+    what = e.strerror or str(e).splitlines()[0][:200] or type(e).__name__
+    return (f"{what}{f': {paths}' if paths else ''}; check that the path exists and is writable and that "
+            "the disk has room (--debug shows where it happened)")

@@ -1,5 +1,19 @@
-"""The one exception type users see: its message is a single line saying what is wrong and how to fix it."""
+"""The exceptions users see: each message is a single line saying what is wrong and how to fix it."""
 
 
 class JaxseqError(Exception):
-    """A problem the user can fix (bad path, bad config, bad flag). Scripts print it as one line."""
+    """A problem the user can fix (bad path, bad config, bad flag). Scripts print it as one line, exit 1."""
+
+    label = "error"
+    exit_code = 1
+
+
+class Interrupted(JaxseqError):
+    """Training stopped by a signal after saving a checkpoint: exit 128 + the signal's number (130 for
+    SIGINT/Ctrl-C, 143 for SIGTERM), as a shell reports a process killed by it."""
+
+    label = "interrupted"
+
+    def __init__(self, message: str, signum: int):
+        super().__init__(message)
+        self.exit_code = 128 + signum

@@ -20,6 +20,8 @@ from jaxseq.config import arg, build_parser, parse_args, save_config
 from jaxseq.data.glue import TASKS
 from jaxseq.distributed import DistributedConfig
 from jaxseq.errors import JaxseqError
+from jaxseq.hub_push import HubConfig
+from jaxseq.train.lora import LoraConfig
 from jaxseq.train.optim import OptimizerConfig
 from jaxseq.train.trainer import TrainerConfig
 
@@ -43,7 +45,7 @@ class GlueConfig:
                                       "math per example, much less padding: several times faster on short texts)")
 
 
-SECTIONS = (GlueConfig, RuntimeConfig, TrainerConfig, OptimizerConfig, DistributedConfig)
+SECTIONS = (GlueConfig, RuntimeConfig, TrainerConfig, OptimizerConfig, LoraConfig, HubConfig, DistributedConfig)
 
 
 def load_examples(glue: GlueConfig):
@@ -90,15 +92,19 @@ def max_positions(config) -> int | None:
 @script
 def main(argv) -> int:
     parser = build_parser(__doc__, *SECTIONS)
-    args, (glue, runtime, trainer_config, optimizer_config, distributed) = parse_args(parser, SECTIONS, argv)
+    args, (glue, runtime, trainer_config, optimizer_config, lora_config, hub, distributed) = parse_args(
+        parser, SECTIONS, argv)
 
     import jax
     import jax.numpy as jnp
-    from transformers import AutoTokenizer
 
     from jaxseq.data.glue import encode
-    from jaxseq.models import load_config, load_pretrained, save_pretrained
+    from jaxseq.hub_push import push_run
+    from jaxseq.models import load_config, load_pretrained
+    from jaxseq.models.hub import model_class
     from jaxseq.models.layers import enable_remat
+    from jaxseq.models.source import load_tokenizer
+    from jaxseq.train.lora import export_model
     from jaxseq.train.objectives import SequenceClassification
     from jaxseq.train.trainer import Trainer, write_results
 
@@ -109,7 +115,11 @@ def main(argv) -> int:
     limit = max_positions(config)
     if limit is not None and glue.max_seq_length > limit:
         raise JaxseqError(f"--max_seq_length {glue.max_seq_length} exceeds the model's {limit} positions; lower it")
-    tokenizer = AutoTokenizer.from_pretrained(glue.tokenizer_name or folder)
+    model_class(config, "sequence-classification")  # a model type jaxseq has, before anything heavy
+    tokenizer = load_tokenizer(glue.tokenizer_name or folder, fast=False)
+    if len(tokenizer) > config.vocab_size:
+        raise JaxseqError(f"the tokenizer has {len(tokenizer)} tokens but the model only {config.vocab_size}; "
+                          "pass the model's own tokenizer")
     overrides = {}
     if tokenizer.pad_token is None:  # GPT-2 style: pad with EOS, and classify at the last real token
         tokenizer.pad_token = tokenizer.eos_token
@@ -122,19 +132,16 @@ def main(argv) -> int:
                             dtype=jnp.dtype(runtime.dtype), seed=trainer_config.seed, **overrides)
     if runtime.remat:
         enable_remat(model)
-    if len(tokenizer) > model.config.vocab_size:
-        raise JaxseqError(f"the tokenizer has {len(tokenizer)} tokens but the model only {model.config.vocab_size}; "
-                          "pass the model's own tokenizer")
     train_arrays = encode(task, train_examples, tokenizer, glue.max_seq_length)
     eval_sets = {k: encode(task, v, tokenizer, glue.max_seq_length) for k, v in eval_examples.items()}
 
     output_dir = Path(trainer_config.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
-    if jax.process_index() == 0:
-        save_config(output_dir / "config.yaml", glue, runtime, trainer_config, optimizer_config)
     trainer = Trainer(model, SequenceClassification(task), trainer_config, optimizer_config, train_arrays,
                       eval_sets, mesh, loss_scaling=runtime.dtype == "float16",
-                      pack=model.pooled_token if glue.pack_sequences else None)
+                      pack=model.pooled_token if glue.pack_sequences else None, lora=lora_config)
+    if jax.process_index() == 0:  # after Trainer has checked any checkpoint already in output_dir
+        save_config(output_dir / "config.yaml", glue, runtime, trainer_config, optimizer_config, lora_config)
     trainer.logger.write(trainer.describe())
     trainer.logger.write(
         f"{task.name}: {len(train_examples)} train / {sum(map(len, eval_examples.values()))} eval examples, "
@@ -151,7 +158,8 @@ def main(argv) -> int:
     write_results(output_dir, train_results, train_samples=len(train_examples),
                   eval_samples=len(next(iter(eval_examples.values()))))
     trainer.logger.plot()
-    save_pretrained(trainer.model(), output_dir, tokenizer=tokenizer)
+    export_model(trainer, output_dir, tokenizer, base_model=glue.model_name_or_path)
+    push_run(hub, output_dir)
     return 0
 
 

@@ -23,7 +23,9 @@ from jaxseq.cli import RuntimeConfig, script, start
 from jaxseq.config import arg, build_parser, parse_args, save_config
 from jaxseq.distributed import DistributedConfig
 from jaxseq.errors import JaxseqError
+from jaxseq.hub_push import HubConfig
 from jaxseq.models.source import ModelSource
+from jaxseq.train.lora import LoraConfig
 from jaxseq.train.optim import OptimizerConfig
 from jaxseq.train.trainer import TrainerConfig
 
@@ -45,7 +47,8 @@ class Seq2SeqDataConfig:
     generation_max_length: int | None = arg(None, "new tokens per generated answer (default: --max_target_length)")
 
 
-SECTIONS = (ModelSource, Seq2SeqDataConfig, RuntimeConfig, TrainerConfig, OptimizerConfig, DistributedConfig)
+SECTIONS = (ModelSource, Seq2SeqDataConfig, RuntimeConfig, TrainerConfig, OptimizerConfig, LoraConfig, HubConfig,
+            DistributedConfig)
 
 
 def load_data(data: Seq2SeqDataConfig):
@@ -65,7 +68,8 @@ def load_data(data: Seq2SeqDataConfig):
 @script
 def main(argv) -> int:
     parser = build_parser(__doc__, *SECTIONS)
-    args, (source, data, runtime, trainer_config, optimizer_config, distributed) = parse_args(parser, SECTIONS, argv)
+    args, (source, data, runtime, trainer_config, optimizer_config, lora_config, hub, distributed) = parse_args(
+        parser, SECTIONS, argv)
     from jaxseq.models.source import build_model, check, load_tokenizer, model_config
 
     check(source, default_model=DEFAULT_MODEL)
@@ -75,8 +79,9 @@ def main(argv) -> int:
     import jax.numpy as jnp
 
     from jaxseq.data.seq2seq import encode_pairs
-    from jaxseq.models import save_pretrained
+    from jaxseq.hub_push import push_run
     from jaxseq.models.layers import enable_remat
+    from jaxseq.train.lora import export_model
     from jaxseq.train.objectives import Seq2SeqLM
     from jaxseq.train.trainer import Trainer, write_results
 
@@ -101,10 +106,10 @@ def main(argv) -> int:
 
     output_dir = Path(trainer_config.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
-    if jax.process_index() == 0:
-        save_config(output_dir / "config.yaml", source, data, runtime, trainer_config, optimizer_config)
     trainer = Trainer(model, objective, trainer_config, optimizer_config, train_arrays, {"": eval_arrays}, mesh,
-                      loss_scaling=runtime.dtype == "float16")
+                      loss_scaling=runtime.dtype == "float16", lora=lora_config)
+    if jax.process_index() == 0:  # after Trainer has checked any checkpoint already in output_dir
+        save_config(output_dir / "config.yaml", source, data, runtime, trainer_config, optimizer_config, lora_config)
     trainer.logger.write(trainer.describe())
     trainer.logger.write(
         f"{config.model_type}: {len(train_pairs)} train / {len(eval_pairs)} eval pairs, {trainer.total_steps} steps "
@@ -116,7 +121,8 @@ def main(argv) -> int:
         trainer.close()
     write_results(output_dir, train_results, train_samples=len(train_pairs), eval_samples=len(eval_pairs))
     trainer.logger.plot()
-    save_pretrained(trainer.model(), output_dir, tokenizer=tokenizer)
+    export_model(trainer, output_dir, tokenizer, base_model=source.model_name_or_path)
+    push_run(hub, output_dir)
     return 0
 
 

@@ -107,12 +107,12 @@ def main(argv) -> int:
 
     import jax.numpy as jnp
     import numpy as np
-    from transformers import AutoTokenizer
 
     from jaxseq.generation import generate
     from jaxseq.mesh import make_mesh
     from jaxseq.models import load_config, load_pretrained
     from jaxseq.models.hub import family_for, resolve
+    from jaxseq.models.source import load_tokenizer
 
     setup_compilation_cache(cfg.compilation_cache_dir)
     mesh = make_mesh(cfg.mesh or None)
@@ -122,7 +122,7 @@ def main(argv) -> int:
     task = next((t for t in ("causal-lm", "seq2seq-lm") if t in tasks), None)
     if task is None:
         raise JaxseqError(f"{config.model_type} models cannot generate text; use a GPT-2, GPT-J or T5 checkpoint")
-    tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer_name or folder)
+    tokenizer = load_tokenizer(cfg.tokenizer_name or folder, fast=False)
     eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else config.eos_token_id
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
 

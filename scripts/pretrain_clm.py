@@ -23,7 +23,9 @@ from jaxseq.config import arg, build_parser, parse_args, save_config
 from jaxseq.data.text import TextDataConfig, check_sources
 from jaxseq.distributed import DistributedConfig
 from jaxseq.errors import JaxseqError
+from jaxseq.hub_push import HubConfig
 from jaxseq.models.source import ModelSource, check
+from jaxseq.train.lora import LoraConfig
 from jaxseq.train.optim import OptimizerConfig
 from jaxseq.train.trainer import TrainerConfig
 
@@ -34,7 +36,8 @@ class SpeedConfig:
                                  "in the log; 0 measures a jitted matmul once at start")
 
 
-SECTIONS = (ModelSource, TextDataConfig, RuntimeConfig, TrainerConfig, OptimizerConfig, SpeedConfig, DistributedConfig)
+SECTIONS = (ModelSource, TextDataConfig, RuntimeConfig, TrainerConfig, OptimizerConfig, LoraConfig, SpeedConfig,
+            HubConfig, DistributedConfig)
 
 
 def choose_block_size(requested: int | None, config) -> int:
@@ -50,7 +53,7 @@ def choose_block_size(requested: int | None, config) -> int:
 @script
 def main(argv) -> int:
     parser = build_parser(__doc__, *SECTIONS)
-    args, (source, data, runtime, trainer_config, optimizer_config, speed, distributed) = parse_args(
+    args, (source, data, runtime, trainer_config, optimizer_config, lora_config, speed, hub, distributed) = parse_args(
         parser, SECTIONS, argv)
     check(source)
     check_sources(data)
@@ -59,9 +62,10 @@ def main(argv) -> int:
     import jax.numpy as jnp
 
     from jaxseq.data.text import load_blocks
-    from jaxseq.models import save_pretrained
+    from jaxseq.hub_push import push_run
     from jaxseq.models.layers import enable_remat
     from jaxseq.models.source import build_model, load_tokenizer, model_config
+    from jaxseq.train.lora import export_model
     from jaxseq.train.objectives import CausalLM
     from jaxseq.train.throughput import flops_per_token, measure_peak_flops
     from jaxseq.train.trainer import Trainer, write_results
@@ -86,10 +90,12 @@ def main(argv) -> int:
     flops = flops_per_token(model, block_size)
     trainer = Trainer(model, CausalLM(), trainer_config, optimizer_config, {"input_ids": train_blocks},
                       {"": {"input_ids": valid_blocks}}, mesh, loss_scaling=runtime.dtype == "float16",
-                      tokens_per_example=block_size, flops_per_example=flops * block_size, peak_flops=peak)
+                      tokens_per_example=block_size, flops_per_example=flops * block_size, peak_flops=peak,
+                      lora=lora_config)
     output_dir = Path(trainer_config.output_dir)
     if main_process:
-        save_config(output_dir / "config.yaml", source, data, runtime, trainer_config, optimizer_config, speed)
+        save_config(output_dir / "config.yaml", source, data, runtime, trainer_config, optimizer_config, lora_config,
+                    speed)
     trainer.logger.write(trainer.describe())
     trainer.logger.write(
         f"{config.model_type}: {len(train_blocks):,} training / {len(valid_blocks):,} validation blocks of "
@@ -105,7 +111,9 @@ def main(argv) -> int:
                   extra_eval={"perplexity": train_results["eval_perplexity"]})  # run_clm's name for it
     log(" ".join(f"{k}={train_results[k]:.4g}" for k in ("train_tokens_per_second", "train_mfu") if k in train_results))
     trainer.logger.plot()
-    save_pretrained(trainer.model(), output_dir, tokenizer=tokenizer)  # every process gathers, process 0 writes
+    # every process gathers, process 0 writes
+    export_model(trainer, output_dir, tokenizer, base_model=source.model_name_or_path)
+    push_run(hub, output_dir)
     return 0
 
 

@@ -175,6 +175,7 @@ class BertForSequenceClassification(nnx.Module):
 
     hf_architecture = "BertForSequenceClassification"
     pooled_token = "first"  # which token of a packed example pool_index points at
+    task_head = r"^classifier/"  # what fine-tuning adds to the pretrained model (trained in full beside LoRA)
 
     def __init__(self, config, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
         self.config = config
@@ -262,6 +263,7 @@ FAMILY = Family(
         "cls.predictions.decoder.bias": "cls.predictions.bias",
     },
     ignore=(r"(^|\.)position_ids$",),
+    lora_targets=r"/(query|value)/kernel$",
     # Megatron-style: q/k/v and the feed-forward input split by output column over mp, the attention and
     # feed-forward outputs by input row; the other kernel dimension over fsdp. Embeddings are split along
     # the hidden size, not the vocabulary: BERT's 30522 tokens divide by 2 but not by 4 or 8.

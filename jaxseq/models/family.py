@@ -24,6 +24,7 @@ class Family:
     - ``ignore``: checkpoint names that are not parameters (old buffers such as ``attn.bias``).
     - ``partition_rules``: ordered ``(regex, PartitionSpec)`` pairs over ``/``-joined parameter paths
       (see ``jaxseq.partition``).
+    - ``lora_targets``: regex of the kernels LoRA adapts by default (PEFT's defaults for the family).
     """
 
     model_type: str
@@ -34,6 +35,7 @@ class Family:
     fallbacks: dict[str, str] = dataclasses.field(default_factory=dict)
     ignore: tuple[str, ...] = ()
     partition_rules: tuple = ()
+    lora_targets: str = ""
 
     def is_head(self, name: str) -> bool:
         return any(re.search(p, name) for p in self.heads)

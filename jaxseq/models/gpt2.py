@@ -144,6 +144,7 @@ class LastTokenClassifier(nnx.Module):
 
     base: type
     pooled_token = "last"  # which token of a packed example pool_index points at
+    task_head = r"^score/"  # what fine-tuning adds to the pretrained model (trained in full beside LoRA)
 
     def __init__(self, config, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
         self.config = config
@@ -177,6 +178,7 @@ FAMILY = Family(
     },
     base_prefix="transformer",
     heads=(r"^lm_head\.", r"^score\."),
+    lora_targets=r"/c_attn/kernel$",
     aliases={"lm_head.weight": "transformer.wte.weight"},
     ignore=(r"\.attn\.bias$", r"\.attn\.masked_bias$"),
     # Megatron-style: q/k/v and MLP-in split by output column over mp, attention-out and MLP-out by input

@@ -179,6 +179,7 @@ FAMILY = Family(
     },
     base_prefix="transformer",
     heads=(r"^lm_head\.", r"^score\."),
+    lora_targets=r"/(q_proj|v_proj)/kernel$",
     aliases={"lm_head.weight": "transformer.wte.weight"},
     ignore=(r"\.attn\.bias$", r"\.attn\.masked_bias$"),
     # Megatron-style, as GPT-2: q/k/v and fc_in split by output column (whole heads) over mp, out_proj and

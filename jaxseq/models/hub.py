@@ -182,6 +182,10 @@ def _read_torch_bin(path: Path) -> dict[str, Callable[[], np.ndarray]]:
     try:
         state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as e:  # torch raises many types for bad files
+        if "Weights only load failed" in str(e):  # torch's own advice (weights_only=False) would run its code
+            raise JaxseqError(f"{path} holds pickled objects besides tensors, and jaxseq never unpickles them "
+                              "(they can run code); use a safetensors copy of the model from a source you trust"
+                              ) from None
         raise JaxseqError(f"cannot read {path}: {str(e).splitlines()[0]}") from None
 
     def tensor(t):

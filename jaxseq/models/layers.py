@@ -42,7 +42,11 @@ def dropout(x: jax.Array, rate: float, rngs: nnx.Rngs | None) -> jax.Array:
     """Inverted dropout, active only when the caller passes ``rngs`` (training); ``rngs=None`` is eval."""
     if rngs is None or rate == 0.0:
         return x
-    keep = jax.random.bernoulli(rngs.dropout(), 1.0 - rate, x.shape)
+    return dropout_with_key(x, rate, rngs.dropout())
+
+
+def dropout_with_key(x: jax.Array, rate: float, key: jax.Array) -> jax.Array:
+    keep = jax.random.bernoulli(key, 1.0 - rate, x.shape)
     return jnp.where(keep, x / (1.0 - rate), 0).astype(x.dtype)
 
 

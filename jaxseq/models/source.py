@@ -63,18 +63,20 @@ def model_config(source: ModelSource, task: str):
     return apply_overrides(config, **overrides), folder, overrides
 
 
-def load_tokenizer(name: str | Path | None):
-    """A fast tokenizer from a folder or Hub id, or a one-line error."""
+def load_tokenizer(name: str | Path | None, *, fast: bool = True):
+    """A tokenizer (a fast one, if ``fast``) from a folder or Hub id, or a one-line error. Remote code is
+    never run (transformers' ``trust_remote_code`` stays off)."""
     from transformers import AutoTokenizer
 
     if name is None:
         raise JaxseqError("--model_type gives no tokenizer: pass --tokenizer_name")
     try:
         tokenizer = AutoTokenizer.from_pretrained(name)
-    except (OSError, ValueError, TypeError, KeyError) as e:
-        raise JaxseqError(f"cannot load a tokenizer from {name} ({str(e).splitlines()[0][:150]}); "
-                          "pass --tokenizer_name") from None
-    if not tokenizer.is_fast:
+    except (OSError, ValueError, TypeError, KeyError, AttributeError) as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:150]
+        raise JaxseqError(f"cannot load a tokenizer from {name} ({first}); pass --tokenizer_name with a "
+                          "tokenizer folder or Hub id") from None
+    if fast and not tokenizer.is_fast:
         raise JaxseqError(f"the tokenizer of {name} is not a fast (Rust) tokenizer; pass one with a tokenizer.json")
     return tokenizer
 

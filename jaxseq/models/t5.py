@@ -350,6 +350,7 @@ FAMILY = Family(
     tasks={"seq2seq-lm": T5ForConditionalGeneration},
     base_prefix=None,
     heads=(r"^lm_head\.",),
+    lora_targets=r"Attention/(q|v)/kernel$",
     aliases={
         "encoder.embed_tokens.weight": "shared.weight",
         "decoder.embed_tokens.weight": "shared.weight",

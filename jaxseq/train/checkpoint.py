@@ -1,9 +1,14 @@
 """Checkpoints with orbax: the train state (params, optimizer state, step) plus a JSON record of where the
-run is, written asynchronously and atomically (a save cut short is never restored). Restores onto the
-current mesh's shardings, whatever mesh saved them."""
+run is, written asynchronously and atomically (a save cut short, or failing for a full disk, is never
+restored: the previous checkpoint stays usable). Restores onto the current mesh's shardings, whatever mesh
+saved them."""
 
 from __future__ import annotations
 
+import logging
+import os
+import re
+import sys
 from pathlib import Path
 
 import jax
@@ -27,11 +32,20 @@ class Checkpointer:
             enable_async_checkpointing=True,
             cleanup_tmp_directories=True,
         )
-        self.manager = ocp.CheckpointManager(self.directory, options=options)
+        handlers = {"state": ocp.StandardCheckpointHandler(), "record": ocp.JsonCheckpointHandler()}
+        self.manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
+        self._saving: int | None = None  # the step of the save in flight
+        self._failed: JaxseqError | None = None
+        _quiet_orbax_errors()
 
     def save(self, step: int, state, record: dict, metrics: dict | None = None) -> None:
         args = ocp.args.Composite(state=ocp.args.StandardSave(state), record=ocp.args.JsonSave(record))
-        self.manager.save(step, args=args, metrics=metrics, force=True)
+        self.wait()  # the previous save must have been written (orbax would wait for it here anyway)
+        try:
+            self.manager.save(step, args=args, metrics=metrics, force=True)
+        except Exception as e:
+            raise self._failure(step, e) from e
+        self._saving = step
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
@@ -48,17 +62,104 @@ class Checkpointer:
             )
         except (ValueError, KeyError, FileNotFoundError) as e:
             raise JaxseqError(
-                f"checkpoint {self.directory / str(step)} does not fit this model/optimizer "
-                f"({str(e).splitlines()[0][:200]}); use another --output_dir or the same config"
+                f"the checkpoint in {self.directory / str(step)} was written for a different model or optimizer "
+                f"({str(e).splitlines()[0][:200]}); use a fresh --output_dir, or the settings that wrote it"
             ) from None
         return restored.state, dict(restored.record)
 
+    def check_fits(self, step: int, abstract_state) -> None:
+        """A one-line error if the checkpoint at ``step`` holds other arrays or shapes than
+        ``abstract_state`` (another model's checkpoint in this output dir), read from its metadata only."""
+        try:
+            saved = self.manager.item_metadata(step).state
+        except Exception:  # unreadable metadata: restoring will say what is wrong
+            return
+        if saved is None:
+            return
+        theirs, ours = _shapes(getattr(saved, "tree", saved)), _shapes(abstract_state)
+        if theirs == ours:
+            return
+        changed = [f"{k} is {theirs[k]} there, {ours[k]} here" for k in ours if k in theirs and theirs[k] != ours[k]]
+        missing = [f"{k} is missing" for k in ours if k not in theirs]
+        extra = [f"{k} is not in this model" for k in theirs if k not in ours]
+        differences = changed + missing + extra
+        more = f" and {len(differences) - 1} more difference(s)" if len(differences) > 1 else ""
+        raise JaxseqError(
+            f"the checkpoint in {self.directory / str(step)} was written for a different model or optimizer "
+            f"({differences[0]}{more}); use a fresh --output_dir, or the settings that wrote it"
+        )
+
     def wait(self) -> None:
-        self.manager.wait_until_finished()
+        """Block until the save in flight is written (a one-line error if it could not be)."""
+        if self._failed is not None:
+            raise self._failed
+        try:
+            self.manager.wait_until_finished()
+        except Exception as e:
+            raise self._failure(self._saving, e) from e
+        self._saving = None
 
     def close(self) -> None:
-        self.manager.wait_until_finished()
-        self.manager.close()
+        try:
+            if self._failed is None:  # a failed save has been reported already
+                self.wait()
+        finally:
+            try:
+                self.manager.close()
+            except Exception:
+                if self._failed is None:
+                    raise
+
+    def _failure(self, step: int | None, e: Exception) -> JaxseqError:
+        """The one line for a save that could not be written; the previous checkpoint is untouched."""
+        if self._failed is None:
+            code = re.search(r"os_error_code='?(\d+)", str(e))
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+            why = os.strerror(int(code.group(1))) if code else first
+            last = max((s for s in self.manager.all_steps() if step is None or s < step), default=None)
+            kept = (f"the previous checkpoint (step {last}) is intact and a rerun resumes from it" if last is not None
+                    else "no earlier checkpoint exists")
+            self._failed = JaxseqError(f"cannot write the checkpoint of step {step} in {self.directory} ({why}); "
+                                       f"{kept}; free disk space or pick another --output_dir")
+        return self._failed
+
+
+def _shapes(tree) -> dict[str, tuple]:
+    """``"params/transformer/wte/embedding/value" -> shape`` for every array of a state or its metadata."""
+    def name(key) -> str:
+        for attr in ("key", "name", "idx"):
+            if hasattr(key, attr):
+                return str(getattr(key, attr))
+        return str(key)
+
+    return {"/".join(map(name, path)): tuple(leaf.shape)
+            for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+class _DropOrbaxErrors(logging.Filter):
+    """Orbax logs a failed background save with tracebacks before raising it where we wait for the save;
+    that raise becomes the one line (and, with --debug, shows the same traceback as its cause)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.levelno >= logging.ERROR and f"{os.sep}orbax{os.sep}" in record.pathname)
+
+
+def _quiet_orbax_errors() -> None:
+    """Once per process. Besides the logged errors: after a failed save, the save's other writes still finish
+    in tensorstore's threads and report to the event loop orbax has closed, each printed as an unraisable
+    'Event loop is closed' traceback; those (and only those) are dropped."""
+    logger = logging.getLogger("absl")
+    if any(isinstance(f, _DropOrbaxErrors) for f in logger.filters):
+        return
+    logger.addFilter(_DropOrbaxErrors())
+    previous = sys.unraisablehook
+
+    def hook(unraisable):
+        error = unraisable.exc_value
+        if not (isinstance(error, RuntimeError) and str(error) == "Event loop is closed"):
+            previous(unraisable)
+
+    sys.unraisablehook = hook
 
 
 def abstract_like(tree, shardings):

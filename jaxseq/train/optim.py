@@ -1,8 +1,10 @@
-"""Optimizer and learning-rate schedule from config, on optax."""
+"""Optimizer and learning-rate schedule from config, on optax: per-group learning rates (regexes on
+parameter paths, through ``optax.multi_transform``) and an exponential moving average of the parameters."""
 
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import jax
 import optax
@@ -30,6 +32,17 @@ class OptimizerConfig:
     warmup_steps: int = arg(0, "linear warmup updates (overrides --warmup_ratio)")
     warmup_ratio: float = arg(0.0, "warmup as a fraction of all updates")
     max_grad_norm: float = arg(1.0, "clip gradients to this global norm (0: no clipping)")
+    lr_groups: str | None = arg(None, "learning-rate multipliers by regex on parameter paths, comma-separated "
+                                      "REGEX=FACTOR, first match wins, e.g. 'classifier=10,embeddings=0.1'")
+    ema_decay: float = arg(0.0, "keep an exponential moving average of the parameters, "
+                                "ema = decay * ema + (1 - decay) * params after every update (0: none)")
+    eval_with_ema: bool = arg(True, "with --ema_decay: evaluate, pick the best checkpoint and export with the "
+                                    "averaged parameters (false: with the trained ones)")
+
+    def __post_init__(self):
+        if not 0.0 <= self.ema_decay < 1.0:
+            raise JaxseqError(f"--ema_decay must be in [0, 1), got {self.ema_decay}")
+        parse_lr_groups(self.lr_groups)  # a bad spec fails before anything loads
 
 
 def make_schedule(config: OptimizerConfig, total_steps: int) -> optax.Schedule:
@@ -60,9 +73,71 @@ def needs_value_fn(config: OptimizerConfig) -> bool:
     return config.optimizer.lower() == "lbfgs"
 
 
+def parse_lr_groups(text: str | None) -> list[tuple[str, float]]:
+    """``"classifier=10,pooler=2"`` -> ``[("classifier", 10.0), ("pooler", 2.0)]`` (regexes checked)."""
+    groups = []
+    for item in filter(None, (part.strip() for part in (text or "").split(","))):
+        pattern, _, factor = (part.strip() for part in item.rpartition("="))
+        try:
+            value = float(factor)
+            re.compile(pattern)
+        except (ValueError, re.error):
+            value = None
+        if not pattern or value is None or value < 0:
+            raise JaxseqError(f"bad --lr_groups entry {item!r}: write REGEX=FACTOR pairs (factor >= 0), "
+                              "comma-separated, e.g. 'classifier=10,embeddings=0.1'")
+        groups.append((pattern, value))
+    return groups
+
+
+def lr_group_labels(groups: list[tuple[str, float]], params):
+    """Each parameter's group: the index of the first regex its path matches, or ``"rest"``. A regex that
+    matches nothing is an error (a typo would otherwise silently train at the base rate)."""
+    from jaxseq.partition import path_string
+
+    compiled = [re.compile(pattern) for pattern, _ in groups]
+    used = set()
+
+    def label(path, _):
+        name = path_string(path)
+        index = next((i for i, pattern in enumerate(compiled) if pattern.search(name)), None)
+        used.add(index)
+        return "rest" if index is None else str(index)
+
+    labels = jax.tree_util.tree_map_with_path(label, params)
+    unused = [groups[i][0] for i in range(len(groups)) if i not in used]
+    if unused:
+        raise JaxseqError(f"--lr_groups regex(es) {', '.join(map(repr, unused))} match no trained parameter path "
+                          "(paths look like bert/encoder/layer/0/attention/self/query/kernel)")
+    return labels
+
+
+def ema_update(ema, params, decay: float):
+    """One step of the exponential moving average: ``decay * ema + (1 - decay) * params``."""
+    return jax.tree.map(lambda e, p: (decay * e + (1.0 - decay) * p).astype(e.dtype), ema, params)
+
+
 def make_optimizer(config: OptimizerConfig, total_steps: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
-    """The optimizer (with global-norm clipping) and its schedule over ``total_steps`` updates."""
+    """The optimizer (with global-norm clipping) and its schedule over ``total_steps`` updates. With
+    ``lr_groups``, each group runs the same optimizer on the schedule times its factor (``multi_transform``;
+    the clipping stays global)."""
     schedule = make_schedule(config, total_steps)
+    groups = parse_lr_groups(config.lr_groups)
+    if groups and needs_value_fn(config):
+        raise JaxseqError("--lr_groups needs an optimizer with a learning rate; --optimizer lbfgs picks its own steps")
+    if groups:
+        transforms = {"rest": _optimizer(config, schedule)}
+        for i, (_, factor) in enumerate(groups):
+            transforms[str(i)] = _optimizer(config, lambda step, f=factor: f * schedule(step))
+        tx = optax.multi_transform(transforms, lambda params: lr_group_labels(groups, params))
+    else:
+        tx = _optimizer(config, schedule)
+    if config.max_grad_norm:
+        tx = optax.chain(optax.clip_by_global_norm(config.max_grad_norm), tx)
+    return tx, schedule
+
+
+def _optimizer(config: OptimizerConfig, schedule: optax.Schedule) -> optax.GradientTransformation:
     name = config.optimizer.lower()
     if name == "adamw":
         tx = optax.adamw(schedule, config.adam_beta1, config.adam_beta2, config.adam_epsilon,
@@ -82,6 +157,4 @@ def make_optimizer(config: OptimizerConfig, total_steps: int) -> tuple[optax.Gra
                          optax.sgd(schedule, momentum=config.momentum or None))
     else:
         raise JaxseqError(f"unknown optimizer {config.optimizer!r}; choose one of {', '.join(OPTIMIZERS)}")
-    if config.max_grad_norm:
-        tx = optax.chain(optax.clip_by_global_norm(config.max_grad_norm), tx)
-    return tx, schedule
+    return tx

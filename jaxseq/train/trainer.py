@@ -8,6 +8,8 @@ import dataclasses
 import json
 import math
 import os
+import signal
+import threading
 import time
 from pathlib import Path
 from typing import Any, Mapping, Protocol
@@ -23,11 +25,12 @@ from jaxseq import partition
 from jaxseq.config import arg
 from jaxseq.data import packing
 from jaxseq.data.batches import eval_batches, num_examples, steps_per_epoch, train_batches
-from jaxseq.errors import JaxseqError
+from jaxseq.errors import Interrupted, JaxseqError
 from jaxseq.mesh import batch_spec, data_parallel_size
 from jaxseq.train.checkpoint import Checkpointer, abstract_like
 from jaxseq.train.logs import RunLogger
-from jaxseq.train.optim import OptimizerConfig, make_optimizer, needs_value_fn
+from jaxseq.train.lora import Lora, LoraConfig
+from jaxseq.train.optim import OptimizerConfig, ema_update, make_optimizer, needs_value_fn
 from jaxseq.train.precision import LossScale, all_finite, select
 from jaxseq.train.throughput import Throughput
 
@@ -49,15 +52,40 @@ class TrainerConfig:
     seed: int = arg(42, "seed of initialisation, data order and dropout")
     resume_from_checkpoint: str | None = arg(
         None, "checkpoint folder to resume from (a run also resumes from --output_dir/checkpoints by itself)")
+    skip_nonfinite_updates: bool = arg(
+        False, "skip an update whose loss or gradients are NaN/inf and count it (train/skipped_updates) instead "
+               "of stopping the run")
+
+    def __post_init__(self):
+        at_least = {"per_device_train_batch_size": 1, "per_device_eval_batch_size": 1,
+                    "gradient_accumulation_steps": 1, "logging_steps": 1, "save_total_limit": 1,
+                    "eval_steps": 0, "save_steps": 0}
+        for name, low in at_least.items():
+            if getattr(self, name) < low:
+                raise JaxseqError(f"--{name} must be at least {low}, got {getattr(self, name)}")
+        if self.max_steps <= 0 and not self.num_train_epochs > 0:
+            raise JaxseqError(f"--num_train_epochs must be above 0 (or set --max_steps), got {self.num_train_epochs}")
+        check_writable_dir(self.output_dir, "--output_dir")
+
+
+def check_writable_dir(path: str | os.PathLike, flag: str) -> None:
+    """Fail now, not after hours of training, if ``path`` cannot become a folder we write into."""
+    out = Path(path).absolute()
+    existing = next(p for p in (out, *out.parents) if p.exists())
+    if not existing.is_dir():
+        raise JaxseqError(f"{flag} {path} cannot be created: {existing} is a file, not a folder; pick another {flag}")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise JaxseqError(f"{flag} {path} is not writable (no write permission in {existing}); pick another {flag}")
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class TrainState:
     step: jax.Array
-    params: Any
+    params: Any  # what trains: every parameter, or with LoRA the adapters and the task head
     opt_state: Any
     loss_scale: LossScale | None = None  # float16 compute only
+    ema: Any = None  # moving average of params (--ema_decay), sharded like them
 
 
 class Task(Protocol):
@@ -71,11 +99,11 @@ class Task(Protocol):
     def metrics(self, outputs: dict[str, np.ndarray], arrays: Mapping[str, np.ndarray]) -> dict[str, float]: ...
 
 
-def state_specs(rules, state: TrainState) -> TrainState:
-    """Parameters by the rules; the optimizer state follows its parameters; scalars are replicated."""
-    param_specs = partition.match_partition_rules(rules, state.params)
+def state_specs(param_specs, state: TrainState) -> TrainState:
+    """The parameters' specs as given; the optimizer state and the moving average follow their parameters;
+    scalars are replicated."""
     return TrainState(P(), param_specs, partition.follow_params(state.params, param_specs, state.opt_state),
-                      jax.tree.map(lambda _: P(), state.loss_scale))
+                      jax.tree.map(lambda _: P(), state.loss_scale), None if state.ema is None else param_specs)
 
 
 class Trainer:
@@ -95,8 +123,11 @@ class Trainer:
         tokens_per_example: int | None = None,
         flops_per_example: float | None = None,
         peak_flops: float | None = None,
+        lora: LoraConfig | None = None,
     ):
-        """``loss_scaling``: dynamic loss scaling, for models computing in float16. ``pack``: pack short
+        """``lora``: train LoRA adapters (``jaxseq.train.lora``) instead of every weight; the model's own
+        weights stay frozen, bit for bit. ``loss_scaling``: dynamic loss scaling, for models computing in
+        float16. ``pack``: pack short
         examples into shared rows (``jaxseq.data.packing``), pooling each example's ``"first"`` or
         ``"last"`` token; the row counts are sized once for the whole run, so shapes stay static.
         ``tokens_per_example``, ``flops_per_example`` (model FLOPs of one example's forward and backward) and
@@ -127,32 +158,52 @@ class Trainer:
             self._size_packed_batches(dp)
         self.graphdef, params = nnx.split(model)
         rules = rules if rules is not None else partition.get_partition_rules(model.config.model_type)
+        param_specs = partition.match_partition_rules(rules, params)
+        self.lora = Lora(lora, model, param_specs) if lora is not None and lora.enabled else None
+        self.frozen = self._frozen_shardings = None
+        if self.lora:  # the model's weights become a frozen input of the steps; the adapters train
+            partition.check_divisible(params, param_specs, mesh)
+            self._frozen_shardings = partition.make_shardings(mesh, param_specs)
+            self.frozen = partition.shard(params, self._frozen_shardings)
+            params = jax.jit(lambda p: self.lora.init(p, config.seed), in_shardings=(self._frozen_shardings,),
+                             out_shardings=partition.make_shardings(mesh, self.lora.specs))(self.frozen)
+            param_specs = self.lora.specs
+        self.ema_decay, self.eval_with_ema = optimizer.ema_decay, optimizer.eval_with_ema
         self.tx, self.schedule = make_optimizer(optimizer, self.total_steps)
         self.line_search = needs_value_fn(optimizer)
         if self.line_search and config.gradient_accumulation_steps > 1:
             raise JaxseqError("--optimizer lbfgs re-evaluates the loss on the whole batch; drop "
                               "--gradient_accumulation_steps")
-        loss_scale = LossScale.create() if loss_scaling else None
+        if loss_scaling:
+            loss_scale = LossScale.create()
+        elif config.skip_nonfinite_updates:  # float16's skip-and-count without its scaling: a scale fixed at 1
+            loss_scale = LossScale.create(1.0, factor=1.0)
+        else:
+            loss_scale = None
+        self.skips_nonfinite = loss_scale is not None  # else a NaN/inf loss or gradient stops the run
         abstract = TrainState(jax.ShapeDtypeStruct((), jnp.int32), params, jax.eval_shape(self.tx.init, params),
-                              jax.eval_shape(lambda: loss_scale))
-        specs = state_specs(rules, abstract)
+                              jax.eval_shape(lambda: loss_scale), params if self.ema_decay else None)
+        specs = state_specs(param_specs, abstract)
         partition.check_divisible(abstract, specs, mesh)
         self._param_specs = specs.params
         self.state_shardings = partition.make_shardings(mesh, specs)
         self._abstract_state = abstract_like(abstract, self.state_shardings)
-        self.state = jax.jit(
-            lambda p: TrainState(jnp.zeros((), jnp.int32), p, self.tx.init(p), loss_scale),
+        self.state = jax.jit(  # the average starts at the initial parameters (a copy: the state is donated)
+            lambda p: TrainState(jnp.zeros((), jnp.int32), p, self.tx.init(p), loss_scale,
+                                 jax.tree.map(jnp.copy, p) if self.ema_decay else None),
             in_shardings=(self.state_shardings.params,),
             out_shardings=self.state_shardings,
         )(params)
         self._train_step = self._compile_train_step()
-        self._eval_step = jax.jit(self._predict, in_shardings=(self.state_shardings.params, None))
-        self.logger = logger or RunLogger(self.output_dir, self.total_steps)
+        self._eval_step = jax.jit(self._predict,
+                                  in_shardings=(self.state_shardings.params, self._frozen_shardings, None))
         self.checkpointer = Checkpointer(
             self.output_dir / "checkpoints", keep_last=config.save_total_limit,
             best_metric=config.metric_for_best_model and f"eval/{config.metric_for_best_model}",
             greater_is_better=config.greater_is_better,
         )
+        self._check_resume_source()  # before the logger writes anything into output_dir
+        self.logger = logger or RunLogger(self.output_dir, self.total_steps)
 
     # ------------------------------------------------------------------ steps
 
@@ -160,21 +211,27 @@ class Trainer:
         accumulate = self.config.gradient_accumulation_steps
         base_key = jax.random.key(self.config.seed)
 
-        def loss_of(params, batch, key, scale=None):
-            loss = self.task.loss(nnx.merge(self.graphdef, params), batch, nnx.Rngs(dropout=key))
+        def loss_of(params, frozen, batch, key, scale=None):
+            if self.lora is None:
+                model = nnx.merge(self.graphdef, params)
+            else:
+                key, adapter_key = jax.random.split(key)
+                model = self.lora.training_model(self.graphdef, params, frozen, adapter_key)
+            loss = self.task.loss(model, batch, nnx.Rngs(dropout=key))
             return loss if scale is None else loss * scale
 
-        def train_step(state: TrainState, batch):
+        def train_step(state: TrainState, frozen, batch):
             key = jax.random.fold_in(base_key, state.step)
             scale = None if state.loss_scale is None else state.loss_scale.scale
             if accumulate == 1:
-                loss, grads = jax.value_and_grad(loss_of)(state.params, batch, key, scale)
+                loss, grads = jax.value_and_grad(loss_of)(state.params, frozen, batch, key, scale)
             else:
                 micro = jax.tree.map(lambda x: x.reshape(accumulate, -1, *x.shape[1:]), batch)
 
                 def body(carry, xs):
                     i, mb = xs
-                    loss, grads = jax.value_and_grad(loss_of)(state.params, mb, jax.random.fold_in(key, i), scale)
+                    loss, grads = jax.value_and_grad(loss_of)(state.params, frozen, mb, jax.random.fold_in(key, i),
+                                                              scale)
                     return jax.tree.map(jnp.add, carry, (loss, grads)), None
 
                 zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, state.params))
@@ -185,23 +242,28 @@ class Trainer:
             if self.line_search:
                 updates, opt_state = self.tx.update(
                     grads, state.opt_state, state.params, value=loss, grad=grads,
-                    value_fn=lambda p: loss_of(p, batch, key),
+                    value_fn=lambda p: loss_of(p, frozen, batch, key),
                 )
             else:
                 updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
             params = optax.apply_updates(state.params, updates)
+            ema = None if state.ema is None else ema_update(state.ema, params, self.ema_decay)
             metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads),
                        "learning_rate": self.schedule(state.step)}
             loss_scale = state.loss_scale
             if loss_scale is not None:  # an overflowing step changes nothing but the scale
-                finite = all_finite(grads)
-                params, opt_state = select(finite, (params, opt_state), (state.params, state.opt_state))
+                finite = all_finite(grads) & jnp.isfinite(loss)
+                params, opt_state, ema = select(finite, (params, opt_state, ema),
+                                                (state.params, state.opt_state, state.ema))
                 loss_scale = loss_scale.adjust(finite)
-                metrics.update(loss_scale=loss_scale.scale, skipped_updates=loss_scale.skipped)
-            return TrainState(state.step + 1, params, opt_state, loss_scale), metrics
+                metrics["skipped_updates"] = loss_scale.skipped
+                if loss_scale.factor != 1.0:
+                    metrics["loss_scale"] = loss_scale.scale
+            return TrainState(state.step + 1, params, opt_state, loss_scale, ema), metrics
 
-        return jax.jit(train_step, in_shardings=(self.state_shardings, None),
+        step = jax.jit(train_step, in_shardings=(self.state_shardings, self._frozen_shardings, None),
                        out_shardings=(self.state_shardings, None), donate_argnums=(0,))
+        return lambda state, batch: step(state, self.frozen, batch)
 
     def _size_packed_batches(self, dp: int) -> None:
         """Packed rows per micro-batch (the most any micro-batch of the run needs) and per eval batch."""
@@ -223,8 +285,12 @@ class Trainer:
         parts = [packing.pack({k: v[i] for k, v in splits.items()}, self.train_rows, self.pack) for i in range(micro)]
         return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
 
-    def _predict(self, params, batch):
-        return self.task.predict(nnx.merge(self.graphdef, params), batch)
+    def _predict(self, params, frozen, batch):
+        return self.task.predict(self._model(params, frozen), batch)
+
+    def _model(self, params, frozen) -> nnx.Module:
+        """The model of ``params`` (with LoRA: the frozen weights, adapters folded in, the trained head)."""
+        return nnx.merge(self.graphdef, params if self.lora is None else self.lora.merged(params, frozen))
 
     def _to_devices(self, batch: Mapping[str, np.ndarray]) -> dict[str, jax.Array]:
         """Global host batch -> arrays split over the batch axes; each process hands over only the rows
@@ -237,6 +303,19 @@ class Trainer:
         return out
 
     # ------------------------------------------------------------------ loop
+
+    def _check_resume_source(self) -> None:
+        """The checkpoint this run would resume from must hold this run's arrays: another model's (or
+        optimizer's) checkpoint in the output dir is reported from its metadata, before anything is loaded."""
+        source = self.config.resume_from_checkpoint
+        checkpointer = self.checkpointer
+        if source and Path(source).absolute() != checkpointer.directory:
+            if not Path(source).is_dir():
+                raise JaxseqError(f"--resume_from_checkpoint {source} is not a folder; drop it to start afresh")
+            checkpointer = Checkpointer(source)
+        step = checkpointer.latest_step()
+        if step is not None:
+            checkpointer.check_fits(step, self._abstract_state)
 
     def restore_if_any(self) -> int:
         """Resume from ``resume_from_checkpoint`` or the latest checkpoint in the output dir; returns the step."""
@@ -269,6 +348,30 @@ class Trainer:
         return step
 
     def train(self) -> dict[str, float]:
+        """Train to ``total_steps`` (resuming from a checkpoint if there is one) and return the results.
+        A NaN/inf loss or gradient stops it with a JaxseqError naming the step (nothing non-finite is ever
+        saved), unless such updates are skipped; SIGINT/SIGTERM save a checkpoint at the current step and
+        end it with ``Interrupted``."""
+        self._signal = None
+        previous = {}
+        if threading.current_thread() is threading.main_thread():
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                previous[signum] = signal.signal(signum, self._on_signal)
+        self._previous_handlers = previous
+        try:
+            return self._train()
+        finally:
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
+
+    def _on_signal(self, signum, frame) -> None:
+        """Note the signal for the loop (which saves and stops after the current step); a second one acts
+        as it would have without us."""
+        self._signal = signum
+        for number, handler in self._previous_handlers.items():
+            signal.signal(number, handler)
+
+    def _train(self) -> dict[str, float]:
         config = self.config
         start = self.restore_if_any()
         eval_every = config.eval_steps or self.steps_per_epoch
@@ -292,13 +395,15 @@ class Trainer:
             pending.append(metrics)
             step += 1
             self.logger.advance()
-            if step % config.logging_steps == 0 or step == self.total_steps:
+            logged = step % config.logging_steps == 0 or step == self.total_steps
+            if logged:
                 self._log_train(step, pending, started)
                 pending = []
             evaluate_now = step % eval_every == 0 or step == self.total_steps
             save_now = (config.save_steps and step % config.save_steps == 0) or step == self.total_steps
             if evaluate_now or save_now:  # not training: keep it out of the throughput figures
                 jax.block_until_ready(self.state)
+                self._check_finite(step, partition.gather(pending))  # never evaluate or save a NaN state
                 self.throughput.pause(step)
                 if evaluate_now:
                     eval_metrics = self.evaluate()
@@ -306,6 +411,8 @@ class Trainer:
                 if save_now:
                     self.save(step, eval_metrics if evaluate_now else None)
                 self.throughput.resume(step)
+            if step < self.total_steps and self._signalled(logged):
+                self._stop_for_signal(step, pending, started, saved=bool(save_now))
         runtime = time.perf_counter() - started
         if not eval_metrics:  # resumed from a finished run: nothing trained, still report where it stands
             eval_metrics = self.evaluate()
@@ -317,12 +424,57 @@ class Trainer:
             "train_steps_per_second": trained / runtime if runtime else 0.0,
             "train_compile_seconds": compile_seconds or 0.0,
             "epoch": self.total_steps / self.steps_per_epoch,
+            **self.sizes(),
             **{f"train_{k}": v for k, v in self.throughput.summary().items()},
             **{f"eval_{k}": v for k, v in eval_metrics.items()},
         }
 
+    def _check_finite(self, step: int, host: list[dict]) -> None:
+        """Stop at the first of the steps ending at ``step`` (their metrics ``host``) whose loss or gradient
+        is NaN/inf, before anything logs, evaluates or saves what it produced. Skipped updates are fine."""
+        if self.skips_nonfinite:
+            return
+        for i, metrics in enumerate(host):
+            bad = next((k for k in ("loss", "grad_norm") if not np.isfinite(metrics[k])), None)
+            if bad is None:
+                continue
+            self.checkpointer.wait()
+            last = self.checkpointer.latest_step()
+            kept = (f"the last good checkpoint is step {last} in {self.checkpointer.directory} (a rerun resumes "
+                    "from it)" if last is not None else "no checkpoint had been saved")
+            raise JaxseqError(
+                f"the training {'loss' if bad == 'loss' else 'gradient norm'} became {float(metrics[bad])} at step "
+                f"{step - len(host) + 1 + i}; {kept}; lower --learning_rate (or add --warmup_steps), or pass "
+                "--skip_nonfinite_updates to skip such updates"
+            )
+
+    def _signalled(self, logged: bool) -> int | None:
+        """The signal to stop for, if any. With several processes they must agree on the step: they compare
+        notes at logging steps only (where metrics sync anyway), never forcing a sync per step."""
+        if jax.process_count() == 1:
+            return self._signal
+        if not logged:
+            return None
+        from jax.experimental import multihost_utils
+
+        return int(np.max(multihost_utils.process_allgather(np.int32(self._signal or 0)))) or None
+
+    def _stop_for_signal(self, step: int, pending: list[dict], started: float, saved: bool) -> None:
+        """Log what is pending, save a checkpoint at ``step`` (unless just saved), wait for it, stop."""
+        signum = self._signal or signal.SIGTERM
+        if pending:
+            self._log_train(step, pending, started)
+        if not saved:
+            jax.block_until_ready(self.state)
+            self.save(step, None)
+        self.checkpointer.wait()
+        name = signal.Signals(signum).name
+        raise Interrupted(f"{name} at step {step}: saved a checkpoint in {self.checkpointer.directory / str(step)}; "
+                          "rerun the same command to resume from it", signum)
+
     def _log_train(self, step: int, pending: list[dict], started: float) -> None:
         host = partition.gather(pending)
+        self._check_finite(step, host)
         latest = ("learning_rate", "loss_scale", "skipped_updates")  # states, not per-step amounts
         values = {f"train/{k}": float(host[-1][k] if k in latest else np.mean([m[k] for m in host])) for k in host[0]}
         values.update({f"train/{k}": v for k, v in self.throughput.report(step).items()})  # synced just above
@@ -344,7 +496,8 @@ class Trainer:
             for batch, valid in eval_batches(arrays, self.eval_batch):
                 if self.pack:
                     batch = packing.pack(batch, self.eval_rows[name], self.pack)
-                predicted = partition.gather(self._eval_step(self.state.params, self._to_devices(batch)))
+                predicted = partition.gather(self._eval_step(self.eval_params(), self.frozen,
+                                                             self._to_devices(batch)))
                 for key, value in predicted.items():
                     outputs.setdefault(key, []).append(np.asarray(value)[valid])
             merged = {k: np.concatenate(v) for k, v in outputs.items()}
@@ -353,16 +506,35 @@ class Trainer:
         return results
 
     def describe(self) -> str:
-        """Table of every parameter's shape, dtype, spec and bytes per device (printed at start)."""
-        return partition.describe(self.state.params, self._param_specs, self.mesh)
+        """Table of every trained parameter's shape, dtype, spec and bytes per device (printed at start)."""
+        table = partition.describe(self.state.params, self._param_specs, self.mesh)
+        if self.lora is None:
+            return table
+        return f"{table}\n{self.lora.describe(_count(self.frozen), _count(self.state.params))}"
+
+    def sizes(self) -> dict[str, int]:
+        """How many parameters train, and the bytes their optimizer state takes (all devices together)."""
+        return {"trainable_parameters": _count(self.state.params),
+                "optimizer_state_bytes": sum(x.nbytes for x in jax.tree.leaves(self.state.opt_state))}
+
+    def eval_params(self):
+        """What evaluation and export use: the moving average with --ema_decay (unless --eval_with_ema false),
+        else the trained parameters."""
+        return self.state.ema if self.state.ema is not None and self.eval_with_ema else self.state.params
 
     def model(self) -> nnx.Module:
-        """The current parameters as a model (for export)."""
-        return nnx.merge(self.graphdef, self.state.params)
+        """The evaluated parameters as a plain model (LoRA adapters folded into their kernels), for export."""
+        return self._model(self.eval_params(), self.frozen)
 
     def close(self) -> None:
-        self.checkpointer.close()
-        self.logger.close()
+        try:
+            self.checkpointer.close()
+        finally:
+            self.logger.close()
+
+
+def _count(tree) -> int:
+    return sum(math.prod(np.shape(x)) for x in jax.tree.leaves(tree))
 
 
 def local_rows(sharding: NamedSharding, shape: tuple[int, ...]) -> slice:

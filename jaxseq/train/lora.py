@@ -1,0 +1,247 @@
+"""LoRA (Hu et al. 2021): train low-rank adapters ``A`` ``[in, r]`` and ``B`` ``[r, out]`` beside frozen
+kernels, and export them merged into plain Hugging Face weights or as a PEFT adapter.
+
+The model classes stay as they are. The trainer keeps two trees: the frozen parameters (never
+differentiated, updated, donated or checkpointed) and the trainable ones, nested by the model's paths:
+every adapter (``bert/encoder/layer/0/attention/self/query/lora_A``) plus the parameters a task head adds
+(``classifier/kernel``; PEFT's ``modules_to_save``). Only the trainable tree reaches the gradient and the
+optimizer state. In training, each adapted layer computes ``x W + b + (alpha / r) * dropout(x) A B``: its
+``dot_general`` gains the adapter's branch for the step, so dropout acts on the adapter's input as in
+PEFT and the frozen kernel's gradient is never formed. Evaluation and the merged export fold each
+adapter into its kernel, ``W + (alpha / r) A B``, the same function without dropout.
+
+``A`` starts as PEFT's does (Kaiming-uniform, bound ``1 / sqrt(in)``) and ``B`` at zero, so training starts
+from the pretrained model. Adapters are sharded after their kernel: ``A``'s input dimension like the
+kernel's first axis, ``B``'s output dimension like its last.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import tempfile
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx, traverse_util
+from jax.sharding import PartitionSpec as P
+
+from jaxseq.config import arg
+from jaxseq.errors import JaxseqError
+from jaxseq.models.layers import Conv1D, dropout_with_key
+from jaxseq.partition import gather, path_string
+
+EXPORTS = ("merged", "adapter")
+# PEFT's task_type by the transformers class a model mirrors
+_PEFT_TASKS = {"ForSequenceClassification": "SEQ_CLS", "LMHeadModel": "CAUSAL_LM", "ForCausalLM": "CAUSAL_LM",
+               "ForConditionalGeneration": "SEQ_2_SEQ_LM"}
+
+
+@dataclasses.dataclass
+class LoraConfig:
+    lora_rank: int = arg(0, "train rank-r LoRA adapters instead of every weight (0: full fine-tuning)")
+    lora_alpha: float = arg(16.0, "adapter scale numerator: each adapted layer adds (alpha / rank) * x A B")
+    lora_dropout: float = arg(0.0, "dropout on the adapters' input during training, as PEFT's lora_dropout")
+    lora_targets: str | None = arg(None, "regex on parameter paths: the dense kernels it matches get adapters "
+                                         "(default: attention query and value as in PEFT, e.g. "
+                                         "'/(query|value)/kernel$' for BERT)")
+    lora_trainable: str | None = arg(None, "regex on parameter paths trained in full beside the adapters (PEFT's "
+                                           "modules_to_save; default: the classification head, if the model has one)")
+    lora_export: str = arg("merged", "what --output_dir receives: the adapters merged into plain Hugging Face "
+                                     "weights, or the adapter alone in PEFT's format (adapter_config.json + "
+                                     "adapter_model.safetensors)", choices=EXPORTS)
+
+    def __post_init__(self):
+        if self.lora_rank < 0:
+            raise JaxseqError(f"--lora_rank must be 0 (off) or positive, got {self.lora_rank}")
+        if not 0.0 <= self.lora_dropout < 1.0:
+            raise JaxseqError(f"--lora_dropout must be in [0, 1), got {self.lora_dropout}")
+        for flag in ("lora_targets", "lora_trainable"):
+            try:
+                re.compile(getattr(self, flag) or "")
+            except re.error as e:
+                raise JaxseqError(f"--{flag} {getattr(self, flag)!r} is not a valid regex ({e})") from None
+
+    @property
+    def enabled(self) -> bool:
+        return self.lora_rank > 0
+
+
+def _name(path) -> str:
+    return "/".join(map(str, path))
+
+
+def _keys(path) -> tuple[str, ...]:
+    return tuple(map(str, path))
+
+
+class Lora:
+    """The adapters of one model: which kernels, their shapes and shardings, and the names they export under."""
+
+    def __init__(self, config: LoraConfig, model: nnx.Module, param_specs):
+        """``param_specs``: PartitionSpecs of the model's parameters (``nnx.split(model)[1]``'s structure)."""
+        from jaxseq.models.hub import family_for, torch_layout
+
+        self.config, self.rank = config, config.lora_rank
+        self.scale = config.lora_alpha / config.lora_rank
+        family = family_for(model.config.model_type)
+        pattern = config.lora_targets or family.lora_targets
+        dense = {path: m for path, m in nnx.iter_modules(model) if isinstance(m, nnx.Linear)}
+        self.targets = {path: (m.in_features, m.out_features) for path, m in dense.items()
+                        if re.search(pattern, _name((*path, "kernel")))}
+        if not self.targets:
+            example = _name((*next(iter(dense)), "kernel")) if dense else "none"
+            raise JaxseqError(f"--lora_targets {pattern!r} matches no dense kernel of the {family.model_type} model "
+                              f"(they look like {example!r})")
+        head = config.lora_trainable if config.lora_trainable is not None else getattr(type(model), "task_head", "")
+        params = [path for path, _ in nnx.to_flat_state(nnx.state(model, nnx.Param))]
+        self.full = [path for path in params if head and re.search(head, _name(path))]
+        both = [_name(p) for p in self.full if p[-1] == "kernel" and p[:-1] in self.targets]
+        if both:
+            raise JaxseqError(f"{both[0]} is both adapted (--lora_targets) and trained in full (--lora_trainable); "
+                              "narrow one of the regexes")
+        flat_specs = {path: v.get_value() for path, v in nnx.to_flat_state(param_specs)}
+        specs = {}
+        for path in self.targets:
+            kernel = tuple(flat_specs[(*path, "kernel")]) + (None, None)
+            specs[(*path, "lora_A")] = P(kernel[0], None)
+            specs[(*path, "lora_B")] = P(None, kernel[1])
+        specs.update({path: flat_specs[path] for path in self.full})
+        self.specs = _tree(specs)
+        self.layout = {path: (name, transposed) for name, (path, transposed) in torch_layout(model).items()}
+        self.fan_in_fan_out = any(isinstance(dense[p], Conv1D) for p in self.targets)
+        self.architecture = type(model).hf_architecture
+
+    # ------------------------------------------------------------------ the trainable tree
+
+    def init(self, params, seed: int) -> dict:
+        """The trainable tree: fresh adapters, and the task-head parameters taken from ``params`` (the model's
+        state). Jit it with the adapters' shardings to build it in place."""
+        flat = {path: v.get_value() for path, v in nnx.to_flat_state(params)}
+        key = jax.random.key(seed)
+        out = {}
+        for i, (path, (fan_in, fan_out)) in enumerate(self.targets.items()):
+            dtype = flat[(*path, "kernel")].dtype
+            bound = fan_in ** -0.5
+            out[(*path, "lora_A")] = jax.random.uniform(jax.random.fold_in(key, i), (fan_in, self.rank), dtype,
+                                                        -bound, bound)
+            out[(*path, "lora_B")] = jnp.zeros((self.rank, fan_out), dtype)
+        out.update({path: flat[path] for path in self.full})
+        return _tree(out)
+
+    def merged(self, trainable: dict, frozen, *, fold: bool = True):
+        """The model's full state: ``frozen`` with the trained task head and (``fold``) every adapter folded
+        into its kernel, ``W + (alpha / r) A B``."""
+        flat = traverse_util.flatten_dict(trainable)
+
+        def leaf(path, w):
+            key = tuple(path_string(path).split("/"))
+            if key in flat:
+                return flat[key]
+            a = flat.get((*key[:-1], "lora_A"))
+            if fold and key[-1] == "kernel" and a is not None:
+                delta = jnp.matmul(a, flat[(*key[:-1], "lora_B")], precision=jax.lax.Precision.HIGHEST)
+                return (w + self.scale * delta).astype(w.dtype)
+            return w
+
+        return jax.tree_util.tree_map_with_path(leaf, frozen)
+
+    def training_model(self, graphdef, trainable: dict, frozen, key: jax.Array | None = None) -> nnx.Module:
+        """The model as it trains: frozen kernels, each adapted layer computing its adapter's branch, with
+        dropout on the adapter's input drawn from ``key`` (none without a key)."""
+        model = nnx.merge(graphdef, self.merged(trainable, frozen, fold=False))
+        modules = dict(nnx.iter_modules(model))
+        flat = traverse_util.flatten_dict(trainable)
+        rate = self.config.lora_dropout if key is not None else 0.0
+        for i, path in enumerate(self.targets):
+            a, b = flat[(*_keys(path), "lora_A")], flat[(*_keys(path), "lora_B")]
+            adapter_key = jax.random.fold_in(key, i) if rate else None
+            modules[path].dot_general = _AdapterDot(a, b, self.scale, rate, adapter_key)
+        return model
+
+    def describe(self, model_count: int, trainable_count: int) -> str:
+        targets = sorted({re.sub(r"/\d+/", "/*/", _name(path)) for path in self.targets})
+        full = sorted({_name(path) for path in self.full})
+        return (f"LoRA rank {self.rank} (alpha {self.config.lora_alpha:g}, dropout {self.config.lora_dropout:g}) on "
+                f"{len(self.targets)} kernels ({', '.join(targets)}); trained in full: {', '.join(full) or 'nothing'}; "
+                f"{trainable_count:,} trainable parameters, {100 * trainable_count / model_count:.2f}% of the "
+                f"model's {model_count:,}")
+
+    # ------------------------------------------------------------------ PEFT export
+
+    def save_adapter(self, trainable: dict, out_dir: str | os.PathLike, *, base_model: str | None,
+                     tokenizer=None) -> Path:
+        """``adapter_config.json`` + ``adapter_model.safetensors`` as PEFT writes them (``lora_A.weight``
+        ``[r, in]``, ``lora_B.weight`` ``[out, r]``, the task head under its own name), and the tokenizer.
+        ``PeftModel.from_pretrained(base, out_dir)`` loads it. Every process calls this; process 0 writes."""
+        from safetensors.numpy import save_file
+
+        out = Path(out_dir)
+        flat = traverse_util.flatten_dict(gather(trainable))
+        if jax.process_index() != 0:
+            return out
+        tensors, targets, to_save = {}, [], set()
+        for path in self.targets:
+            module = self.layout[(*path, "kernel")][0].removesuffix(".weight")
+            targets.append(module)
+            for part in ("lora_A", "lora_B"):
+                array = flat[(*_keys(path), part)]
+                tensors[f"base_model.model.{module}.{part}.weight"] = np.ascontiguousarray(array.T)
+        for path in self.full:
+            name, transposed = self.layout[path]
+            array = flat[_keys(path)]
+            tensors[f"base_model.model.{name}"] = np.ascontiguousarray(array.T if transposed else array)
+            to_save.add(name.rsplit(".", 1)[0])
+        task = next((t for suffix, t in _PEFT_TASKS.items() if self.architecture.endswith(suffix)), None)
+        config = {
+            "peft_type": "LORA", "task_type": task, "base_model_name_or_path": base_model,
+            "r": self.rank, "lora_alpha": self.config.lora_alpha, "lora_dropout": self.config.lora_dropout,
+            "target_modules": sorted(targets), "modules_to_save": sorted(to_save) or None,
+            "fan_in_fan_out": self.fan_in_fan_out, "bias": "none", "use_rslora": False, "use_dora": False,
+            "init_lora_weights": True, "inference_mode": True,
+        }
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=out, prefix=".saving-") as tmp:
+            save_file(tensors, os.path.join(tmp, "adapter_model.safetensors"), metadata={"format": "pt"})
+            Path(tmp, "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
+            if tokenizer is not None:
+                tokenizer.save_pretrained(tmp)
+            for name in os.listdir(tmp):
+                os.replace(os.path.join(tmp, name), out / name)
+        return out
+
+
+class _AdapterDot:
+    """A dense layer's ``dot_general`` with the LoRA branch added: ``x W + scale * dropout(x) A B``."""
+
+    def __init__(self, a, b, scale: float, rate: float, key):
+        self.a, self.b, self.scale, self.rate, self.key = a, b, scale, rate, key
+
+    def __call__(self, x, kernel, dimension_numbers, precision=None, **kwargs):
+        y = jax.lax.dot_general(x, kernel, dimension_numbers, precision=precision, **kwargs)
+        if self.rate:
+            x = dropout_with_key(x, self.rate, self.key)
+        h = jnp.matmul(jnp.matmul(x, self.a.astype(x.dtype), precision=precision), self.b.astype(x.dtype),
+                       precision=precision)
+        return y + (self.scale * h).astype(y.dtype)
+
+
+def _tree(flat: dict) -> dict:
+    """Nested dicts with string keys (what orbax and ``path_string`` read back the same) from path tuples."""
+    return traverse_util.unflatten_dict({_keys(path): value for path, value in flat.items()})
+
+
+def export_model(trainer, output_dir: str | os.PathLike, tokenizer=None, *, base_model: str | None = None) -> Path:
+    """The trained model into ``output_dir``: a Hugging Face folder (LoRA adapters merged into the weights),
+    or with ``--lora_export adapter`` the adapter alone in PEFT's format. Evaluated parameters are exported
+    (the moving average with ``--ema_decay`` and ``--eval_with_ema``)."""
+    from jaxseq.models import save_pretrained
+
+    lora = trainer.lora
+    if lora is not None and lora.config.lora_export == "adapter":
+        return lora.save_adapter(trainer.eval_params(), output_dir, base_model=base_model, tokenizer=tokenizer)
+    return save_pretrained(trainer.model(), output_dir, tokenizer=tokenizer)
