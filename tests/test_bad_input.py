@@ -27,6 +27,7 @@ from typing import Callable
 import pytest
 
 from tests.conftest import shared_asset
+from tests.test_pretrain_clm import last_logged_step
 
 transformers = pytest.importorskip("transformers")
 
@@ -51,15 +52,6 @@ def write(path: Path, text: str) -> Path:
 
 def files_under(path: Path) -> list[Path]:
     return sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else []
-
-
-def last_logged_step(out: Path) -> int:
-    """The last training step in a live run's metrics.jsonl (a line still being written is skipped)."""
-    path, step = out / "metrics.jsonl", 0
-    for line in path.read_text().splitlines(keepends=True) if path.exists() else []:
-        if line.endswith("\n") and '"train/loss"' in line:
-            step = json.loads(line)["step"]
-    return step
 
 
 def checkpoint_steps(out: Path) -> list[int]:
