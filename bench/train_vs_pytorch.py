@@ -51,7 +51,6 @@ def run_jaxseq(args) -> dict:
     import numpy as np
     from transformers import GPT2Config
 
-    from jaxseq.data.batches import train_batches
     from jaxseq.mesh import make_mesh
     from jaxseq.models import from_config
     from jaxseq.train.objectives import CausalLM
@@ -70,17 +69,17 @@ def run_jaxseq(args) -> dict:
             OptimizerConfig(learning_rate=LR, weight_decay=WEIGHT_DECAY, lr_scheduler_type="constant"),
             data, {}, mesh)
         del model
-        batches = train_batches(data, BATCH, seed=0)
+        batches = trainer.batches()
         losses, times = [], []
         for step in range(1 + args.warmup + args.steps):
             start = time.perf_counter()
-            trainer.state, metrics = trainer._train_step(trainer.state, trainer._to_devices(next(batches)))
+            trainer.state, metrics = trainer._train_step(trainer.state, next(batches))
             losses.append(float(metrics["loss"]))  # syncs: each step is timed alone
             times.append(time.perf_counter() - start)
         if args.profile:
             with jax.profiler.trace(str(args.profile), create_perfetto_trace=True):
                 for _ in range(2):
-                    trainer.state, metrics = trainer._train_step(trainer.state, trainer._to_devices(next(batches)))
+                    trainer.state, metrics = trainer._train_step(trainer.state, next(batches))
                 jax.block_until_ready(metrics)
         trainer.close()
     # on a shared machine the peak moves with the load: measured before and after, the higher one counts

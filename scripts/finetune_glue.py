@@ -12,6 +12,7 @@ orbax checkpoints, and the fine-tuned model with its tokenizer as a Hugging Face
 from __future__ import annotations
 
 import dataclasses
+import functools
 import sys
 from pathlib import Path
 
@@ -99,6 +100,7 @@ def main(argv) -> int:
     import jax.numpy as jnp
 
     from jaxseq.data.glue import encode
+    from jaxseq.data.rows import EncodedRows
     from jaxseq.hub_push import push_run
     from jaxseq.models import load_config, load_pretrained
     from jaxseq.models.hub import model_class
@@ -132,12 +134,14 @@ def main(argv) -> int:
                             dtype=jnp.dtype(runtime.dtype), seed=trainer_config.seed, **overrides)
     if runtime.remat:
         enable_remat(model)
-    train_arrays = encode(task, train_examples, tokenizer, glue.max_seq_length)
-    eval_sets = {k: encode(task, v, tokenizer, glue.max_seq_length) for k, v in eval_examples.items()}
+    # tokenized when a batch first needs them, by the process that takes them: each process only its share
+    tokenize = functools.partial(encode, task, tokenizer=tokenizer, max_seq_length=glue.max_seq_length)
+    train_data = EncodedRows(train_examples, tokenize)
+    eval_sets = {k: EncodedRows(v, tokenize) for k, v in eval_examples.items()}
 
     output_dir = Path(trainer_config.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
-    trainer = Trainer(model, SequenceClassification(task), trainer_config, optimizer_config, train_arrays,
+    trainer = Trainer(model, SequenceClassification(task), trainer_config, optimizer_config, train_data,
                       eval_sets, mesh, loss_scaling=runtime.dtype == "float16",
                       pack=model.pooled_token if glue.pack_sequences else None, lora=lora_config)
     if jax.process_index() == 0:  # after Trainer has checked any checkpoint already in output_dir
@@ -149,7 +153,7 @@ def main(argv) -> int:
         f"(mesh {dict(mesh.shape)})"
     )
     if trainer.pack:
-        trainer.logger.write(f"packing {trainer.micro_batch} examples into {trainer.train_rows} rows per "
+        trainer.logger.write(f"packing {trainer.micro_batch} examples into {trainer.packed_rows} rows per "
                              f"micro-batch (of {glue.max_seq_length} tokens)")
     try:
         train_results = trainer.train()

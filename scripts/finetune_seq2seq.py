@@ -16,6 +16,7 @@ as a Hugging Face folder.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import sys
 from pathlib import Path
 
@@ -78,6 +79,7 @@ def main(argv) -> int:
     import jax
     import jax.numpy as jnp
 
+    from jaxseq.data.rows import EncodedRows
     from jaxseq.data.seq2seq import encode_pairs
     from jaxseq.hub_push import push_run
     from jaxseq.models.layers import enable_remat
@@ -93,10 +95,10 @@ def main(argv) -> int:
                           "pass the model's tokenizer or override vocab_size")
     if tokenizer.pad_token_id is None or tokenizer.eos_token_id is None:
         raise JaxseqError("the tokenizer needs a pad and an EOS token (T5 tokenizers have both); pass a T5 tokenizer")
-    train_arrays, eval_arrays = (
-        encode_pairs(pairs, tokenizer, data.max_source_length, data.max_target_length, data.source_prefix)
-        for pairs in (train_pairs, eval_pairs)
-    )
+    # tokenized when a batch first needs them, by the process that takes them: each process only its share
+    tokenize = functools.partial(encode_pairs, tokenizer=tokenizer, max_source_length=data.max_source_length,
+                                 max_target_length=data.max_target_length, source_prefix=data.source_prefix)
+    train_data, eval_data = EncodedRows(train_pairs, tokenize), EncodedRows(eval_pairs, tokenize)
     model = build_model(source, "seq2seq-lm", config, folder, overrides, mesh=mesh, dtype=jnp.dtype(runtime.dtype),
                         seed=trainer_config.seed)
     if runtime.remat:
@@ -106,7 +108,7 @@ def main(argv) -> int:
 
     output_dir = Path(trainer_config.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
-    trainer = Trainer(model, objective, trainer_config, optimizer_config, train_arrays, {"": eval_arrays}, mesh,
+    trainer = Trainer(model, objective, trainer_config, optimizer_config, train_data, {"": eval_data}, mesh,
                       loss_scaling=runtime.dtype == "float16", lora=lora_config)
     if jax.process_index() == 0:  # after Trainer has checked any checkpoint already in output_dir
         save_config(output_dir / "config.yaml", source, data, runtime, trainer_config, optimizer_config, lora_config)

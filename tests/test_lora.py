@@ -14,7 +14,6 @@ from jax.sharding import PartitionSpec as P
 transformers = pytest.importorskip("transformers")
 
 from jaxseq import partition  # noqa: E402
-from jaxseq.data.batches import train_batches  # noqa: E402
 from jaxseq.data.glue import get_task  # noqa: E402
 from jaxseq.errors import JaxseqError  # noqa: E402
 from jaxseq.mesh import make_mesh  # noqa: E402
@@ -183,9 +182,9 @@ def test_ema_in_training_follows_its_definition_and_is_what_evaluates(tmp_path):
     spec = lambda tree: [x.sharding.spec for x in jax.tree.leaves(tree)]  # noqa: E731
     assert spec(trainer.state.ema) == spec(trainer.state.params)
     expected = {k: v.astype(np.float64) for k, v in host(trainer.state.params).items()}
-    batches = train_batches(trainer.train_arrays, trainer.global_batch, 0)
+    batches = trainer.batches()
     for _ in range(4):
-        trainer.state, _ = trainer._train_step(trainer.state, trainer._to_devices(next(batches)))
+        trainer.state, _ = trainer._train_step(trainer.state, next(batches))
         params = host(trainer.state.params)
         expected = {k: 0.75 * expected[k] + 0.25 * params[k] for k in expected}
     ema = host(trainer.state.ema)
@@ -206,8 +205,7 @@ def test_a_learning_rate_group_moves_by_its_factor(tmp_path):
     for groups in (None, "classifier=10"):
         trainer = make_trainer(tmp_path / str(groups), tiny(mesh=mesh), mesh, lr_groups=groups, **kw)
         start = host(trainer.state.params)
-        trainer.state, _ = trainer._train_step(trainer.state, trainer._to_devices(
-            next(train_batches(trainer.train_arrays, trainer.global_batch, 0))))
+        trainer.state, _ = trainer._train_step(trainer.state, next(trainer.batches()))
         deltas.append({k: v - start[k] for k, v in host(trainer.state.params).items()})
         trainer.close()
     plain, grouped = deltas

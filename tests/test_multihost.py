@@ -1,7 +1,8 @@
 """Multi-host training with real processes: 2 processes on 127.0.0.1 with 4 virtual CPU devices each (gloo
-collectives) fine-tune a tiny GPT-2 on a dp=4,mp=2 mesh through scripts/finetune_glue.py, and match 1 process
-with 8 devices: the same loss sequence and final parameters. The 2-process checkpoint then restores in a
-1-process run."""
+collectives) train a tiny GPT-2 on a dp=4,mp=2 mesh and match 1 process with 8 devices: the same loss sequence
+and final parameters. GLUE fine-tuning (packed: each process packs its own examples) through
+scripts/finetune_glue.py, whose 2-process checkpoint then restores in a 1-process run; causal-LM pretraining
+through scripts/pretrain_clm.py, each process tokenizing its share of the text."""
 
 import json
 import os
@@ -19,7 +20,7 @@ transformers = pytest.importorskip("transformers")
 from jaxseq.models import from_config, save_pretrained  # noqa: E402
 from tests.conftest import shared_asset  # noqa: E402
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "finetune_glue.py"
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 TIMEOUT = 300
 
 
@@ -41,9 +42,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(args, devices: int, output_dir: Path, cache: Path, process_flags=()):
+def launch(args, devices: int, output_dir: Path, cache: Path, process_flags=(), script="finetune_glue.py"):
     env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", "HF_HUB_OFFLINE": "1"}
-    cmd = [sys.executable, str(SCRIPT), *map(str, args), "--output_dir", str(output_dir),
+    cmd = [sys.executable, str(SCRIPTS / script), *map(str, args), "--output_dir", str(output_dir),
            "--compilation_cache_dir", str(cache), *map(str, process_flags)]
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
@@ -64,6 +65,21 @@ def finish(processes) -> list[str]:
     return outputs
 
 
+def one_and_two(args, tmp_path: Path, script="finetune_glue.py") -> tuple[Path, Path, list[str]]:
+    """Run ``args`` in 1 process with 8 devices, then in 2 processes with 4 each: both output dirs and the
+    2 processes' output."""
+    cache = tmp_path / "xla"
+    one, two = tmp_path / "one", tmp_path / "two"
+    finish([launch(args, 8, one, cache, script=script)])
+    port = free_port()
+    outputs = finish([
+        launch(args, 4, two, cache, ["--coordinator_address", f"127.0.0.1:{port}", "--num_processes", 2,
+                                     "--process_id", rank], script=script)
+        for rank in range(2)
+    ])
+    return one, two, outputs
+
+
 def losses(output_dir: Path) -> list[float]:
     records = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
     return [r["train/loss"] for r in records if "train/loss" in r]
@@ -79,17 +95,11 @@ def test_two_processes_match_one_and_their_checkpoint_restores_in_one(tmp_path, 
     args = ["--model_name_or_path", tiny_gpt2, "--data_dir", shared_asset("data/glue"), "--task_name", "sst2",
             "--max_train_samples", 64, "--max_eval_samples", 24, "--max_seq_length", 32, "--mesh", "dp=4,mp=2",
             "--per_device_train_batch_size", 2, "--per_device_eval_batch_size", 2, "--max_steps", 4,
-            "--logging_steps", 1, "--save_steps", 2, "--learning_rate", 1e-4, "--seed", 0]
-    cache = tmp_path / "xla"
-    one, two = tmp_path / "one", tmp_path / "two"
-    finish([launch(args, 8, one, cache)])
-    port = free_port()
-    outputs = finish([
-        launch(args, 4, two, cache, ["--coordinator_address", f"127.0.0.1:{port}", "--num_processes", 2,
-                                     "--process_id", rank])
-        for rank in range(2)
-    ])
+            "--logging_steps", 1, "--save_steps", 2, "--learning_rate", 1e-4, "--seed", 0, "--pack_sequences"]
+    one, two, outputs = one_and_two(args, tmp_path)
     assert "8 devices" in outputs[0]  # process 0 reports the global device count
+    # each process tokenized only the examples it took: half of each of the 4 global batches of 8
+    assert "training examples tokenized by each process: [16, 16] of 64" in outputs[0]
 
     a, b = losses(one), losses(two)
     assert len(a) == 4 and all(np.isfinite(a)) and len(set(a)) == 4
@@ -105,7 +115,37 @@ def test_two_processes_match_one_and_their_checkpoint_restores_in_one(tmp_path, 
     resumed = tmp_path / "resumed"
     shutil.copytree(two, resumed)
     (resumed / "model.safetensors").unlink()
-    out = finish([launch(args, 8, resumed, cache)])[0]
+    out = finish([launch(args, 8, resumed, tmp_path / "xla")])[0]
     assert "(step 4)" in out
     pr = params(resumed)
     assert all(np.array_equal(pr[k], pb[k]) for k in pb)
+
+
+def test_two_processes_pretrain_like_one_each_tokenizing_a_share_of_the_text(tmp_path, tiny_gpt2):
+    text = shared_asset("data/text/tinyshakespeare.txt")
+    args = ["--config_name", tiny_gpt2, "--tokenizer_name", tiny_gpt2, "--train_file", text, "--block_size", 32,
+            "--max_eval_samples", 16, "--per_device_train_batch_size", 2, "--per_device_eval_batch_size", 2,
+            "--max_steps", 3, "--logging_steps", 1, "--eval_steps", 3, "--learning_rate", 3e-3, "--seed", 0,
+            "--mesh", "dp=4,mp=2", "--data_cache_dir", "", "--peak_flops", 1e11]
+    one, two, _ = one_and_two(args, tmp_path, script="pretrain_clm.py")
+    a, b = losses(one), losses(two)
+    assert len(a) == 3 and len(set(a)) == 3
+    np.testing.assert_allclose(b, a, atol=1e-5)  # the exchanged token stream is the one-process stream
+    pa, pb = params(one), params(two)
+    assert max(float(np.abs(pa[k] - pb[k]).max()) for k in pa) <= 1e-5
+
+
+def test_each_process_tokenizes_a_contiguous_share(monkeypatch):
+    import jax
+
+    from jaxseq.data import text
+
+    parts = [(f"piece {i} " * (1 + i % 7), i % 3 == 0) for i in range(50)]
+    shares = []
+    for rank in range(3):
+        monkeypatch.setattr(jax, "process_count", lambda: 3)
+        monkeypatch.setattr(jax, "process_index", lambda rank=rank: rank)
+        shares.append(text._my_share(parts))
+    assert [p for share in shares for p in share] == parts  # in order, each piece exactly once
+    sizes = [sum(len(p) for p, _ in share) for share in shares]
+    assert max(sizes) - min(sizes) <= max(len(p) for p, _ in parts)  # balanced by characters

@@ -12,6 +12,7 @@ transformers = pytest.importorskip("transformers")
 
 from jaxseq import partition  # noqa: E402
 from jaxseq.data.glue import encode, get_task, load_split  # noqa: E402
+from jaxseq.data.rows import ArrayRows  # noqa: E402
 from jaxseq.mesh import make_mesh  # noqa: E402
 from jaxseq.models import from_config  # noqa: E402
 from jaxseq.train.objectives import SequenceClassification  # noqa: E402
@@ -142,7 +143,8 @@ def test_every_optimizer_lowers_the_loss(tmp_path, tokenizer, sst2, optimizer):
     trainer = make_trainer(tmp_path, tokenizer, sst2, optimizer=optimizer, learning_rate=lr, max_steps=8,
                            eval_steps=100, lr_scheduler_type="constant")
     # the same batch every step: the loss must go down
-    trainer.train_arrays = {k: np.tile(v[:16], (8,) + (1,) * (v.ndim - 1)) for k, v in trainer.train_arrays.items()}
+    first = trainer.train_data.take(np.arange(16))
+    trainer.train_data = ArrayRows({k: np.tile(v, (8,) + (1,) * (v.ndim - 1)) for k, v in first.items()})
     losses = train_losses(trainer)
     assert losses[-1] < losses[0]
 

@@ -4,15 +4,9 @@ padded and its padding masked out)."""
 
 from __future__ import annotations
 
-from typing import Iterator, Mapping
+from typing import Iterator
 
 import numpy as np
-
-Arrays = Mapping[str, np.ndarray]
-
-
-def num_examples(arrays: Arrays) -> int:
-    return len(next(iter(arrays.values())))
 
 
 def epoch_order(n: int, seed: int, epoch: int) -> np.ndarray:
@@ -25,9 +19,9 @@ def steps_per_epoch(n: int, batch_size: int) -> int:
     return n // batch_size
 
 
-def train_batches(arrays: Arrays, batch_size: int, seed: int, start_step: int = 0) -> Iterator[dict[str, np.ndarray]]:
-    """Endless global training batches, starting at ``start_step`` (epoch = step // steps_per_epoch)."""
-    n = num_examples(arrays)
+def train_indices(n: int, batch_size: int, seed: int, start_step: int = 0) -> Iterator[np.ndarray]:
+    """Endless global training batches as example indices, starting at ``start_step`` (epoch = step //
+    steps_per_epoch)."""
     per_epoch = steps_per_epoch(n, batch_size)
     if per_epoch == 0:
         raise ValueError(f"{n} training examples do not fill one batch of {batch_size}")
@@ -36,17 +30,14 @@ def train_batches(arrays: Arrays, batch_size: int, seed: int, start_step: int = 
         epoch, offset = divmod(step, per_epoch)
         order = epoch_order(n, seed, epoch)
         for i in range(offset, per_epoch):
-            index = order[i * batch_size:(i + 1) * batch_size]
-            yield {k: v[index] for k, v in arrays.items()}
+            yield order[i * batch_size:(i + 1) * batch_size]
         step = (epoch + 1) * per_epoch
 
 
-def eval_batches(arrays: Arrays, batch_size: int) -> Iterator[tuple[dict[str, np.ndarray], np.ndarray]]:
-    """``(batch, valid)`` in order over every example; the last batch is padded by repeating row 0 and
+def eval_indices(n: int, batch_size: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """``(index, valid)`` in order over every example; the last batch is padded by repeating example 0 and
     ``valid`` marks the real rows."""
-    n = num_examples(arrays)
     for start in range(0, n, batch_size):
         index = np.arange(start, start + batch_size)
         valid = index < n
-        index = np.where(valid, index, 0)
-        yield {k: v[index] for k, v in arrays.items()}, valid
+        yield np.where(valid, index, 0), valid

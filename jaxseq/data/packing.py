@@ -53,9 +53,16 @@ def max_rows(batch_lengths: Iterable[np.ndarray], seq: int, multiple: int = 1) -
     return -(-most // multiple) * multiple
 
 
-def pack(batch: Mapping[str, np.ndarray], rows: int, pool: str = "first") -> dict[str, np.ndarray]:
+def rows_needed(batches: Iterable[Mapping[str, np.ndarray]]) -> int:
+    """Rows enough to pack every batch (given as its arrays)."""
+    return max(len(_assign(lengths(b), b["input_ids"].shape[1])) for b in batches)
+
+
+def pack(batch: Mapping[str, np.ndarray], rows: int, pool: str = "first", first_row: int = 0) -> dict[str, np.ndarray]:
     """Pack the examples of ``batch`` (rows of one example each, any padding side) into ``rows`` rows.
-    ``pool`` is ``"first"`` or ``"last"``: which token of each example ``pool_index`` points at."""
+    ``pool`` is ``"first"`` or ``"last"``: which token of each example ``pool_index`` points at.
+    ``first_row``: where these rows start in the whole batch (a process packs its own slice of a
+    multi-host batch; ``pool_index`` counts from the whole batch's first row)."""
     ids = np.asarray(batch["input_ids"])
     n, seq = ids.shape
     real = np.asarray(batch["attention_mask"]) != 0
@@ -75,7 +82,7 @@ def pack(batch: Mapping[str, np.ndarray], rows: int, pool: str = "first") -> dic
                     out[name][r, span] = np.asarray(batch[name])[i][real[i]]
             out["attention_mask"][r, span] = segment
             out["position_ids"][r, span] = np.arange(length)
-            pool_index[i] = r * seq + start + (length - 1 if pool == "last" else 0)
+            pool_index[i] = (first_row + r) * seq + start + (length - 1 if pool == "last" else 0)
             start += length
     if "token_type_ids" not in batch:
         del out["token_type_ids"]

@@ -137,41 +137,60 @@ def token_dtype(tokenizer) -> np.dtype:
 
 def tokenize(documents: list[str], tokenizer, *, progress: bool = True, desc: str = "tokenizing") -> np.ndarray:
     """One token stream: each non-empty document's tokens followed by EOS (no other special tokens), as
-    uint16 when the vocabulary fits, else int32."""
+    uint16 when the vocabulary fits, else int32. In a multi-host run each process encodes a contiguous
+    share of the pieces and the processes exchange their streams: the same tokens, 1/N of the work each."""
     from tqdm.auto import tqdm
 
     eos = tokenizer.eos_token_id
     if eos is None:
         raise JaxseqError("the tokenizer has no EOS token to put between documents; pass another --tokenizer_name")
     dtype = token_dtype(tokenizer)
-    total = sum(map(len, documents))
+    parts = [(piece, i == len(cut) - 1) for cut in map(list, map(pieces, filter(None, documents)))
+             for i, piece in enumerate(cut)]  # (piece, whether it ends its document: then EOS follows)
+    parts = _my_share(parts)
+    total = sum(len(piece) for piece, _ in parts)
     bar = tqdm(total=total, desc=desc, unit="char", unit_scale=True, disable=not progress or total < PROGRESS_CHARS)
     out: list[np.ndarray] = []
-    batch: list[str] = []
-    ends: list[bool] = []  # whether the piece ends its document (then EOS follows it)
-
-    def flush():
-        encoded = tokenizer(batch, add_special_tokens=False, verbose=False, return_attention_mask=False)
-        for ids, end in zip(encoded["input_ids"], ends):
-            out.append(np.asarray(ids + [eos] if end else ids, dtype=dtype))
-        bar.update(sum(map(len, batch)))
-        batch.clear()
-        ends.clear()
-
-    size = 0
-    for document in filter(None, documents):
-        parts = list(pieces(document))
-        for i, piece in enumerate(parts):
-            batch.append(piece)
-            ends.append(i == len(parts) - 1)
-            size += len(piece)
-            if size >= BATCH_CHARS:
-                flush()
-                size = 0
-    if batch:
-        flush()
+    start = size = 0
+    for i, (piece, _) in enumerate(parts):
+        size += len(piece)
+        if size >= BATCH_CHARS or i == len(parts) - 1:
+            batch = parts[start:i + 1]
+            encoded = tokenizer([p for p, _ in batch], add_special_tokens=False, verbose=False,
+                                return_attention_mask=False)
+            for ids, (_, end) in zip(encoded["input_ids"], batch):
+                out.append(np.asarray(ids + [eos] if end else ids, dtype=dtype))
+            bar.update(size)
+            start, size = i + 1, 0
     bar.close()
-    return np.concatenate(out) if out else np.zeros((0,), dtype)
+    return _join_shares(np.concatenate(out) if out else np.zeros((0,), dtype))
+
+
+def _my_share(parts: list[tuple[str, bool]]) -> list[tuple[str, bool]]:
+    """This process's contiguous share of ``parts``: those starting in its fraction of the characters."""
+    import jax
+
+    count = jax.process_count()
+    if count == 1:
+        return parts
+    sizes = np.array([len(piece) for piece, _ in parts], np.int64)
+    owner = (np.cumsum(sizes) - sizes) * count // max(int(sizes.sum()), 1)
+    return [part for part, rank in zip(parts, owner) if rank == jax.process_index()]
+
+
+def _join_shares(tokens: np.ndarray) -> np.ndarray:
+    """Every process's token stream, in process order (a no-op with one process)."""
+    import jax
+
+    if jax.process_count() == 1:
+        return tokens
+    from jax.experimental import multihost_utils
+
+    lengths = np.asarray(multihost_utils.process_allgather(np.int32(len(tokens))))
+    padded = np.zeros(int(lengths.max()), tokens.dtype)
+    padded[:len(tokens)] = tokens
+    streams = np.asarray(multihost_utils.process_allgather(padded))
+    return np.concatenate([stream[:n] for stream, n in zip(streams, lengths)])
 
 
 def tokenizer_fingerprint(tokenizer) -> str:

@@ -34,11 +34,11 @@ class SequenceClassification:
     def predict(self, model, batch: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
         logits = self._logits(model, batch)
         prediction = logits[:, 0] if self.task.is_regression else jnp.argmax(logits, axis=-1)
-        return {"prediction": prediction, "loss": self._losses(logits, batch["labels"])}
+        return {"prediction": prediction, "labels": batch["labels"], "loss": self._losses(logits, batch["labels"])}
 
-    def metrics(self, outputs: dict[str, np.ndarray], arrays: Mapping[str, np.ndarray]) -> dict[str, float]:
+    def metrics(self, outputs: dict[str, np.ndarray]) -> dict[str, float]:
         return {"loss": float(outputs["loss"].mean()),
-                **compute_metrics(self.task, outputs["prediction"], arrays["labels"])}
+                **compute_metrics(self.task, outputs["prediction"], outputs["labels"])}
 
 
 class TokenLoss:
@@ -58,7 +58,7 @@ class TokenLoss:
         losses, weights = self._token_losses(model, batch)
         return {"loss_sum": losses.sum(axis=-1), "tokens": weights.sum(axis=-1)}
 
-    def metrics(self, outputs: dict[str, np.ndarray], arrays: Mapping[str, np.ndarray]) -> dict[str, float]:
+    def metrics(self, outputs: dict[str, np.ndarray]) -> dict[str, float]:
         loss = float(outputs["loss_sum"].astype(np.float64).sum() / max(outputs["tokens"].sum(), 1.0))
         return {"loss": loss, "perplexity": perplexity(loss)}
 
@@ -106,14 +106,15 @@ class Seq2SeqLM(TokenLoss):
                 model, batch["input_ids"], batch["attention_mask"], max_new_tokens=self.max_new_tokens,
                 eos_token_id=model.config.eos_token_id, pad_token_id=model.config.pad_token_id,
             )
+            outputs["references"] = jnp.where(batch["decoder_attention_mask"] > 0, batch["labels"],
+                                              model.config.pad_token_id)
         return outputs
 
-    def metrics(self, outputs: dict[str, np.ndarray], arrays: Mapping[str, np.ndarray]) -> dict[str, float]:
-        results = super().metrics(outputs, arrays)
+    def metrics(self, outputs: dict[str, np.ndarray]) -> dict[str, float]:
+        results = super().metrics(outputs)
         if "generated" in outputs:
             predictions = self.decode(outputs["generated"])
-            references = self.decode(np.where(arrays["decoder_attention_mask"] > 0, arrays["labels"],
-                                              self.tokenizer.pad_token_id))
+            references = self.decode(outputs["references"])
             results["exact_match"] = float(np.mean([p == r for p, r in zip(predictions, references)]))
         return results
 

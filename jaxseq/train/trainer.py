@@ -12,7 +12,7 @@ import signal
 import threading
 import time
 from pathlib import Path
-from typing import Any, Mapping, Protocol
+from typing import Any, Iterator, Mapping, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -24,7 +24,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jaxseq import partition
 from jaxseq.config import arg
 from jaxseq.data import packing
-from jaxseq.data.batches import eval_batches, num_examples, steps_per_epoch, train_batches
+from jaxseq.data.batches import eval_indices, steps_per_epoch, train_indices
+from jaxseq.data.rows import Rows, as_rows
 from jaxseq.errors import Interrupted, JaxseqError
 from jaxseq.mesh import batch_spec, data_parallel_size
 from jaxseq.train.checkpoint import Checkpointer, abstract_like
@@ -94,9 +95,10 @@ class Task(Protocol):
     def loss(self, model, batch: Mapping[str, jax.Array], rngs: nnx.Rngs | None) -> jax.Array: ...
 
     def predict(self, model, batch: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
-        """Per-example outputs (leading batch dimension) that ``metrics`` turns into numbers."""
+        """Per-example outputs (leading batch dimension) that ``metrics`` turns into numbers; they carry what
+        the metrics compare against (labels), so the host needs no copy of the eval data."""
 
-    def metrics(self, outputs: dict[str, np.ndarray], arrays: Mapping[str, np.ndarray]) -> dict[str, float]: ...
+    def metrics(self, outputs: dict[str, np.ndarray]) -> dict[str, float]: ...
 
 
 def state_specs(param_specs, state: TrainState) -> TrainState:
@@ -113,8 +115,8 @@ class Trainer:
         task: Task,
         config: TrainerConfig,
         optimizer: OptimizerConfig,
-        train_arrays: Mapping[str, np.ndarray],
-        eval_sets: Mapping[str, Mapping[str, np.ndarray]],
+        train_data: Rows | Mapping[str, np.ndarray],
+        eval_sets: Mapping[str, Rows | Mapping[str, np.ndarray]],
         mesh: jax.sharding.Mesh,
         rules=None,
         logger: RunLogger | None = None,
@@ -125,23 +127,29 @@ class Trainer:
         peak_flops: float | None = None,
         lora: LoraConfig | None = None,
     ):
-        """``lora``: train LoRA adapters (``jaxseq.train.lora``) instead of every weight; the model's own
-        weights stay frozen, bit for bit. ``loss_scaling``: dynamic loss scaling, for models computing in
-        float16. ``pack``: pack short
+        """``train_data`` and each eval set: arrays by name, or ``jaxseq.data.rows`` that tokenize on demand
+        (each process then tokenizes only the examples its devices take). ``lora``: train LoRA adapters
+        (``jaxseq.train.lora``) instead of every weight; the model's own weights stay frozen, bit for bit.
+        ``loss_scaling``: dynamic loss scaling, for models computing in float16. ``pack``: pack short
         examples into shared rows (``jaxseq.data.packing``), pooling each example's ``"first"`` or
         ``"last"`` token; the row counts are sized once for the whole run, so shapes stay static.
         ``tokens_per_example``, ``flops_per_example`` (model FLOPs of one example's forward and backward) and
         ``peak_flops`` (FLOP/s of all devices): when given, the training log adds tokens/s, model FLOP/s and
         MFU (see ``jaxseq.train.throughput``)."""
         self.task, self.config, self.mesh = task, config, mesh
-        self.train_arrays, self.eval_sets = train_arrays, eval_sets
+        self.train_data = as_rows(train_data)
+        self.eval_sets = {name: as_rows(data) for name, data in eval_sets.items()}
         self.output_dir = Path(config.output_dir)
         dp = data_parallel_size(mesh)
         self.micro_batch = config.per_device_train_batch_size * dp
         self.global_batch = self.micro_batch * config.gradient_accumulation_steps
         self.eval_batch = config.per_device_eval_batch_size * dp
         self.throughput = Throughput(self.global_batch, tokens_per_example, flops_per_example, peak_flops)
-        n = num_examples(train_arrays)
+        self._mine = self._local_slice(self.micro_batch)  # this process's examples of every micro-batch
+        self._eval_mine = self._local_slice(self.eval_batch)
+        # how many distinct slices the processes take of a batch (1 with one process)
+        self._groups = self.micro_batch // (self._mine.stop - self._mine.start)
+        n = len(self.train_data)
         self.steps_per_epoch = steps_per_epoch(n, self.global_batch)
         if self.steps_per_epoch == 0:
             raise JaxseqError(
@@ -226,7 +234,7 @@ class Trainer:
             if accumulate == 1:
                 loss, grads = jax.value_and_grad(loss_of)(state.params, frozen, batch, key, scale)
             else:
-                micro = jax.tree.map(lambda x: x.reshape(accumulate, -1, *x.shape[1:]), batch)
+                micro = batch  # [accumulate, micro-batch, ...]: see _device_batch
 
                 def body(carry, xs):
                     i, mb = xs
@@ -266,24 +274,71 @@ class Trainer:
         return lambda state, batch: step(state, self.frozen, batch)
 
     def _size_packed_batches(self, dp: int) -> None:
-        """Packed rows per micro-batch (the most any micro-batch of the run needs) and per eval batch."""
+        """Packed rows per micro-batch (the most any micro-batch of the run needs) and per eval batch. Every
+        data-parallel shard packs its own examples into its own rows, so the layout depends on the mesh,
+        not on how many processes share it; each process sizes only its shards (tokenizing only those)
+        and the processes agree on the largest."""
         micro = self.config.gradient_accumulation_steps
-        seq = self.train_arrays["input_ids"].shape[1]
-        batches = train_batches({"n": packing.lengths(self.train_arrays)}, self.global_batch, self.config.seed)
-        run = (next(batches)["n"] for _ in range(self.total_steps))
-        self.train_rows = packing.max_rows((m for b in run for m in np.split(b, micro)), seq, dp)
-        self.eval_rows = {
-            name: packing.max_rows((packing.lengths(b) for b, _ in eval_batches(arrays, self.eval_batch)),
-                                   arrays["input_ids"].shape[1], dp)
-            for name, arrays in self.eval_sets.items()
+        indices = train_indices(len(self.train_data), self.global_batch, self.config.seed)
+        run = (next(indices).reshape(micro, -1)[:, self._mine] for _ in range(self.total_steps))
+        self.packed_rows = self._rows_for((self.train_data.take(m) for b in run for m in b), dp)
+        self.eval_packed_rows = {
+            name: self._rows_for((data.take(index[self._eval_mine])
+                                  for index, _ in eval_indices(len(data), self.eval_batch)), dp)
+            for name, data in self.eval_sets.items()
         }
 
-    def _packed_train_batch(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """Each micro-batch packed on its own (its pool_index local to it), stacked back together."""
+    def _rows_for(self, batches, dp: int) -> int:
+        """Packed rows of a whole batch: ``dp`` times the most any shard of this process's ``batches`` (or of
+        any other process's) needs."""
+        needed = packing.rows_needed(shard for batch in batches for shard in self._shards(batch))
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            needed = int(np.max(multihost_utils.process_allgather(np.int32(needed))))
+        return dp * needed
+
+    def _shards(self, local: Mapping[str, np.ndarray]) -> list[dict[str, np.ndarray]]:
+        """This process's examples of a batch, split into its data-parallel shards."""
+        shards = data_parallel_size(self.mesh) // self._groups
+        return [{k: v[i] for k, v in local.items()} for i in np.split(np.arange(len(local["input_ids"])), shards)]
+
+    def _local_slice(self, rows: int) -> slice:
+        """The rows of a batch of ``rows`` (split over the batch axes) that this process's devices hold."""
+        return local_rows(NamedSharding(self.mesh, batch_spec(1)), (rows,))
+
+    def batches(self, start_step: int = 0) -> Iterator[dict[str, jax.Array]]:
+        """The training batches from ``start_step`` on, on the devices. The global order is a function of
+        the seed and the step alone; this process takes (tokenizes, packs) only its own examples of each."""
         micro = self.config.gradient_accumulation_steps
-        splits = {k: np.split(v, micro) for k, v in batch.items()}
-        parts = [packing.pack({k: v[i] for k, v in splits.items()}, self.train_rows, self.pack) for i in range(micro)]
-        return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+        for index in train_indices(len(self.train_data), self.global_batch, self.config.seed, start_step):
+            parts = [self._local(self.train_data, m[self._mine], self.pack and self.packed_rows)
+                     for m in index.reshape(micro, -1)]
+            yield self._device_batch(parts[0] if micro == 1 else {k: np.stack([p[k] for p in parts])
+                                                                  for k in parts[0]}, stacked=micro > 1)
+
+    def _local(self, data: Rows, index: np.ndarray, packed_rows: int | None) -> dict[str, np.ndarray]:
+        """This process's examples ``index`` of one batch; if ``packed_rows`` is given, each data-parallel
+        shard packed into its share of them."""
+        local = data.take(index)
+        if not packed_rows:
+            return local
+        per_shard = packed_rows // data_parallel_size(self.mesh)
+        first = self._local_slice(packed_rows).start
+        parts = [packing.pack(shard, per_shard, self.pack, first_row=first + i * per_shard)
+                 for i, shard in enumerate(self._shards(local))]
+        return {k: np.concatenate([part[k] for part in parts]) for k in parts[0]}
+
+    def _device_batch(self, local: Mapping[str, np.ndarray], stacked: bool = False) -> dict[str, jax.Array]:
+        """This process's rows -> global arrays split over the batch axes. ``stacked``: arrays are
+        ``[micro-batches, rows, ...]`` and each micro-batch is split on its own."""
+        out = {}
+        for name, value in local.items():
+            lead = value.shape[:2] if stacked else value.shape[:1]
+            spec = P(None, *batch_spec(value.ndim - 1)) if stacked else batch_spec(value.ndim)
+            shape = (*lead[:-1], lead[-1] * self._groups, *value.shape[len(lead):])
+            out[name] = jax.make_array_from_process_local_data(NamedSharding(self.mesh, spec), value, shape)
+        return out
 
     def _predict(self, params, frozen, batch):
         return self.task.predict(self._model(params, frozen), batch)
@@ -291,16 +346,6 @@ class Trainer:
     def _model(self, params, frozen) -> nnx.Module:
         """The model of ``params`` (with LoRA: the frozen weights, adapters folded in, the trained head)."""
         return nnx.merge(self.graphdef, params if self.lora is None else self.lora.merged(params, frozen))
-
-    def _to_devices(self, batch: Mapping[str, np.ndarray]) -> dict[str, jax.Array]:
-        """Global host batch -> arrays split over the batch axes; each process hands over only the rows
-        its own devices hold."""
-        out = {}
-        for name, value in batch.items():
-            sharding = NamedSharding(self.mesh, batch_spec(value.ndim))
-            rows = local_rows(sharding, value.shape)
-            out[name] = jax.make_array_from_process_local_data(sharding, value[rows], value.shape)
-        return out
 
     # ------------------------------------------------------------------ loop
 
@@ -331,7 +376,7 @@ class Trainer:
         state, record = checkpointer.restore(step, self._abstract_state)
         # the data order is a function of these and the step: a resumed run must see the same ones
         now = {"global batch": self.global_batch, "seed": self.config.seed,
-               "training examples": num_examples(self.train_arrays)}
+               "training examples": len(self.train_data)}
         saved = {"global batch": record.get("global_batch"), "seed": record.get("seed"),
                  "training examples": record.get("train_examples")}
         changed = [name for name in now if saved[name] not in (None, now[name])]
@@ -375,7 +420,7 @@ class Trainer:
         config = self.config
         start = self.restore_if_any()
         eval_every = config.eval_steps or self.steps_per_epoch
-        batches = train_batches(self.train_arrays, self.global_batch, config.seed, start_step=start)
+        batches = self.batches(start)
         pending: list[dict] = []
         eval_metrics: dict[str, float] = {}
         started = time.perf_counter()
@@ -383,10 +428,7 @@ class Trainer:
         step = start
         while step < self.total_steps:
             t0 = time.perf_counter()
-            batch = next(batches)
-            if self.pack:
-                batch = self._packed_train_batch(batch)
-            self.state, metrics = self._train_step(self.state, self._to_devices(batch))
+            self.state, metrics = self._train_step(self.state, next(batches))
             if compile_seconds is None:
                 jax.block_until_ready(metrics["loss"])
                 compile_seconds = time.perf_counter() - t0
@@ -414,6 +456,7 @@ class Trainer:
             if step < self.total_steps and self._signalled(logged):
                 self._stop_for_signal(step, pending, started, saved=bool(save_now))
         runtime = time.perf_counter() - started
+        self._report_tokenized()
         if not eval_metrics:  # resumed from a finished run: nothing trained, still report where it stands
             eval_metrics = self.evaluate()
         self.checkpointer.wait()
@@ -428,6 +471,16 @@ class Trainer:
             **{f"train_{k}": v for k, v in self.throughput.summary().items()},
             **{f"eval_{k}": v for k, v in eval_metrics.items()},
         }
+
+    def _report_tokenized(self) -> None:
+        """Multi-host runs: how many training examples each process tokenized (each only what it took)."""
+        if jax.process_count() == 1 or not hasattr(self.train_data, "encoded"):
+            return
+        from jax.experimental import multihost_utils
+
+        counts = multihost_utils.process_allgather(np.int32(self.train_data.encoded))
+        self.logger.write(f"training examples tokenized by each process: {np.asarray(counts).tolist()} of "
+                          f"{len(self.train_data)}")
 
     def _check_finite(self, step: int, host: list[dict]) -> None:
         """Stop at the first of the steps ending at ``step`` (their metrics ``host``) whose loss or gradient
@@ -484,24 +537,23 @@ class Trainer:
 
     def save(self, step: int, eval_metrics: dict | None) -> None:
         record = {"step": step, "global_batch": self.global_batch, "seed": self.config.seed,
-                  "train_examples": num_examples(self.train_arrays), "epoch": step / self.steps_per_epoch}
+                  "train_examples": len(self.train_data), "epoch": step / self.steps_per_epoch}
         metrics = {f"eval/{k}": v for k, v in eval_metrics.items()} if eval_metrics else None
         self.checkpointer.save(step, self.state, record, metrics)
 
     def evaluate(self) -> dict[str, float]:
         """Metrics over every example of every eval set (keys suffixed by set, as the task names them)."""
         results = {}
-        for name, arrays in self.eval_sets.items():
+        for name, data in self.eval_sets.items():
             outputs: dict[str, list] = {}
-            for batch, valid in eval_batches(arrays, self.eval_batch):
-                if self.pack:
-                    batch = packing.pack(batch, self.eval_rows[name], self.pack)
-                predicted = partition.gather(self._eval_step(self.eval_params(), self.frozen,
-                                                             self._to_devices(batch)))
+            packed_rows = self.pack and self.eval_packed_rows[name]
+            for index, valid in eval_indices(len(data), self.eval_batch):
+                batch = self._device_batch(self._local(data, index[self._eval_mine], packed_rows))
+                predicted = partition.gather(self._eval_step(self.eval_params(), self.frozen, batch))
                 for key, value in predicted.items():
                     outputs.setdefault(key, []).append(np.asarray(value)[valid])
             merged = {k: np.concatenate(v) for k, v in outputs.items()}
-            for key, value in self.task.metrics(merged, arrays).items():
+            for key, value in self.task.metrics(merged).items():
                 results[f"{key}{name}"] = value
         return results
 
@@ -540,7 +592,7 @@ def _count(tree) -> int:
 def local_rows(sharding: NamedSharding, shape: tuple[int, ...]) -> slice:
     """The rows of a global array of ``shape`` that this process's devices hold under ``sharding``."""
     if jax.process_count() == 1:
-        return slice(None)
+        return slice(0, shape[0])
     spans = [index[0] for index in sharding.addressable_devices_indices_map(shape).values()]
     return slice(min(s.start or 0 for s in spans), max(shape[0] if s.stop is None else s.stop for s in spans))
 
