@@ -21,6 +21,7 @@ from pathlib import Path
 
 from jaxseq.cli import script, setup_compilation_cache
 from jaxseq.config import arg, build_parser, parse_args
+from jaxseq.distributed import DistributedConfig
 from jaxseq.errors import JaxseqError
 
 
@@ -97,23 +98,27 @@ def completion_length(tokens, eos: int | None) -> int:
 
 @script
 def main(argv) -> int:
-    parser = build_parser(__doc__, GenerateConfig)
-    _, (cfg,) = parse_args(parser, (GenerateConfig,), argv)
+    parser = build_parser(__doc__, GenerateConfig, DistributedConfig)
+    _, (cfg, distributed) = parse_args(parser, (GenerateConfig, DistributedConfig), argv)
     if not cfg.model_name_or_path:
         raise JaxseqError("pass --model_name_or_path (a Hub id such as gpt2, or a local model folder)")
     if cfg.batch_size < 1:
         raise JaxseqError(f"--batch_size must be at least 1, got {cfg.batch_size}")
     prompts = read_prompts(cfg)
 
+    import jax
     import jax.numpy as jnp
     import numpy as np
 
+    from jaxseq.distributed import initialize
     from jaxseq.generation import generate
     from jaxseq.mesh import make_mesh
     from jaxseq.models import load_config, load_pretrained
     from jaxseq.models.hub import family_for, resolve
     from jaxseq.models.source import load_tokenizer
+    from jaxseq.partition import gather
 
+    initialize(distributed)  # a multi-host run: every process reads the same prompts, process 0 writes
     setup_compilation_cache(cfg.compilation_cache_dir)
     mesh = make_mesh(cfg.mesh or None)
     folder = resolve(cfg.model_name_or_path)
@@ -155,7 +160,7 @@ def main(argv) -> int:
             eos_token_id=eos, pad_token_id=pad,
             seed=int(np.random.SeedSequence([cfg.seed, k]).generate_state(1)[0]),  # each batch its own draws
         )
-        for i, tokens in zip(batch, np.asarray(out.sequences)):
+        for i, tokens in zip(batch, gather(out.sequences)):
             n = completion_length(tokens, eos)
             text = tokenizer.decode(tokens[:n], skip_special_tokens=True)
             completions[i] = {"prompt": prompts[i], "completion": text, "prompt_tokens": len(encoded[i]),
@@ -163,6 +168,8 @@ def main(argv) -> int:
             generated += n
     seconds = time.perf_counter() - start
 
+    if jax.process_index() != 0:
+        return 0
     if cfg.output_file:
         path = Path(cfg.output_file)
         path.parent.mkdir(parents=True, exist_ok=True)

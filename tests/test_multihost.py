@@ -2,7 +2,8 @@
 collectives) train a tiny GPT-2 on a dp=4,mp=2 mesh and match 1 process with 8 devices: the same loss sequence
 and final parameters. GLUE fine-tuning (packed: each process packs its own examples) through
 scripts/finetune_glue.py, whose 2-process checkpoint then restores in a 1-process run; causal-LM pretraining
-through scripts/pretrain_clm.py, each process tokenizing its share of the text."""
+through scripts/pretrain_clm.py, each process tokenizing its share of the text. scripts/generate.py on 2
+processes writes the completions of 1 process."""
 
 import json
 import os
@@ -44,7 +45,8 @@ def free_port() -> int:
 
 def launch(args, devices: int, output_dir: Path, cache: Path, process_flags=(), script="finetune_glue.py"):
     env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", "HF_HUB_OFFLINE": "1"}
-    cmd = [sys.executable, str(SCRIPTS / script), *map(str, args), "--output_dir", str(output_dir),
+    output = ["--output_file", output_dir / "completions.jsonl"] if script == "generate.py" else ["--output_dir", output_dir]
+    cmd = [sys.executable, str(SCRIPTS / script), *map(str, args), *map(str, output),
            "--compilation_cache_dir", str(cache), *map(str, process_flags)]
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
@@ -149,3 +151,20 @@ def test_each_process_tokenizes_a_contiguous_share(monkeypatch):
     assert [p for share in shares for p in share] == parts  # in order, each piece exactly once
     sizes = [sum(len(p) for p, _ in share) for share in shares]
     assert max(sizes) - min(sizes) <= max(len(p) for p, _ in parts)  # balanced by characters
+
+
+def test_two_processes_generate_what_one_does(tmp_path, tiny_gpt2):
+    import transformers
+
+    lm = tmp_path / "lm"  # the same tiny GPT-2 with its LM head (tied to the embeddings)
+    config = transformers.AutoConfig.from_pretrained(tiny_gpt2)
+    save_pretrained(from_config(config, "causal-lm", seed=0), lm,
+                    tokenizer=transformers.AutoTokenizer.from_pretrained(tiny_gpt2))
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("The king said\nTo be, or not\nO Romeo\nWhat light through yonder window\nNow is the\n")
+    args = ["--model_name_or_path", lm, "--prompt_file", prompts, "--max_new_tokens", 8, "--batch_size", 8,
+            "--mesh", "dp=4,mp=2", "--do_sample", "--top_k", 20, "--seed", 3]
+    one, two, _ = one_and_two(args, tmp_path, script="generate.py")
+    records = (one / "completions.jsonl").read_text().splitlines()
+    assert len(records) == 5
+    assert (two / "completions.jsonl").read_text().splitlines() == records

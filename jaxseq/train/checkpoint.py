@@ -141,17 +141,24 @@ class _DropOrbaxErrors(logging.Filter):
     that raise becomes the one line (and, with --debug, shows the same traceback as its cause)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not (record.levelno >= logging.ERROR and f"{os.sep}orbax{os.sep}" in record.pathname)
+        if record.levelno < logging.ERROR:
+            return True
+        if f"{os.sep}orbax{os.sep}" in record.pathname:
+            return False
+        # asyncio's "Task exception was never retrieved" for one of the failed save's write tasks
+        return f"{os.sep}orbax{os.sep}" not in record.getMessage()
 
 
 def _quiet_orbax_errors() -> None:
-    """Once per process. Besides the logged errors: after a failed save, the save's other writes still finish
+    """Once per process. Besides the logged errors (orbax's own, and asyncio's report of a write task whose
+    error nobody retrieved): after a failed save, the save's other writes still finish
     in tensorstore's threads and report to the event loop orbax has closed, each printed as an unraisable
     'Event loop is closed' traceback; those (and only those) are dropped."""
-    logger = logging.getLogger("absl")
-    if any(isinstance(f, _DropOrbaxErrors) for f in logger.filters):
+    loggers = [logging.getLogger("absl"), logging.getLogger("asyncio")]
+    if any(isinstance(f, _DropOrbaxErrors) for f in loggers[0].filters):
         return
-    logger.addFilter(_DropOrbaxErrors())
+    for logger in loggers:
+        logger.addFilter(_DropOrbaxErrors())
     previous = sys.unraisablehook
 
     def hook(unraisable):
