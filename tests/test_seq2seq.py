@@ -18,7 +18,8 @@ from jaxseq.models import load_pretrained  # noqa: E402
 from jaxseq.train.objectives import Seq2SeqLM  # noqa: E402
 from tests.conftest import shared_asset  # noqa: E402
 
-WORDS = "cat dog red blue sun moon tree fish bird king queen house water fire stone gold".split()
+# each word is a single piece of the botchan unigram model, so reversing words is reversing tokens
+WORDS = "tree fish house water stone boat desk eggs face floor game girl hand head heart home".split()
 
 
 @pytest.fixture(scope="module")
@@ -49,10 +50,11 @@ def toy_pairs(n, seed):
 
 
 def tiny_t5(tokenizer, **kw):
+    sizes = dict(d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4, relative_attention_num_buckets=32,
+                 relative_attention_max_distance=32)
     return transformers.T5Config(
-        vocab_size=-(-len(tokenizer) // 16) * 16, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4,
-        relative_attention_num_buckets=8, relative_attention_max_distance=20, pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id, decoder_start_token_id=tokenizer.pad_token_id, **kw)
+        vocab_size=-(-len(tokenizer) // 16) * 16, pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id, decoder_start_token_id=tokenizer.pad_token_id, **{**sizes, **kw})
 
 
 def test_load_pairs_reads_every_format_and_names_missing_columns(tmp_path):
@@ -85,14 +87,14 @@ def test_teacher_forced_loss_matches_pytorch(tmp_path, tokenizer):
     assert abs(objective.metrics(outputs)["loss"] - expected) < 1e-5
 
 
-def run_script(*args, timeout=600):
+def run_script(*args, devices=8, timeout=600):
     import os
     import subprocess
     import sys
     from pathlib import Path
 
     script = Path(__file__).resolve().parents[1] / "scripts" / "finetune_seq2seq.py"
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "HF_HUB_OFFLINE": "1"}
+    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", "HF_HUB_OFFLINE": "1"}
     return subprocess.run([sys.executable, str(script), *map(str, args)], capture_output=True, text=True,
                           timeout=timeout, env=env)
 
@@ -106,16 +108,19 @@ def write_jsonl(path, pairs):
 def test_script_learns_the_toy_task_and_its_exact_match_agrees_with_pytorch(tmp_path, tokenizer_dir, tokenizer):
     config_dir = tmp_path / "config"
     shutil.copytree(tokenizer_dir, config_dir)
-    tiny_t5(tokenizer, dropout_rate=0.0).save_pretrained(config_dir)
-    train = write_jsonl(tmp_path / "train.jsonl", toy_pairs(8000, 1))
+    tiny_t5(tokenizer, d_model=128, d_kv=32, d_ff=256, dropout_rate=0.0).save_pretrained(config_dir)
     dev_pairs = toy_pairs(48, 2)
     dev = write_jsonl(tmp_path / "dev.jsonl", dev_pairs)
+    train = write_jsonl(tmp_path / "train.jsonl", [p for p in toy_pairs(8000, 1) if p not in dev_pairs])
     out = tmp_path / "out"
+    # Adafactor (T5's own optimizer) solves the held-out dev pairs by ~800 updates, where AdamW (2e-3, 5e-3) still
+    # emits the right words in the wrong order; dp=2 runs the same global batch ~2x faster than dp=4,mp=2 on CPU
     result = run_script(
         "--config_name", config_dir, "--train_file", train, "--validation_file", dev, "--output_dir", out,
-        "--max_source_length", 16, "--max_target_length", 12, "--per_device_train_batch_size", 4,
-        "--per_device_eval_batch_size", 6, "--max_steps", 300, "--eval_steps", 100, "--logging_steps", 50,
-        "--learning_rate", 3e-3, "--warmup_steps", 20, "--mesh", "dp=4,mp=2", "--compilation_cache_dir", "")
+        "--max_source_length", 12, "--max_target_length", 8, "--per_device_train_batch_size", 16,
+        "--per_device_eval_batch_size", 24, "--max_steps", 1200, "--eval_steps", 400, "--logging_steps", 200,
+        "--optimizer", "adafactor", "--learning_rate", 1e-2, "--warmup_steps", 20, "--mesh", "dp=2",
+        "--compilation_cache_dir", "", devices=2)
     assert result.returncode == 0, result.stderr[-3000:]
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     eval_losses = [r["eval/loss"] for r in records if "eval/loss" in r]
@@ -126,11 +131,11 @@ def test_script_learns_the_toy_task_and_its_exact_match_agrees_with_pytorch(tmp_
 
     # transformers' own greedy generate() on the exported model scores the same exact match
     ref = transformers.T5ForConditionalGeneration.from_pretrained(out).eval()
-    encoded = tokenizer([s for s, _ in dev_pairs], padding="max_length", truncation=True, max_length=16,
+    encoded = tokenizer([s for s, _ in dev_pairs], padding="max_length", truncation=True, max_length=12,
                         return_tensors="pt")
     with torch.no_grad():
-        generated = ref.generate(**encoded, max_new_tokens=12, do_sample=False, num_beams=1)
+        generated = ref.generate(**encoded, max_new_tokens=8, do_sample=False, num_beams=1)
     predictions = [p.strip() for p in tokenizer.batch_decode(generated, skip_special_tokens=True)]
     exact = np.mean([p == t for p, (_, t) in zip(predictions, dev_pairs)])
     assert results["eval_exact_match"] == pytest.approx(exact)
-    assert exact > 0
+    assert exact >= 0.85, list(zip(predictions, dev_pairs))
