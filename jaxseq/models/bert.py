@@ -9,7 +9,7 @@ from jax.sharding import PartitionSpec as P
 from jaxseq.errors import JaxseqError
 from jaxseq.models.attention import attend, make_mask, merge_heads, split_heads
 from jaxseq.models.family import Family
-from jaxseq.models.layers import activation, call_block, dropout, normal
+from jaxseq.models.layers import Linear, activation, call_block, dropout, normal
 from jaxseq.models.outputs import BaseOutput
 
 
@@ -37,9 +37,9 @@ class BertSelfAttention(nnx.Module):
                 f"hidden_size {d} is not a multiple of num_attention_heads {config.num_attention_heads}; fix the config"
             )
         kw = dict(dtype=dtype, param_dtype=param_dtype, kernel_init=normal(std), rngs=rngs)
-        self.query = nnx.Linear(d, d, **kw)
-        self.key = nnx.Linear(d, d, **kw)
-        self.value = nnx.Linear(d, d, **kw)
+        self.query = Linear(d, d, **kw)
+        self.key = Linear(d, d, **kw)
+        self.value = Linear(d, d, **kw)
         self.num_heads = config.num_attention_heads
         self.attention_dropout = config.attention_probs_dropout_prob
 
@@ -54,7 +54,7 @@ class BertSelfOutput(nnx.Module):
 
     def __init__(self, config, d_in: int, *, dtype, param_dtype, rngs: nnx.Rngs):
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-        self.dense = nnx.Linear(d_in, config.hidden_size, kernel_init=normal(config.initializer_range), **kw)
+        self.dense = Linear(d_in, config.hidden_size, kernel_init=normal(config.initializer_range), **kw)
         self.LayerNorm = nnx.LayerNorm(config.hidden_size, epsilon=config.layer_norm_eps, **kw)
         self.hidden_dropout = config.hidden_dropout_prob
 
@@ -78,7 +78,7 @@ class BertAttention(nnx.Module):
 
 class BertIntermediate(nnx.Module):
     def __init__(self, config, *, dtype, param_dtype, rngs: nnx.Rngs):
-        self.dense = nnx.Linear(
+        self.dense = Linear(
             config.hidden_size, config.intermediate_size, dtype=dtype, param_dtype=param_dtype,
             kernel_init=normal(config.initializer_range), rngs=rngs,
         )
@@ -117,7 +117,7 @@ class BertPooler(nnx.Module):
     (``row * seq + column``) when rows hold several packed examples."""
 
     def __init__(self, config, *, dtype, param_dtype, rngs: nnx.Rngs):
-        self.dense = nnx.Linear(
+        self.dense = Linear(
             config.hidden_size, config.hidden_size, dtype=dtype, param_dtype=param_dtype,
             kernel_init=normal(config.initializer_range), rngs=rngs,
         )
@@ -180,7 +180,7 @@ class BertForSequenceClassification(nnx.Module):
     def __init__(self, config, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
         self.config = config
         self.bert = BertModel(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-        self.classifier = nnx.Linear(
+        self.classifier = Linear(
             config.hidden_size, config.num_labels, dtype=dtype, param_dtype=param_dtype,
             kernel_init=normal(config.initializer_range), rngs=rngs,
         )
@@ -199,7 +199,7 @@ class BertPredictionHeadTransform(nnx.Module):
     def __init__(self, config, *, dtype, param_dtype, rngs: nnx.Rngs):
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         d = config.hidden_size
-        self.dense = nnx.Linear(d, d, kernel_init=normal(config.initializer_range), **kw)
+        self.dense = Linear(d, d, kernel_init=normal(config.initializer_range), **kw)
         self.act = activation(config.hidden_act)
         self.LayerNorm = nnx.LayerNorm(d, epsilon=config.layer_norm_eps, **kw)
 
@@ -216,7 +216,7 @@ class BertLMPredictionHead(nnx.Module):
         self.transform = BertPredictionHeadTransform(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.bias = nnx.Param(jnp.zeros((config.vocab_size,), param_dtype))
         if not config.tie_word_embeddings:
-            self.decoder = nnx.Linear(
+            self.decoder = Linear(
                 config.hidden_size, config.vocab_size, dtype=dtype, param_dtype=param_dtype,
                 kernel_init=normal(config.initializer_range), rngs=rngs,
             )

@@ -11,7 +11,7 @@ from jaxseq.models.attention import (
     Cache, KVCache, attend, attend_cache, make_mask, merge_heads, run_blocks, split_heads, update_kv,
 )
 from jaxseq.models.family import Family
-from jaxseq.models.layers import Conv1D, activation, dropout, normal
+from jaxseq.models.layers import Conv1D, Linear, activation, dropout, normal
 from jaxseq.models.outputs import BaseOutput, LMOutput
 
 
@@ -111,7 +111,7 @@ class GPT2LMHeadModel(nnx.Module):
         self.config = config
         self.transformer = GPT2Model(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         if not config.tie_word_embeddings:
-            self.lm_head = nnx.Linear(
+            self.lm_head = Linear(
                 config.n_embd, config.vocab_size, use_bias=False, dtype=dtype, param_dtype=param_dtype,
                 kernel_init=normal(config.initializer_range), rngs=rngs,
             )
@@ -149,7 +149,7 @@ class LastTokenClassifier(nnx.Module):
     def __init__(self, config, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
         self.config = config
         self.transformer = self.base(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-        self.score = nnx.Linear(
+        self.score = Linear(
             config.n_embd, config.num_labels, use_bias=False, dtype=dtype, param_dtype=param_dtype,
             kernel_init=normal(config.initializer_range), rngs=rngs,
         )

@@ -17,7 +17,7 @@ from jaxseq.models.attention import (
 )
 from jaxseq.models.family import Family
 from jaxseq.models.gpt2 import LastTokenClassifier
-from jaxseq.models.layers import activation, dropout, normal
+from jaxseq.models.layers import Linear, activation, dropout, normal
 from jaxseq.models.outputs import BaseOutput, LMOutput
 
 
@@ -50,10 +50,10 @@ class GPTJAttention(nnx.Module):
         d = config.n_embd
         kw = dict(use_bias=False, kernel_init=normal(config.initializer_range), dtype=dtype,
                   param_dtype=param_dtype, rngs=rngs)
-        self.q_proj = nnx.Linear(d, d, **kw)
-        self.k_proj = nnx.Linear(d, d, **kw)
-        self.v_proj = nnx.Linear(d, d, **kw)
-        self.out_proj = nnx.Linear(d, d, **kw)
+        self.q_proj = Linear(d, d, **kw)
+        self.k_proj = Linear(d, d, **kw)
+        self.v_proj = Linear(d, d, **kw)
+        self.out_proj = Linear(d, d, **kw)
         self.num_heads = config.n_head
         self.scale = (d // config.n_head) ** -0.5
         self.attn_pdrop, self.resid_pdrop = config.attn_pdrop, config.resid_pdrop
@@ -73,8 +73,8 @@ class GPTJMLP(nnx.Module):
     def __init__(self, config, *, dtype, param_dtype, rngs: nnx.Rngs):
         d, inner = config.n_embd, config.n_inner or 4 * config.n_embd
         kw = dict(kernel_init=normal(config.initializer_range), dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-        self.fc_in = nnx.Linear(d, inner, **kw)
-        self.fc_out = nnx.Linear(inner, d, **kw)
+        self.fc_in = Linear(d, inner, **kw)
+        self.fc_out = Linear(inner, d, **kw)
         self.act = activation(config.activation_function)
         self.resid_pdrop = config.resid_pdrop
 
@@ -147,7 +147,7 @@ class GPTJForCausalLM(nnx.Module):
         if config.tie_word_embeddings:
             self.lm_head = TiedHeadBias(config.vocab_size, param_dtype=param_dtype)
         else:
-            self.lm_head = nnx.Linear(
+            self.lm_head = Linear(
                 config.n_embd, config.vocab_size, dtype=dtype, param_dtype=param_dtype,
                 kernel_init=normal(config.initializer_range), rngs=rngs,
             )

@@ -33,7 +33,7 @@ from jaxseq.models.attention import (
     update_kv,
 )
 from jaxseq.models.family import Family
-from jaxseq.models.layers import activation, call_block, dropout, normal
+from jaxseq.models.layers import Linear, activation, call_block, dropout, normal
 from jaxseq.models.outputs import BaseOutput, LMOutput
 
 
@@ -98,10 +98,10 @@ class T5Attention(nnx.Module):
         d, heads, d_kv, f = config.d_model, config.num_heads, config.d_kv, config.initializer_factor
         inner = heads * d_kv
         kw = dict(use_bias=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-        self.q = nnx.Linear(d, inner, kernel_init=normal(f * (d * d_kv) ** -0.5), **kw)
-        self.k = nnx.Linear(d, inner, kernel_init=normal(f * d**-0.5), **kw)
-        self.v = nnx.Linear(d, inner, kernel_init=normal(f * d**-0.5), **kw)
-        self.o = nnx.Linear(inner, d, kernel_init=normal(f * inner**-0.5), **kw)
+        self.q = Linear(d, inner, kernel_init=normal(f * (d * d_kv) ** -0.5), **kw)
+        self.k = Linear(d, inner, kernel_init=normal(f * d**-0.5), **kw)
+        self.v = Linear(d, inner, kernel_init=normal(f * d**-0.5), **kw)
+        self.o = Linear(inner, d, kernel_init=normal(f * inner**-0.5), **kw)
         if has_relative_attention_bias:
             self.relative_attention_bias = nnx.Embed(
                 config.relative_attention_num_buckets, heads, embedding_init=normal(f * d**-0.5),
@@ -175,8 +175,8 @@ class T5DenseActDense(nnx.Module):
     def __init__(self, config, *, dtype, param_dtype, rngs: nnx.Rngs):
         d, f = config.d_model, config.initializer_factor
         kw = dict(use_bias=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-        self.wi = nnx.Linear(d, config.d_ff, kernel_init=normal(f * d**-0.5), **kw)
-        self.wo = nnx.Linear(config.d_ff, d, kernel_init=normal(f * config.d_ff**-0.5), **kw)
+        self.wi = Linear(d, config.d_ff, kernel_init=normal(f * d**-0.5), **kw)
+        self.wo = Linear(config.d_ff, d, kernel_init=normal(f * config.d_ff**-0.5), **kw)
         self.act = activation(config.dense_act_fn)
         self.dropout_rate = config.dropout_rate
 
@@ -188,9 +188,9 @@ class T5DenseGatedActDense(nnx.Module):
     def __init__(self, config, *, dtype, param_dtype, rngs: nnx.Rngs):
         d, f = config.d_model, config.initializer_factor
         kw = dict(use_bias=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-        self.wi_0 = nnx.Linear(d, config.d_ff, kernel_init=normal(f * d**-0.5), **kw)
-        self.wi_1 = nnx.Linear(d, config.d_ff, kernel_init=normal(f * d**-0.5), **kw)
-        self.wo = nnx.Linear(config.d_ff, d, kernel_init=normal(f * config.d_ff**-0.5), **kw)
+        self.wi_0 = Linear(d, config.d_ff, kernel_init=normal(f * d**-0.5), **kw)
+        self.wi_1 = Linear(d, config.d_ff, kernel_init=normal(f * d**-0.5), **kw)
+        self.wo = Linear(config.d_ff, d, kernel_init=normal(f * config.d_ff**-0.5), **kw)
         self.act = activation(config.dense_act_fn)
         self.dropout_rate = config.dropout_rate
 
@@ -291,7 +291,7 @@ class T5ForConditionalGeneration(nnx.Module):
         self.decoder = T5Stack(config, is_decoder=True, **kw)
         self.tied = uses_shared_lm_head(config)
         if not self.tied:
-            self.lm_head = nnx.Linear(
+            self.lm_head = Linear(
                 config.d_model, config.vocab_size, use_bias=False, kernel_init=normal(f), **kw
             )
 
