@@ -82,7 +82,7 @@ def run_jaxseq(args) -> dict:
         # while the device works on the current step), synced once at the end
         start = time.perf_counter()
         pending = []
-        for step in range(args.steps):
+        for _ in range(args.steps):
             trainer.state, metrics = trainer._train_step(trainer.state, next(batches))
             pending.append(metrics["loss"])
         losses += [float(loss) for loss in pending]
