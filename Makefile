@@ -8,13 +8,13 @@ TORCH := torch==2.13.0
 MODEL ?= $(if $(wildcard ../shared/models/all-MiniLM-L6-v2),../shared/models/all-MiniLM-L6-v2,sentence-transformers/all-MiniLM-L6-v2)
 GLUE_DIR ?= $(wildcard ../shared/data/glue)
 
-.PHONY: demo test bench clean
+.PHONY: demo test lint clean
 
 $(BIN)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q $(TORCH)
-	$(BIN)/pip install -q -c constraints.txt -e '.[test,bench]'
+	$(BIN)/pip install -q -c constraints.txt -e '.[test,bench,tpu]'
 	touch $@
 
 demo: $(BIN)/.installed
@@ -23,6 +23,11 @@ demo: $(BIN)/.installed
 
 test: $(BIN)/.installed
 	$(BIN)/python -m pytest -q
+
+# ruff's lint rules and formatting, configured in pyproject.toml (CI runs this before the tests)
+lint: $(BIN)/.installed
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 
 clean:
 	rm -rf $(VENV)

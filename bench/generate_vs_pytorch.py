@@ -44,8 +44,15 @@ def jaxseq_generator(path: Path, args):
     jax.monitoring.register_event_duration_secs_listener(on_event)
 
     def call(ids):
-        result = generate(model, ids, np.ones_like(ids), max_new_tokens=args.new_tokens,
-                          min_new_tokens=args.new_tokens, eos_token_id=EOS, pad_token_id=EOS)
+        result = generate(
+            model,
+            ids,
+            np.ones_like(ids),
+            max_new_tokens=args.new_tokens,
+            min_new_tokens=args.new_tokens,
+            eos_token_id=EOS,
+            pad_token_id=EOS,
+        )
         return np.asarray(jax.block_until_ready(result.sequences))
 
     call.compile_seconds = compile_seconds
@@ -63,10 +70,17 @@ def pytorch_generator(path: Path, args, threads: int):
         torch.set_num_threads(threads)
         tensor = torch.as_tensor(ids).long()
         with torch.no_grad():
-            result = model.generate(tensor, attention_mask=torch.ones_like(tensor), do_sample=False,
-                                    max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
-                                    eos_token_id=EOS, pad_token_id=EOS, use_cache=True)
-        return result[:, ids.shape[1]:].numpy()
+            result = model.generate(
+                tensor,
+                attention_mask=torch.ones_like(tensor),
+                do_sample=False,
+                max_new_tokens=args.new_tokens,
+                min_new_tokens=args.new_tokens,
+                eos_token_id=EOS,
+                pad_token_id=EOS,
+                use_cache=True,
+            )
+        return result[:, ids.shape[1] :].numpy()
 
     return call
 
@@ -84,8 +98,10 @@ def measure(runners: dict, ids: np.ndarray, repeats: int) -> dict:
             start = time.perf_counter()
             run(ids)
             times[name].append(time.perf_counter() - start)
-    return {name: {"first": first[name], "seconds": statistics.median(times[name]), "tokens": tokens[name]}
-            for name in runners}
+    return {
+        name: {"first": first[name], "seconds": statistics.median(times[name]), "tokens": tokens[name]}
+        for name in runners
+    }
 
 
 def main() -> int:
@@ -94,8 +110,13 @@ def main() -> int:
     parser.add_argument("--prompt_tokens", type=int, default=32)
     parser.add_argument("--new_tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--torch_threads", type=int, nargs="+", default=[1, 2],
-                        help="PyTorch is measured with each; the fastest is the baseline")
+    parser.add_argument(
+        "--torch_threads",
+        type=int,
+        nargs="+",
+        default=[1, 2],
+        help="PyTorch is measured with each; the fastest is the baseline",
+    )
     parser.add_argument("--json", type=Path, help="also write the figures here")
     args = parser.parse_args()
 
@@ -123,16 +144,17 @@ def main() -> int:
                 "jaxseq_first_call_seconds": result["jaxseq"]["first"],
                 "same_tokens_fraction": float(np.mean(result["jaxseq"]["tokens"] == result[torch_best]["tokens"])),
             }
-            print(f"batch {b}: " + ", ".join(f"{name} {rate:.1f} tokens/s" for name, rate in rates.items()),
-                  flush=True)
+            print(f"batch {b}: " + ", ".join(f"{name} {rate:.1f} tokens/s" for name, rate in rates.items()), flush=True)
     print(json.dumps(report, indent=2))
     targets = {1: 1.0, 8: 1.5}
     for b in args.batch_sizes:
         r = report[f"batch_{b}"]
         target = f" (target >= {targets[b]}x)" if b in targets else ""
-        print(f"batch {b}: jaxseq {r['jaxseq_tokens_per_second']:.1f} tokens/s, pytorch (best: {r['pytorch_best']}) "
-              f"{r[r['pytorch_best'] + '_tokens_per_second']:.1f} tokens/s -> {r['speedup']:.2f}x{target}; compile "
-              f"{r['jaxseq_compile_seconds']:.1f}s apart; greedy tokens agree on {r['same_tokens_fraction']:.0%}")
+        print(
+            f"batch {b}: jaxseq {r['jaxseq_tokens_per_second']:.1f} tokens/s, pytorch (best: {r['pytorch_best']}) "
+            f"{r[r['pytorch_best'] + '_tokens_per_second']:.1f} tokens/s -> {r['speedup']:.2f}x{target}; compile "
+            f"{r['jaxseq_compile_seconds']:.1f}s apart; greedy tokens agree on {r['same_tokens_fraction']:.0%}"
+        )
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))
     return 0

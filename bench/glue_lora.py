@@ -32,23 +32,32 @@ def main() -> int:
     parser.add_argument("--json", type=Path, help="also write the figures here")
     args = parser.parse_args()
     args.no_pack = False
-    lora_flags = ("--lora_rank", str(args.lora_rank), "--lora_alpha", str(args.lora_alpha),
-                  "--learning_rate", str(args.lora_learning_rate),
-                  *(("--lora_targets", args.lora_targets) if args.lora_targets else ()))
+    lora_flags = (
+        "--lora_rank",
+        str(args.lora_rank),
+        "--lora_alpha",
+        str(args.lora_alpha),
+        "--learning_rate",
+        str(args.lora_learning_rate),
+        *(("--lora_targets", args.lora_targets) if args.lora_targets else ()),
+    )
     with tempfile.TemporaryDirectory() as tmp:
         full = run_jaxseq(args, Path(tmp) / "full")
         lora = run_jaxseq(args, Path(tmp) / "lora", lora_flags)
     report = {
-        "full": full, "lora": {**lora, "rank": args.lora_rank, "learning_rate": args.lora_learning_rate},
+        "full": full,
+        "lora": {**lora, "rank": args.lora_rank, "learning_rate": args.lora_learning_rate},
         "accuracy_gap_points": 100 * (lora["accuracy"] - full["accuracy"]),
         "optimizer_state_ratio": lora["optimizer_state_bytes"] / full["optimizer_state_bytes"],
     }
     print(json.dumps(report, indent=2))
-    print(f"dev accuracy: full {full['accuracy']:.4f}, LoRA rank {args.lora_rank} {lora['accuracy']:.4f} "
-          f"({report['accuracy_gap_points']:+.2f} points); optimizer state: full "
-          f"{full['optimizer_state_bytes'] / 2**20:.1f} MiB, LoRA {lora['optimizer_state_bytes'] / 2**20:.2f} MiB "
-          f"({100 * report['optimizer_state_ratio']:.2f}%); trainable parameters {full['trainable_parameters']:,} "
-          f"vs {lora['trainable_parameters']:,}")
+    print(
+        f"dev accuracy: full {full['accuracy']:.4f}, LoRA rank {args.lora_rank} {lora['accuracy']:.4f} "
+        f"({report['accuracy_gap_points']:+.2f} points); optimizer state: full "
+        f"{full['optimizer_state_bytes'] / 2**20:.1f} MiB, LoRA {lora['optimizer_state_bytes'] / 2**20:.2f} MiB "
+        f"({100 * report['optimizer_state_ratio']:.2f}%); trainable parameters {full['trainable_parameters']:,} "
+        f"vs {lora['trainable_parameters']:,}"
+    )
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))
     return 0

@@ -30,21 +30,54 @@ SHARED = ROOT.parent / "shared"
 
 def run_jaxseq(args, out: Path, extra: tuple[str, ...] = ()) -> dict:
     """scripts/finetune_glue.py at the settings above; ``extra`` flags come last, so they win."""
-    cmd = [
-        sys.executable, str(ROOT / "scripts" / "finetune_glue.py"),
-        "--model_name_or_path", str(args.model), "--data_dir", str(args.glue), "--task_name", "sst2",
-        "--output_dir", str(out), "--max_train_samples", str(args.train_samples), "--max_seq_length", "64",
-        "--per_device_train_batch_size", "32", "--per_device_eval_batch_size", "128", "--num_train_epochs", "1",
-        "--learning_rate", "5e-5", "--weight_decay", "0.01", "--lr_scheduler_type", "linear",
-        "--logging_steps", "50", "--seed", "0", "--compilation_cache_dir", "",
-    ] + ([] if args.no_pack else ["--pack_sequences"]) + list(extra)
+    cmd = (
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "finetune_glue.py"),
+            "--model_name_or_path",
+            str(args.model),
+            "--data_dir",
+            str(args.glue),
+            "--task_name",
+            "sst2",
+            "--output_dir",
+            str(out),
+            "--max_train_samples",
+            str(args.train_samples),
+            "--max_seq_length",
+            "64",
+            "--per_device_train_batch_size",
+            "32",
+            "--per_device_eval_batch_size",
+            "128",
+            "--num_train_epochs",
+            "1",
+            "--learning_rate",
+            "5e-5",
+            "--weight_decay",
+            "0.01",
+            "--lr_scheduler_type",
+            "linear",
+            "--logging_steps",
+            "50",
+            "--seed",
+            "0",
+            "--compilation_cache_dir",
+            "",
+        ]
+        + ([] if args.no_pack else ["--pack_sequences"])
+        + list(extra)
+    )
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     subprocess.run(cmd, check=True, env=env)
     results = json.loads((out / "all_results.json").read_text())
-    return {"accuracy": results["eval_accuracy"], "train_seconds": results["train_runtime"],
-            "compile_seconds": results["train_compile_seconds"],
-            "trainable_parameters": results["trainable_parameters"],
-            "optimizer_state_bytes": results["optimizer_state_bytes"]}
+    return {
+        "accuracy": results["eval_accuracy"],
+        "train_seconds": results["train_runtime"],
+        "compile_seconds": results["train_compile_seconds"],
+        "trainable_parameters": results["trainable_parameters"],
+        "optimizer_state_bytes": results["optimizer_state_bytes"],
+    }
 
 
 def initial_model(model: Path, out: Path) -> Path:
@@ -74,8 +107,9 @@ def run_pytorch(args) -> dict:
     model = BertForSequenceClassification.from_pretrained(args.model)
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
-    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}],
-                                  lr=5e-5)
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}], lr=5e-5
+    )
     steps = len(train["labels"]) // 32
     scheduler = get_linear_schedule_with_warmup(optimizer, 0, steps)
     order = epoch_order(len(train["labels"]), seed=0, epoch=0)  # jaxseq's order for seed 0
@@ -83,7 +117,7 @@ def run_pytorch(args) -> dict:
     model.train()
     start = time.perf_counter()
     for step in range(steps):
-        index = torch.as_tensor(order[step * 32:(step + 1) * 32])
+        index = torch.as_tensor(order[step * 32 : (step + 1) * 32])
         batch = {k: v[index] for k, v in tensors.items()}
         loss = model(**batch).loss
         loss.backward()
@@ -98,7 +132,7 @@ def run_pytorch(args) -> dict:
     predictions = []
     with torch.no_grad():
         for i in range(0, len(dev["labels"]), 128):
-            batch = {k: torch.as_tensor(v[i:i + 128]).long() for k, v in dev.items() if k != "labels"}
+            batch = {k: torch.as_tensor(v[i : i + 128]).long() for k, v in dev.items() if k != "labels"}
             predictions.append(model(**batch).logits.argmax(-1).numpy())
     accuracy = float(np.mean(np.concatenate(predictions) == dev["labels"]))
     return {"accuracy": accuracy, "train_seconds": seconds}
@@ -117,14 +151,17 @@ def main() -> int:
         jax_result = run_jaxseq(args, Path(tmp) / "jaxseq")
         torch_result = run_pytorch(args)
     report = {
-        "jaxseq": {**jax_result, "pack_sequences": not args.no_pack}, "pytorch": torch_result,
+        "jaxseq": {**jax_result, "pack_sequences": not args.no_pack},
+        "pytorch": torch_result,
         "accuracy_gap_points": 100 * (jax_result["accuracy"] - torch_result["accuracy"]),
         "wall_time_ratio": jax_result["train_seconds"] / torch_result["train_seconds"],
     }
     print(json.dumps(report, indent=2))
-    print(f"dev accuracy: jaxseq {jax_result['accuracy']:.4f}, pytorch {torch_result['accuracy']:.4f} "
-          f"({report['accuracy_gap_points']:+.2f} points); wall time jaxseq/pytorch = {report['wall_time_ratio']:.2f}x "
-          f"(target <= 0.6x; jaxseq compile {jax_result['compile_seconds']:.1f}s included)")
+    print(
+        f"dev accuracy: jaxseq {jax_result['accuracy']:.4f}, pytorch {torch_result['accuracy']:.4f} "
+        f"({report['accuracy_gap_points']:+.2f} points); wall time jaxseq/pytorch = {report['wall_time_ratio']:.2f}x "
+        f"(target <= 0.6x; jaxseq compile {jax_result['compile_seconds']:.1f}s included)"
+    )
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))
     return 0

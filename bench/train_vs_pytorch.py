@@ -9,9 +9,9 @@ memory (max RSS) is its own; the sides alternate --repeats times and each keeps 
 load on the machine only ever slows a run down, and PyTorch's OpenMP threads suffer most from it). jaxseq
 runs the Trainer's jitted, donated train step as Trainer.train does (steps dispatched back to back, one sync
 at the end); PyTorch runs eagerly. Speed is the wall time of --steps steps after the first (compiling) one
-and --warmup more; compile time is reported apart. Model
-FLOPs utilisation is 6 N + 12 L d s FLOPs per token (jaxseq.train.throughput) over the FLOP/s of a
-jitted float32 matmul measured in the same process (before and after the steps; the higher counts). Targets: jaxseq >= 1.5x PyTorch's tokens/s, >= 75%
+and --warmup more; compile time is reported apart. Model FLOPs utilisation is 6 N + 12 L d s FLOPs per
+token (jaxseq.train.throughput) over the FLOP/s of a jitted float32 matmul measured in the same process
+(before and after the steps; the higher counts). Targets: jaxseq >= 1.5x PyTorch's tokens/s, >= 75%
 utilisation, peak memory no higher than PyTorch's. --profile DIR also writes a trace of two jaxseq steps
 (open DIR/plugins/profile/*/perfetto_trace.json.gz in ui.perfetto.dev).
 """
@@ -67,13 +67,18 @@ def run_jaxseq(args) -> dict:
     flops = flops_per_token(model, SEQ) * SEQ * BATCH
     with tempfile.TemporaryDirectory() as out:
         trainer = Trainer(
-            model, CausalLM(), TrainerConfig(output_dir=out, per_device_train_batch_size=BATCH, max_steps=10**6),
+            model,
+            CausalLM(),
+            TrainerConfig(output_dir=out, per_device_train_batch_size=BATCH, max_steps=10**6),
             OptimizerConfig(learning_rate=LR, weight_decay=WEIGHT_DECAY, lr_scheduler_type="constant"),
-            data, {}, mesh)
+            data,
+            {},
+            mesh,
+        )
         del model
         batches = trainer.batches()
         losses, times = [], []
-        for step in range(1 + args.warmup):
+        for _step in range(1 + args.warmup):
             start = time.perf_counter()
             trainer.state, metrics = trainer._train_step(trainer.state, next(batches))
             losses.append(float(metrics["loss"]))  # syncs: the compiling step is timed alone
@@ -95,10 +100,17 @@ def run_jaxseq(args) -> dict:
         trainer.close()
     # on a shared machine the peak moves with the load: measured before and after, the higher one counts
     peak = max(peak_before, measure_peak_flops())
-    return {"tokens_per_second": BATCH * SEQ / seconds, "seconds_per_step": seconds,
-            "compile_seconds": times[0] - seconds, "model_flops_per_second": flops / seconds,
-            "matmul_peak_flops": peak, "mfu": flops / seconds / peak, "first_loss": losses[0],
-            "last_loss": losses[-1], "max_rss_mb": max_rss_mb()}
+    return {
+        "tokens_per_second": BATCH * SEQ / seconds,
+        "seconds_per_step": seconds,
+        "compile_seconds": times[0] - seconds,
+        "model_flops_per_second": flops / seconds,
+        "matmul_peak_flops": peak,
+        "mfu": flops / seconds / peak,
+        "first_loss": losses[0],
+        "last_loss": losses[-1],
+        "max_rss_mb": max_rss_mb(),
+    }
 
 
 def run_pytorch(args) -> dict:
@@ -118,14 +130,15 @@ def run_pytorch(args) -> dict:
     model.train()
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
-    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": WEIGHT_DECAY},
-                                   {"params": no_decay, "weight_decay": 0.0}], lr=LR)
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": WEIGHT_DECAY}, {"params": no_decay, "weight_decay": 0.0}], lr=LR
+    )
     order = np.random.default_rng(0).permutation(len(data))
     losses = []
     for step in range(1 + args.warmup + args.steps):
         if step == 1 + args.warmup:
             start = time.perf_counter()  # the same window as jaxseq's: batch building included
-        batch = data[order[step * BATCH:(step + 1) * BATCH]]
+        batch = data[order[step * BATCH : (step + 1) * BATCH]]
         loss = model(input_ids=batch, labels=batch).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -133,17 +146,35 @@ def run_pytorch(args) -> dict:
         optimizer.zero_grad(set_to_none=True)
         losses.append(loss.item())
     seconds = (time.perf_counter() - start) / args.steps
-    return {"tokens_per_second": BATCH * SEQ / seconds, "seconds_per_step": seconds, "first_loss": losses[0],
-            "last_loss": losses[-1], "torch_matmul_peak_flops": 2 * 1024**3 / best,
-            "threads": torch.get_num_threads(), "max_rss_mb": max_rss_mb()}
+    return {
+        "tokens_per_second": BATCH * SEQ / seconds,
+        "seconds_per_step": seconds,
+        "first_loss": losses[0],
+        "last_loss": losses[-1],
+        "torch_matmul_peak_flops": 2 * 1024**3 / best,
+        "threads": torch.get_num_threads(),
+        "max_rss_mb": max_rss_mb(),
+    }
 
 
 def worker(args, side: str) -> dict:
     """Run one side in a fresh process (one device for JAX) and read back its figures."""
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env.update(HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
-    cmd = [sys.executable, __file__, "--worker", side, "--steps", str(args.steps), "--warmup", str(args.warmup),
-           "--text", str(args.text), "--tokenizer", str(args.tokenizer)]
+    cmd = [
+        sys.executable,
+        __file__,
+        "--worker",
+        side,
+        "--steps",
+        str(args.steps),
+        "--warmup",
+        str(args.warmup),
+        "--text",
+        str(args.text),
+        "--tokenizer",
+        str(args.tokenizer),
+    ]
     if args.profile and side == "jaxseq":
         cmd += ["--profile", str(args.profile)]
     result = subprocess.run(cmd, check=True, env=env, capture_output=True, text=True, cwd=ROOT)
@@ -156,8 +187,12 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps after the first (compiling) one")
     parser.add_argument("--repeats", type=int, default=2, help="runs of each side, alternating; the fastest counts")
     parser.add_argument("--text", type=Path, default=SHARED / "data" / "text" / "tinyshakespeare.txt")
-    parser.add_argument("--tokenizer", type=Path, default=SHARED / "data" / "tokenizers" / "gpt2",
-                        help="folder with GPT-2's vocab.json and merges.txt")
+    parser.add_argument(
+        "--tokenizer",
+        type=Path,
+        default=SHARED / "data" / "tokenizers" / "gpt2",
+        help="folder with GPT-2's vocab.json and merges.txt",
+    )
     parser.add_argument("--profile", type=Path, help="write a JAX trace of two jaxseq steps here")
     parser.add_argument("--json", type=Path, help="also write the figures here")
     parser.add_argument("--worker", choices=("jaxseq", "pytorch"), help=argparse.SUPPRESS)
@@ -171,17 +206,23 @@ def main() -> int:
             runs[side].append(worker(args, side))
             print(f"{side}: {runs[side][-1]['tokens_per_second']:.1f} tokens/s", file=sys.stderr, flush=True)
     jax_result, torch_result = (max(r, key=lambda x: x["tokens_per_second"]) for r in runs.values())
-    report = {"jaxseq": jax_result, "pytorch": torch_result,
-              "speedup": jax_result["tokens_per_second"] / torch_result["tokens_per_second"],
-              "memory_ratio": jax_result["max_rss_mb"] / torch_result["max_rss_mb"],
-              "all_runs": {side: [{k: r[k] for k in ("tokens_per_second", "max_rss_mb")} for r in rs]
-                           for side, rs in runs.items()}}
+    report = {
+        "jaxseq": jax_result,
+        "pytorch": torch_result,
+        "speedup": jax_result["tokens_per_second"] / torch_result["tokens_per_second"],
+        "memory_ratio": jax_result["max_rss_mb"] / torch_result["max_rss_mb"],
+        "all_runs": {
+            side: [{k: r[k] for k in ("tokens_per_second", "max_rss_mb")} for r in rs] for side, rs in runs.items()
+        },
+    }
     print(json.dumps(report, indent=2))
-    print(f"tokens/s: jaxseq {jax_result['tokens_per_second']:.1f}, pytorch {torch_result['tokens_per_second']:.1f} "
-          f"-> {report['speedup']:.2f}x (target >= 1.5x); jaxseq MFU {jax_result['mfu']:.1%} of "
-          f"{jax_result['matmul_peak_flops'] / 1e9:.0f} GFLOP/s (target >= 75%); peak memory jaxseq "
-          f"{jax_result['max_rss_mb']:.0f} MB, pytorch {torch_result['max_rss_mb']:.0f} MB (target <= 1x); "
-          f"jaxseq compile {jax_result['compile_seconds']:.1f}s (not counted)")
+    print(
+        f"tokens/s: jaxseq {jax_result['tokens_per_second']:.1f}, pytorch {torch_result['tokens_per_second']:.1f} "
+        f"-> {report['speedup']:.2f}x (target >= 1.5x); jaxseq MFU {jax_result['mfu']:.1%} of "
+        f"{jax_result['matmul_peak_flops'] / 1e9:.0f} GFLOP/s (target >= 75%); peak memory jaxseq "
+        f"{jax_result['max_rss_mb']:.0f} MB, pytorch {torch_result['max_rss_mb']:.0f} MB (target <= 1x); "
+        f"jaxseq compile {jax_result['compile_seconds']:.1f}s (not counted)"
+    )
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))
     return 0

@@ -19,8 +19,9 @@ class RuntimeConfig:
     """How a script runs, whatever it trains."""
 
     mesh: str = arg("", "device mesh, e.g. 'dp=2,mp=4' (axes dp, fsdp, mp; default: all devices on dp)")
-    dtype: str = arg("float32", "compute dtype; parameters stay float32 (float16 adds dynamic loss scaling)",
-                     choices=DTYPES)
+    dtype: str = arg(
+        "float32", "compute dtype; parameters stay float32 (float16 adds dynamic loss scaling)", choices=DTYPES
+    )
     remat: bool = arg(False, "recompute each block's activations in the backward pass (less memory, more compute)")
     compilation_cache_dir: str | None = arg(None, "persistent XLA cache (default ~/.cache/jaxseq/xla; '' disables)")
 
@@ -83,5 +84,7 @@ def os_error_line(e: OSError) -> str:
     """One line for a file operation that failed: what, on which path, and what to check."""
     paths = " -> ".join(str(p) for p in (e.filename, e.filename2) if p is not None)
     what = e.strerror or str(e).splitlines()[0][:200] or type(e).__name__
-    return (f"{what}{f': {paths}' if paths else ''}; check that the path exists and is writable and that "
-            "the disk has room (--debug shows where it happened)")
+    return (
+        f"{what}{f': {paths}' if paths else ''}; check that the path exists and is writable and that "
+        "the disk has room (--debug shows where it happened)"
+    )

@@ -46,8 +46,9 @@ class _OneLineErrors(argparse.ArgumentParser):
 
 def build_parser(description: str, *sections: type) -> argparse.ArgumentParser:
     # no abbreviations: a misspelt flag (--learning_rat) is an error, not silently another flag
-    parser = _OneLineErrors(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-                            allow_abbrev=False)
+    parser = _OneLineErrors(
+        description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter, allow_abbrev=False
+    )
     parser.add_argument("--config", type=Path, default=None, help="YAML file of flag values; flags given here win")
     parser.add_argument("--debug", action="store_true", help="show full tracebacks instead of one-line errors")
     for section in sections:
@@ -110,6 +111,8 @@ SECRET = re.compile(r"(^|_)(token|password|secret)$")  # field names whose value
 def save_config(path: Path, *instances) -> None:
     """The config a run used, as YAML sections named after the dataclasses; secrets (``--hub_token``)
     are written as null, never as their value."""
-    data = {type(i).__name__: {k: None if SECRET.search(k) else v for k, v in dataclasses.asdict(i).items()}
-            for i in instances}
+    data = {
+        type(i).__name__: {k: None if SECRET.search(k) else v for k, v in dataclasses.asdict(i).items()}
+        for i in instances
+    }
     path.write_text(yaml.safe_dump(data, sort_keys=False))

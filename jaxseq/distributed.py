@@ -19,8 +19,10 @@ from jaxseq.errors import JaxseqError
 @dataclasses.dataclass
 class DistributedConfig:
     coordinator_address: str | None = arg(
-        None, "multi-host: host:port of process 0, the same on every process (auto-detected under SLURM, "
-              "on TPU pods and from JAX_COORDINATOR_ADDRESS)")
+        None,
+        "multi-host: host:port of process 0, the same on every process (auto-detected under SLURM, "
+        "on TPU pods and from JAX_COORDINATOR_ADDRESS)",
+    )
     num_processes: int | None = arg(None, "multi-host: how many processes take part")
     process_id: int | None = arg(None, "multi-host: this process's rank, 0 .. num_processes - 1")
 
@@ -40,8 +42,10 @@ def initialize(config: DistributedConfig) -> None:
     given = {k: v for k, v in dataclasses.asdict(config).items() if v is not None}
     if given and len(given) < 3:
         missing = sorted(set(dataclasses.asdict(config)) - set(given))
-        raise JaxseqError(f"multi-host runs need --coordinator_address, --num_processes and --process_id "
-                          f"together; missing --{', --'.join(missing)}")
+        raise JaxseqError(
+            f"multi-host runs need --coordinator_address, --num_processes and --process_id "
+            f"together; missing --{', --'.join(missing)}"
+        )
     if not given and not _cluster_detected():
         return
     if given and not 0 <= config.process_id < config.num_processes:
@@ -53,5 +57,7 @@ def initialize(config: DistributedConfig) -> None:
     try:
         jax.distributed.initialize(config.coordinator_address, config.num_processes, config.process_id)
     except (RuntimeError, ValueError) as e:
-        raise JaxseqError(f"cannot join the multi-host run at {config.coordinator_address or 'the detected coordinator'}: "
-                          f"{str(e).splitlines()[0][:200]}") from None
+        raise JaxseqError(
+            f"cannot join the multi-host run at {config.coordinator_address or 'the detected coordinator'}: "
+            f"{str(e).splitlines()[0][:200]}"
+        ) from None

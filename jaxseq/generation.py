@@ -32,7 +32,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxseq.errors import JaxseqError
 from jaxseq.mesh import BATCH_AXES, batch_sharding, data_parallel_size
@@ -74,8 +75,9 @@ def filter_logits(logits: jax.Array, *, temperature=1.0, top_k: int = 0, top_p=1
     return logits
 
 
-def choose_tokens(logits: jax.Array, key: jax.Array | None, *, do_sample: bool, temperature=1.0,
-                  top_k: int = 0, top_p=1.0) -> jax.Array:
+def choose_tokens(
+    logits: jax.Array, key: jax.Array | None, *, do_sample: bool, temperature=1.0, top_k: int = 0, top_p=1.0
+) -> jax.Array:
     """int32 ``[batch]``: the most likely token of each row (greedy), or one drawn from
     ``filter_logits(logits, ...)`` with ``key``."""
     if not do_sample:
@@ -121,8 +123,12 @@ def decode_loop(step, cache, first_token, settings: Settings, key, temperature, 
             is_eos = (jnp.arange(logits.shape[-1]) == eos[:, None]).any(0)
             scores = jnp.where(is_eos & (t < min_new_tokens), -jnp.inf, logits)
         new = choose_tokens(
-            scores, jax.random.fold_in(key, t), do_sample=settings.do_sample, temperature=temperature,
-            top_k=settings.top_k, top_p=top_p if settings.use_top_p else 1.0,
+            scores,
+            jax.random.fold_in(key, t),
+            do_sample=settings.do_sample,
+            temperature=temperature,
+            top_k=settings.top_k,
+            top_p=top_p if settings.use_top_p else 1.0,
         )
         new = jnp.where(done, pad, new)
         tokens = jax.lax.dynamic_update_slice(tokens, new[:, None], (0, t))
@@ -134,8 +140,7 @@ def decode_loop(step, cache, first_token, settings: Settings, key, temperature, 
         return t + 1, cache, new, done, tokens, logprobs
 
     logprobs = jnp.zeros((batch, n), jnp.float32) if settings.return_logprobs else None
-    init = (jnp.int32(0), cache, first_token, jnp.zeros((batch,), bool), jnp.full((batch, n), pad, jnp.int32),
-            logprobs)
+    init = (jnp.int32(0), cache, first_token, jnp.zeros((batch,), bool), jnp.full((batch, n), pad, jnp.int32), logprobs)
     _, _, _, _, tokens, logprobs = jax.lax.while_loop(cond, body, init)
     return tokens, logprobs
 
@@ -230,9 +235,7 @@ def parameter_mesh(state) -> Mesh | None:
 
 def _check(model, ids, mask, max_new_tokens, do_sample, temperature, top_k, top_p, min_new_tokens):
     if ids.ndim != 2 or mask.shape != ids.shape:
-        raise JaxseqError(
-            f"input_ids {ids.shape} and attention_mask {mask.shape} must both be [batch, prompt_length]"
-        )
+        raise JaxseqError(f"input_ids {ids.shape} and attention_mask {mask.shape} must both be [batch, prompt_length]")
     if max_new_tokens < 1:
         raise JaxseqError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
     if not 0 <= min_new_tokens <= max_new_tokens:
@@ -307,25 +310,48 @@ def generate(
         ids, mask = (jax.device_put(a, batch_sharding(mesh)) for a in (ids, mask))
 
     settings = Settings(
-        max_new_tokens=max_new_tokens, do_sample=do_sample, top_k=top_k if do_sample else 0,
-        use_top_p=do_sample and top_p < 1.0, eos=eos, pad=int(pad), return_logprobs=return_logprobs,
-        decoder_start=decoder_start, mesh=mesh,
+        max_new_tokens=max_new_tokens,
+        do_sample=do_sample,
+        top_k=top_k if do_sample else 0,
+        use_top_p=do_sample and top_p < 1.0,
+        eos=eos,
+        pad=int(pad),
+        return_logprobs=return_logprobs,
+        decoder_start=decoder_start,
+        mesh=mesh,
     )
     run = cached_program(ProgramKey(graphdef, settings))
-    tokens, logprobs = run(state, ids, mask, jax.random.key(seed), jnp.float32(temperature), jnp.float32(top_p),
-                           jnp.int32(min_new_tokens))
+    tokens, logprobs = run(
+        state, ids, mask, jax.random.key(seed), jnp.float32(temperature), jnp.float32(top_p), jnp.int32(min_new_tokens)
+    )
     return GenerationOutput(tokens[:batch], None if logprobs is None else logprobs[:batch])
 
 
-def greedy_tokens(model, input_ids: jax.Array, attention_mask: jax.Array, *, max_new_tokens: int,
-                  eos_token_id: int, pad_token_id: int) -> jax.Array:
+def greedy_tokens(
+    model, input_ids: jax.Array, attention_mask: jax.Array, *, max_new_tokens: int, eos_token_id: int, pad_token_id: int
+) -> jax.Array:
     """Greedy ``sequences`` of ``generate`` as plain traced JAX, for use inside another jitted function
     (an evaluation step): no host-side checks, bucketing or program cache; the caller's jit compiles it."""
     graphdef, state = nnx.split(model)
     decoder_start = model.config.decoder_start_token_id if hasattr(model, "encode") else None
-    settings = Settings(max_new_tokens=max_new_tokens, do_sample=False, top_k=0, use_top_p=False,
-                        eos=(int(eos_token_id),), pad=int(pad_token_id), return_logprobs=False,
-                        decoder_start=decoder_start, mesh=None)
-    tokens, _ = program(graphdef, settings)(state, input_ids.astype(jnp.int32), attention_mask.astype(jnp.int32),
-                                            jax.random.key(0), jnp.float32(1.0), jnp.float32(1.0), jnp.int32(0))
+    settings = Settings(
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        top_k=0,
+        use_top_p=False,
+        eos=(int(eos_token_id),),
+        pad=int(pad_token_id),
+        return_logprobs=False,
+        decoder_start=decoder_start,
+        mesh=None,
+    )
+    tokens, _ = program(graphdef, settings)(
+        state,
+        input_ids.astype(jnp.int32),
+        attention_mask.astype(jnp.int32),
+        jax.random.key(0),
+        jnp.float32(1.0),
+        jnp.float32(1.0),
+        jnp.int32(0),
+    )
     return tokens

@@ -27,27 +27,42 @@ from jaxseq.errors import JaxseqError
 # the top-level files of an output folder that go up (checkpoints and TensorBoard events stay home)
 UPLOADED = ("*.json", "*.safetensors", "*.txt", "*.model", "metrics.jsonl", "config.yaml", "training_curves.png")
 DRY_RUN_DIR = "hub_dry_run"
-_PIPELINES = {"ForSequenceClassification": "text-classification", "LMHeadModel": "text-generation",
-              "ForCausalLM": "text-generation", "ForConditionalGeneration": "text2text-generation",
-              "ForMaskedLM": "fill-mask"}
-_PEFT_PIPELINES = {"SEQ_CLS": "text-classification", "CAUSAL_LM": "text-generation",
-                   "SEQ_2_SEQ_LM": "text2text-generation"}
-_AUTO_CLASSES = {"text-classification": "SequenceClassification", "text-generation": "CausalLM",
-                 "text2text-generation": "Seq2SeqLM", "fill-mask": "MaskedLM"}
+_PIPELINES = {
+    "ForSequenceClassification": "text-classification",
+    "LMHeadModel": "text-generation",
+    "ForCausalLM": "text-generation",
+    "ForConditionalGeneration": "text2text-generation",
+    "ForMaskedLM": "fill-mask",
+}
+_PEFT_PIPELINES = {
+    "SEQ_CLS": "text-classification",
+    "CAUSAL_LM": "text-generation",
+    "SEQ_2_SEQ_LM": "text2text-generation",
+}
+_AUTO_CLASSES = {
+    "text-classification": "SequenceClassification",
+    "text-generation": "CausalLM",
+    "text2text-generation": "Seq2SeqLM",
+    "fill-mask": "MaskedLM",
+}
 _NOT_HYPERPARAMETERS = re.compile(r"(dir|file|path|token|address|resume|push|hub_|process|config_name|_or_path)")
 
 
 @dataclasses.dataclass
 class HubConfig:
-    push_to_hub: bool = arg(False, "at the end, upload the exported model with a generated model card to the "
-                                   "Hugging Face Hub")
-    hub_model_id: str | None = arg(None, "Hub repo to push to, 'user/name' or 'name' in your namespace "
-                                         "(default: the --output_dir folder's name)")
+    push_to_hub: bool = arg(
+        False, "at the end, upload the exported model with a generated model card to the Hugging Face Hub"
+    )
+    hub_model_id: str | None = arg(
+        None, "Hub repo to push to, 'user/name' or 'name' in your namespace (default: the --output_dir folder's name)"
+    )
     hub_private_repo: bool = arg(False, "create the Hub repo private")
-    hub_token: str | None = arg(None, "Hub token (default: HF_TOKEN or the login `hf auth login` stored); "
-                                      "never logged nor written")
-    hub_dry_run: bool = arg(False, f"stage exactly what --push_to_hub would upload in OUTPUT_DIR/{DRY_RUN_DIR} "
-                                   "and upload nothing")
+    hub_token: str | None = arg(
+        None, "Hub token (default: HF_TOKEN or the login `hf auth login` stored); never logged nor written"
+    )
+    hub_dry_run: bool = arg(
+        False, f"stage exactly what --push_to_hub would upload in OUTPUT_DIR/{DRY_RUN_DIR} and upload nothing"
+    )
 
     def __post_init__(self):
         if self.hub_model_id is not None:
@@ -61,8 +76,9 @@ def check_repo_id(repo_id: str) -> None:
     try:
         validate_repo_id(repo_id)
     except HFValidationError:
-        raise JaxseqError(f"{repo_id!r} is not a valid Hub repo id; write 'user/name' or 'name' (letters, digits, "
-                          "'-', '_', '.')") from None
+        raise JaxseqError(
+            f"{repo_id!r} is not a valid Hub repo id; write 'user/name' or 'name' (letters, digits, '-', '_', '.')"
+        ) from None
 
 
 def push_run(hub: HubConfig, output_dir: str | os.PathLike) -> str | None:
@@ -94,9 +110,10 @@ def push(output_dir: str | os.PathLike, repo_id: str, *, private: bool = False, 
         try:  # network, offline mode, a missing or refused token: all end here, as one line
             api = HfApi(token=token)
             url = api.create_repo(repo_id, private=private, exist_ok=True)
-            api.upload_folder(repo_id=url.repo_id, folder_path=staging,
-                              commit_message="Upload model trained with jaxseq")
-        except Exception as e:  # noqa: BLE001 - any failure of the Hub calls is reported the same way
+            api.upload_folder(
+                repo_id=url.repo_id, folder_path=staging, commit_message="Upload model trained with jaxseq"
+            )
+        except Exception as e:
             raise JaxseqError(
                 f"could not push {out} to the Hub repo {repo_id!r}: {_one_line(e, token)}; check the network and "
                 "your token (`hf auth login` or --hub_token); the local results are untouched"
@@ -121,11 +138,16 @@ def stage(output_dir: Path, staging: Path, repo_id: str, *, token: str | None = 
 def uploaded_files(output_dir: Path) -> list[str]:
     if not output_dir.is_dir():
         raise JaxseqError(f"{output_dir} is not a folder; pass the --output_dir of a finished run")
-    files = sorted(p.name for p in output_dir.iterdir()
-                   if p.is_file() and any(fnmatch.fnmatch(p.name, pattern) for pattern in UPLOADED))
+    files = sorted(
+        p.name
+        for p in output_dir.iterdir()
+        if p.is_file() and any(fnmatch.fnmatch(p.name, pattern) for pattern in UPLOADED)
+    )
     if not {"config.json", "adapter_config.json"} & set(files):
-        raise JaxseqError(f"{output_dir} holds no exported model (no config.json or adapter_config.json); "
-                          "push the --output_dir of a finished run")
+        raise JaxseqError(
+            f"{output_dir} holds no exported model (no config.json or adapter_config.json); "
+            "push the --output_dir of a finished run"
+        )
     return files
 
 
@@ -137,8 +159,10 @@ def _refuse_token(staging: Path, token: str | None) -> None:
         return
     for path in staging.iterdir():
         if secret in path.read_bytes():
-            raise JaxseqError(f"{path.name} contains your Hub token; nothing was uploaded: remove it from the run's "
-                              "files and push again")
+            raise JaxseqError(
+                f"{path.name} contains your Hub token; nothing was uploaded: remove it from the run's "
+                "files and push again"
+            )
 
 
 def _one_line(error: Exception, token: str | None) -> str:
@@ -171,8 +195,11 @@ def model_card(output_dir: Path, repo_id: str) -> str:
     dataset, dataset_ids = _dataset(flat)
     lora_rank = (adapter or {}).get("r") or flat.get("lora_rank") or 0
     data = ModelCardData(
-        library_name="peft" if adapter else "transformers", base_model=base_id, datasets=dataset_ids or None,
-        pipeline_tag=pipeline, tags=["jaxseq", "jax", *(["lora"] if lora_rank else [])],
+        library_name="peft" if adapter else "transformers",
+        base_model=base_id,
+        datasets=dataset_ids or None,
+        pipeline_tag=pipeline,
+        tags=["jaxseq", "jax", *(["lora"] if lora_rank else [])],
     )
     name = repo_id.split("/")[-1]
     if base_id:
@@ -181,32 +208,53 @@ def model_card(output_dir: Path, repo_id: str) -> str:
         origin = f"`{Path(base).name}` (a local checkpoint)"
     else:
         origin = "a model trained from scratch" + (f" (`{flat['model_type']}`)" if flat.get("model_type") else "")
-    lines = [f"# {name}", "",
-             f"{origin} fine-tuned with [jaxseq](https://github.com/jaxseq/jaxseq) on {dataset}"
-             f"{f' for {pipeline}' if pipeline else ''}."]
+    lines = [
+        f"# {name}",
+        "",
+        f"{origin} fine-tuned with [jaxseq](https://github.com/jaxseq/jaxseq) on {dataset}"
+        f"{f' for {pipeline}' if pipeline else ''}.",
+    ]
     if lora_rank:
         alpha = (adapter or {}).get("lora_alpha", flat.get("lora_alpha"))
-        what = ("This repo holds the adapter alone, in PEFT's format; it loads on the base model."
-                if adapter else "The adapters are merged into the weights: this is a plain transformers model.")
+        what = (
+            "This repo holds the adapter alone, in PEFT's format; it loads on the base model."
+            if adapter
+            else "The adapters are merged into the weights: this is a plain transformers model."
+        )
         lines += ["", f"Trained with LoRA adapters (rank {lora_rank}, alpha {_fmt(alpha)}). {what}"]
-    metrics = {k.removeprefix("eval_"): v for k, v in sorted(results.items())
-               if k.startswith("eval_") and k != "eval_samples"}
+    metrics = {
+        k.removeprefix("eval_"): v for k, v in sorted(results.items()) if k.startswith("eval_") and k != "eval_samples"
+    }
     lines += ["", "## Evaluation", ""]
     if metrics:
-        lines += [f"On {results.get('eval_samples', 'the')} evaluation examples:", "", "| metric | value |",
-                  "|---|---|", *(f"| {k} | {_fmt(v)} |" for k, v in metrics.items())]
+        lines += [
+            f"On {results.get('eval_samples', 'the')} evaluation examples:",
+            "",
+            "| metric | value |",
+            "|---|---|",
+            *(f"| {k} | {_fmt(v)} |" for k, v in metrics.items()),
+        ]
     else:
         lines.append("No evaluation results were recorded.")
     lines += ["", "## Training", ""]
-    facts = [("training examples", results.get("train_samples")), ("epochs", results.get("epoch")),
-             ("training time (s)", results.get("train_runtime")),
-             ("trainable parameters", results.get("trainable_parameters")),
-             ("optimizer state (bytes)", results.get("optimizer_state_bytes"))]
+    facts = [
+        ("training examples", results.get("train_samples")),
+        ("epochs", results.get("epoch")),
+        ("training time (s)", results.get("train_runtime")),
+        ("trainable parameters", results.get("trainable_parameters")),
+        ("optimizer state (bytes)", results.get("optimizer_state_bytes")),
+    ]
     lines += [f"- {k}: {_fmt(v)}" for k, v in facts if v is not None]
     hyper = {k: v for k, v in flat.items() if v not in (None, "") and not _NOT_HYPERPARAMETERS.search(k)}
     if hyper:
-        lines += ["", "### Hyperparameters", "", "| name | value |", "|---|---|",
-                  *(f"| {k} | {_fmt(v)} |" for k, v in hyper.items())]
+        lines += [
+            "",
+            "### Hyperparameters",
+            "",
+            "| name | value |",
+            "|---|---|",
+            *(f"| {k} | {_fmt(v)} |" for k, v in hyper.items()),
+        ]
     if (output_dir / "training_curves.png").is_file():
         lines += ["", "### Training curves", "", "![training loss and evaluation metrics](training_curves.png)"]
     lines += ["", "## How to use", "", "```python", *_usage(repo_id, pipeline, adapter), "```", ""]
@@ -216,11 +264,17 @@ def model_card(output_dir: Path, repo_id: str) -> str:
 def _usage(repo_id: str, pipeline: str | None, adapter: dict | None) -> list[str]:
     auto = _AUTO_CLASSES.get(pipeline, "Model")
     if adapter:
-        return [f"from peft import AutoPeftModelFor{auto}", "",
-                f'model = AutoPeftModelFor{auto}.from_pretrained("{repo_id}")  # loads the base model too']
-    return [f"from transformers import AutoModelFor{auto}, AutoTokenizer", "",
-            f'model = AutoModelFor{auto}.from_pretrained("{repo_id}")',
-            f'tokenizer = AutoTokenizer.from_pretrained("{repo_id}")']
+        return [
+            f"from peft import AutoPeftModelFor{auto}",
+            "",
+            f'model = AutoPeftModelFor{auto}.from_pretrained("{repo_id}")  # loads the base model too',
+        ]
+    return [
+        f"from transformers import AutoModelFor{auto}, AutoTokenizer",
+        "",
+        f'model = AutoModelFor{auto}.from_pretrained("{repo_id}")',
+        f'tokenizer = AutoTokenizer.from_pretrained("{repo_id}")',
+    ]
 
 
 def _dataset(flat: dict) -> tuple[str, list[str]]:
@@ -230,14 +284,16 @@ def _dataset(flat: dict) -> tuple[str, list[str]]:
         return f"GLUE {str(flat['task_name']).upper()}", ["nyu-mll/glue"]
     if flat.get("dataset_name"):
         config = f" ({flat['dataset_config_name']})" if flat.get("dataset_config_name") else ""
-        return f"[{flat['dataset_name']}](https://huggingface.co/datasets/{flat['dataset_name']}){config}", \
-            [flat["dataset_name"]]
+        return f"[{flat['dataset_name']}](https://huggingface.co/datasets/{flat['dataset_name']}){config}", [
+            flat["dataset_name"]
+        ]
     return "its training data", []
 
 
 def _is_hub_id(name: str) -> bool:
     return not (Path(name).expanduser().exists() or name.startswith((".", "/", "~"))) and bool(
-        re.fullmatch(r"[\w.-]+(/[\w.-]+)?", name))
+        re.fullmatch(r"[\w.-]+(/[\w.-]+)?", name)
+    )
 
 
 def _fmt(value) -> str:

@@ -7,11 +7,12 @@ split over ``dp`` and ``fsdp`` together (``batch_spec``); parameters over ``fsdp
 from __future__ import annotations
 
 import math
-from typing import Mapping
+from collections.abc import Mapping
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxseq.errors import JaxseqError
 
@@ -44,9 +45,7 @@ def parse_mesh_spec(spec: str | Mapping[str, int] | None, device_count: int) -> 
     known = math.prod(size for size in sizes.values() if size != -1)
     if inferred:
         if device_count % known:
-            raise JaxseqError(
-                f"mesh {spec!r} cannot be formed: {device_count} devices are not divisible by {known}"
-            )
+            raise JaxseqError(f"mesh {spec!r} cannot be formed: {device_count} devices are not divisible by {known}")
         sizes[inferred[0]] = device_count // known
     if math.prod(sizes.values()) != device_count:
         raise JaxseqError(

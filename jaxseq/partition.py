@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxseq.errors import JaxseqError
 
@@ -60,8 +61,10 @@ def follow_params(params, param_specs, tree):
     """Specs for an optimizer state: a leaf whose path ends in a parameter's path and has its shape takes
     the parameter's spec (Adam's moments); one with an extra leading dimension (L-BFGS's history) takes
     it behind a replicated dimension; everything else (counters, coefficients) is replicated."""
-    known = {name: (np.shape(leaf), spec)
-             for (name, leaf), spec in zip(named_leaves(params), jax.tree.leaves(param_specs, is_leaf=_is_spec))}
+    known = {
+        name: (np.shape(leaf), spec)
+        for (name, leaf), spec in zip(named_leaves(params), jax.tree.leaves(param_specs, is_leaf=_is_spec))
+    }
 
     def spec_for(path, leaf):
         parts = path_string(path).split("/")
@@ -152,7 +155,9 @@ def describe(tree, specs, mesh: Mesh) -> str:
         split = math.prod(_axes_size(mesh, axes) for axes in spec)
         rows.append((name, str(shape), dtype.name, str(spec), nbytes // split))
         total, per_device = total + nbytes, per_device + nbytes // split
-    widths = [max(len(str(r[i])) for r in rows + [("path", "shape", "dtype", "spec", "bytes/device")]) for i in range(5)]
+    widths = [
+        max(len(str(r[i])) for r in rows + [("path", "shape", "dtype", "spec", "bytes/device")]) for i in range(5)
+    ]
     header = ("path", "shape", "dtype", "spec", "bytes/device")
     lines = ["  ".join(str(c).ljust(w) for c, w in zip(header, widths))]
     lines += ["  ".join(str(c).ljust(w) for c, w in zip(r, widths)) for r in rows]

@@ -34,16 +34,22 @@ class GlueConfig:
     model_name_or_path: str = arg(DEFAULT_MODEL, "Hub id or local folder of a BERT, GPT-2 or GPT-J checkpoint")
     tokenizer_name: str | None = arg(None, "tokenizer Hub id or folder (default: the model's)")
     task_name: str = arg("sst2", "GLUE task", choices=tuple(TASKS))
-    data_dir: str | None = arg(None, "local folder of GLUE TSVs (the GLUE download script's layout); "
-                                     "default: the nyu-mll/glue dataset on the Hub")
-    train_file: str | None = arg(None, "your own training file (csv, tsv, json, jsonl) with the task's "
-                                       "text columns and 'label'")
+    data_dir: str | None = arg(
+        None,
+        "local folder of GLUE TSVs (the GLUE download script's layout); default: the nyu-mll/glue dataset on the Hub",
+    )
+    train_file: str | None = arg(
+        None, "your own training file (csv, tsv, json, jsonl) with the task's text columns and 'label'"
+    )
     validation_file: str | None = arg(None, "your own validation file, same format as --train_file")
     max_seq_length: int = arg(128, "tokens per example (longer texts are truncated, shorter padded)")
     max_train_samples: int | None = arg(None, "use only the first N training examples")
     max_eval_samples: int | None = arg(None, "use only the first N examples of each eval split")
-    pack_sequences: bool = arg(False, "pack several short examples into each row of --max_seq_length (same "
-                                      "math per example, much less padding: several times faster on short texts)")
+    pack_sequences: bool = arg(
+        False,
+        "pack several short examples into each row of --max_seq_length (same "
+        "math per example, much less padding: several times faster on short texts)",
+    )
 
 
 SECTIONS = (GlueConfig, RuntimeConfig, TrainerConfig, OptimizerConfig, LoraConfig, HubConfig, DistributedConfig)
@@ -93,8 +99,9 @@ def max_positions(config) -> int | None:
 @script
 def main(argv) -> int:
     parser = build_parser(__doc__, *SECTIONS)
-    args, (glue, runtime, trainer_config, optimizer_config, lora_config, hub, distributed) = parse_args(
-        parser, SECTIONS, argv)
+    _args, (glue, runtime, trainer_config, optimizer_config, lora_config, hub, distributed) = parse_args(
+        parser, SECTIONS, argv
+    )
 
     import jax
     import jax.numpy as jnp
@@ -120,8 +127,10 @@ def main(argv) -> int:
     model_class(config, "sequence-classification")  # a model type jaxseq has, before anything heavy
     tokenizer = load_tokenizer(glue.tokenizer_name or folder, fast=False)
     if len(tokenizer) > config.vocab_size:
-        raise JaxseqError(f"the tokenizer has {len(tokenizer)} tokens but the model only {config.vocab_size}; "
-                          "pass the model's own tokenizer")
+        raise JaxseqError(
+            f"the tokenizer has {len(tokenizer)} tokens but the model only {config.vocab_size}; "
+            "pass the model's own tokenizer"
+        )
     overrides = {}
     if tokenizer.pad_token is None:  # GPT-2 style: pad with EOS, and classify at the last real token
         tokenizer.pad_token = tokenizer.eos_token
@@ -130,8 +139,15 @@ def main(argv) -> int:
     if not task.is_regression:
         overrides["id2label"] = dict(enumerate(task.labels))
         overrides["label2id"] = {name: i for i, name in enumerate(task.labels)}
-    model = load_pretrained(folder, "sequence-classification", num_labels=task.num_labels, mesh=mesh,
-                            dtype=jnp.dtype(runtime.dtype), seed=trainer_config.seed, **overrides)
+    model = load_pretrained(
+        folder,
+        "sequence-classification",
+        num_labels=task.num_labels,
+        mesh=mesh,
+        dtype=jnp.dtype(runtime.dtype),
+        seed=trainer_config.seed,
+        **overrides,
+    )
     if runtime.remat:
         enable_remat(model)
     # tokenized when a batch first needs them, by the process that takes them: each process only its share
@@ -141,9 +157,18 @@ def main(argv) -> int:
 
     output_dir = Path(trainer_config.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
-    trainer = Trainer(model, SequenceClassification(task), trainer_config, optimizer_config, train_data,
-                      eval_sets, mesh, loss_scaling=runtime.dtype == "float16",
-                      pack=model.pooled_token if glue.pack_sequences else None, lora=lora_config)
+    trainer = Trainer(
+        model,
+        SequenceClassification(task),
+        trainer_config,
+        optimizer_config,
+        train_data,
+        eval_sets,
+        mesh,
+        loss_scaling=runtime.dtype == "float16",
+        pack=model.pooled_token if glue.pack_sequences else None,
+        lora=lora_config,
+    )
     if jax.process_index() == 0:  # after Trainer has checked any checkpoint already in output_dir
         save_config(output_dir / "config.yaml", glue, runtime, trainer_config, optimizer_config, lora_config)
     trainer.logger.write(trainer.describe())
@@ -153,14 +178,20 @@ def main(argv) -> int:
         f"(mesh {dict(mesh.shape)})"
     )
     if trainer.pack:
-        trainer.logger.write(f"packing {trainer.micro_batch} examples into {trainer.packed_rows} rows per "
-                             f"micro-batch (of {glue.max_seq_length} tokens)")
+        trainer.logger.write(
+            f"packing {trainer.micro_batch} examples into {trainer.packed_rows} rows per "
+            f"micro-batch (of {glue.max_seq_length} tokens)"
+        )
     try:
         train_results = trainer.train()
     finally:
         trainer.close()
-    write_results(output_dir, train_results, train_samples=len(train_examples),
-                  eval_samples=len(next(iter(eval_examples.values()))))
+    write_results(
+        output_dir,
+        train_results,
+        train_samples=len(train_examples),
+        eval_samples=len(next(iter(eval_examples.values()))),
+    )
     trainer.logger.plot()
     export_model(trainer, output_dir, tokenizer, base_model=glue.model_name_or_path)
     push_run(hub, output_dir)

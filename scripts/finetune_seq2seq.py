@@ -48,16 +48,26 @@ class Seq2SeqDataConfig:
     generation_max_length: int | None = arg(None, "new tokens per generated answer (default: --max_target_length)")
 
 
-SECTIONS = (ModelSource, Seq2SeqDataConfig, RuntimeConfig, TrainerConfig, OptimizerConfig, LoraConfig, HubConfig,
-            DistributedConfig)
+SECTIONS = (
+    ModelSource,
+    Seq2SeqDataConfig,
+    RuntimeConfig,
+    TrainerConfig,
+    OptimizerConfig,
+    LoraConfig,
+    HubConfig,
+    DistributedConfig,
+)
 
 
 def load_data(data: Seq2SeqDataConfig):
     from jaxseq.data.seq2seq import load_pairs
 
     if not data.train_file or not data.validation_file:
-        raise JaxseqError("pass --train_file and --validation_file (csv, tsv, json or jsonl with "
-                          f"'{data.source_column}' and '{data.target_column}' columns)")
+        raise JaxseqError(
+            "pass --train_file and --validation_file (csv, tsv, json or jsonl with "
+            f"'{data.source_column}' and '{data.target_column}' columns)"
+        )
     for name in ("max_source_length", "max_target_length"):
         if getattr(data, name) < 1:
             raise JaxseqError(f"--{name} must be at least 1")
@@ -69,8 +79,9 @@ def load_data(data: Seq2SeqDataConfig):
 @script
 def main(argv) -> int:
     parser = build_parser(__doc__, *SECTIONS)
-    args, (source, data, runtime, trainer_config, optimizer_config, lora_config, hub, distributed) = parse_args(
-        parser, SECTIONS, argv)
+    _args, (source, data, runtime, trainer_config, optimizer_config, lora_config, hub, distributed) = parse_args(
+        parser, SECTIONS, argv
+    )
     from jaxseq.models.source import build_model, check, load_tokenizer, model_config
 
     check(source, default_model=DEFAULT_MODEL)
@@ -91,16 +102,31 @@ def main(argv) -> int:
     config, folder, overrides = model_config(source, "seq2seq-lm")
     tokenizer = load_tokenizer(source.tokenizer_name or folder)
     if len(tokenizer) > config.vocab_size:
-        raise JaxseqError(f"the tokenizer has {len(tokenizer)} tokens but the model only {config.vocab_size}; "
-                          "pass the model's tokenizer or override vocab_size")
+        raise JaxseqError(
+            f"the tokenizer has {len(tokenizer)} tokens but the model only {config.vocab_size}; "
+            "pass the model's tokenizer or override vocab_size"
+        )
     if tokenizer.pad_token_id is None or tokenizer.eos_token_id is None:
         raise JaxseqError("the tokenizer needs a pad and an EOS token (T5 tokenizers have both); pass a T5 tokenizer")
     # tokenized when a batch first needs them, by the process that takes them: each process only its share
-    tokenize = functools.partial(encode_pairs, tokenizer=tokenizer, max_source_length=data.max_source_length,
-                                 max_target_length=data.max_target_length, source_prefix=data.source_prefix)
+    tokenize = functools.partial(
+        encode_pairs,
+        tokenizer=tokenizer,
+        max_source_length=data.max_source_length,
+        max_target_length=data.max_target_length,
+        source_prefix=data.source_prefix,
+    )
     train_data, eval_data = EncodedRows(train_pairs, tokenize), EncodedRows(eval_pairs, tokenize)
-    model = build_model(source, "seq2seq-lm", config, folder, overrides, mesh=mesh, dtype=jnp.dtype(runtime.dtype),
-                        seed=trainer_config.seed)
+    model = build_model(
+        source,
+        "seq2seq-lm",
+        config,
+        folder,
+        overrides,
+        mesh=mesh,
+        dtype=jnp.dtype(runtime.dtype),
+        seed=trainer_config.seed,
+    )
     if runtime.remat:
         enable_remat(model)
     max_new = (data.generation_max_length or data.max_target_length) if data.predict_with_generate else 0
@@ -108,8 +134,17 @@ def main(argv) -> int:
 
     output_dir = Path(trainer_config.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
-    trainer = Trainer(model, objective, trainer_config, optimizer_config, train_data, {"": eval_data}, mesh,
-                      loss_scaling=runtime.dtype == "float16", lora=lora_config)
+    trainer = Trainer(
+        model,
+        objective,
+        trainer_config,
+        optimizer_config,
+        train_data,
+        {"": eval_data},
+        mesh,
+        loss_scaling=runtime.dtype == "float16",
+        lora=lora_config,
+    )
     if jax.process_index() == 0:  # after Trainer has checked any checkpoint already in output_dir
         save_config(output_dir / "config.yaml", source, data, runtime, trainer_config, optimizer_config, lora_config)
     trainer.logger.write(trainer.describe())

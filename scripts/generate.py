@@ -58,8 +58,9 @@ def read_prompts(cfg: GenerateConfig, stdin=None) -> list[str]:
             raise JaxseqError(f"prompt file {path} does not exist")
         lines = path.read_text().splitlines()
         if path.suffix == ".jsonl":
-            prompts = [(f"line {i + 1} of {path}", jsonl_prompt(line, i, path)) for i, line in enumerate(lines)
-                       if line.strip()]
+            prompts = [
+                (f"line {i + 1} of {path}", jsonl_prompt(line, i, path)) for i, line in enumerate(lines) if line.strip()
+            ]
         else:
             prompts = [(f"line {i + 1} of {path}", line) for i, line in enumerate(lines)]
     elif not stdin.isatty():
@@ -87,7 +88,7 @@ def jsonl_prompt(line: str, index: int, path: Path) -> str:
 def batches(lengths: list[int], size: int) -> list[list[int]]:
     """Prompt indices in batches of ``size``, shortest prompts first, so a batch pads little."""
     order = sorted(range(len(lengths)), key=lambda i: lengths[i])
-    return [order[i:i + size] for i in range(0, len(order), size)]
+    return [order[i : i + size] for i in range(0, len(order), size)]
 
 
 def completion_length(tokens, eos: int | None) -> int:
@@ -143,8 +144,10 @@ def main(argv) -> int:
             )
     model = load_pretrained(folder, task, mesh=mesh, dtype=jnp.dtype(cfg.dtype))
     if len(tokenizer) > model.config.vocab_size:
-        raise JaxseqError(f"the tokenizer has {len(tokenizer)} tokens but the model only {model.config.vocab_size}; "
-                          "pass the model's own tokenizer")
+        raise JaxseqError(
+            f"the tokenizer has {len(tokenizer)} tokens but the model only {model.config.vocab_size}; "
+            "pass the model's own tokenizer"
+        )
 
     completions = [None] * len(prompts)
     start, generated = time.perf_counter(), 0
@@ -155,16 +158,28 @@ def main(argv) -> int:
         ids = np.array([[pad or 0] * (width - len(r)) + r for r in rows], np.int32)
         mask = np.array([[0] * (width - len(r)) + [1] * len(r) for r in rows], np.int32)
         out = generate(
-            model, ids, mask, max_new_tokens=cfg.max_new_tokens, min_new_tokens=cfg.min_new_tokens,
-            do_sample=cfg.do_sample, temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
-            eos_token_id=eos, pad_token_id=pad,
+            model,
+            ids,
+            mask,
+            max_new_tokens=cfg.max_new_tokens,
+            min_new_tokens=cfg.min_new_tokens,
+            do_sample=cfg.do_sample,
+            temperature=cfg.temperature,
+            top_k=cfg.top_k,
+            top_p=cfg.top_p,
+            eos_token_id=eos,
+            pad_token_id=pad,
             seed=int(np.random.SeedSequence([cfg.seed, k]).generate_state(1)[0]),  # each batch its own draws
         )
         for i, tokens in zip(batch, gather(out.sequences)):
             n = completion_length(tokens, eos)
             text = tokenizer.decode(tokens[:n], skip_special_tokens=True)
-            completions[i] = {"prompt": prompts[i], "completion": text, "prompt_tokens": len(encoded[i]),
-                              "completion_tokens": n}
+            completions[i] = {
+                "prompt": prompts[i],
+                "completion": text,
+                "prompt_tokens": len(encoded[i]),
+                "completion_tokens": n,
+            }
             generated += n
     seconds = time.perf_counter() - start
 
@@ -176,8 +191,10 @@ def main(argv) -> int:
         path.write_text("".join(json.dumps(c, ensure_ascii=False) + "\n" for c in completions))
     else:
         print("\n\n".join(c["prompt"] + c["completion"] for c in completions))
-    print(f"{len(prompts)} prompts, {generated} tokens generated in {seconds:.1f}s (compilation included)",
-          file=sys.stderr)
+    print(
+        f"{len(prompts)} prompts, {generated} tokens generated in {seconds:.1f}s (compilation included)",
+        file=sys.stderr,
+    )
     return 0
 
 

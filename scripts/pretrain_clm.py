@@ -32,12 +32,24 @@ from jaxseq.train.trainer import TrainerConfig
 
 @dataclasses.dataclass
 class SpeedConfig:
-    peak_flops: float = arg(0.0, "peak FLOP/s of all devices together, for model FLOPs utilisation (MFU) "
-                                 "in the log; 0 measures a jitted matmul once at start")
+    peak_flops: float = arg(
+        0.0,
+        "peak FLOP/s of all devices together, for model FLOPs utilisation (MFU) "
+        "in the log; 0 measures a jitted matmul once at start",
+    )
 
 
-SECTIONS = (ModelSource, TextDataConfig, RuntimeConfig, TrainerConfig, OptimizerConfig, LoraConfig, SpeedConfig,
-            HubConfig, DistributedConfig)
+SECTIONS = (
+    ModelSource,
+    TextDataConfig,
+    RuntimeConfig,
+    TrainerConfig,
+    OptimizerConfig,
+    LoraConfig,
+    SpeedConfig,
+    HubConfig,
+    DistributedConfig,
+)
 
 
 def choose_block_size(requested: int | None, config) -> int:
@@ -53,8 +65,9 @@ def choose_block_size(requested: int | None, config) -> int:
 @script
 def main(argv) -> int:
     parser = build_parser(__doc__, *SECTIONS)
-    args, (source, data, runtime, trainer_config, optimizer_config, lora_config, speed, hub, distributed) = parse_args(
-        parser, SECTIONS, argv)
+    _args, (source, data, runtime, trainer_config, optimizer_config, lora_config, speed, hub, distributed) = parse_args(
+        parser, SECTIONS, argv
+    )
     check(source)
     check_sources(data)
 
@@ -76,26 +89,40 @@ def main(argv) -> int:
     config, folder, overrides = model_config(source, "causal-lm")
     tokenizer = load_tokenizer(source.tokenizer_name or folder)
     if len(tokenizer) > config.vocab_size:
-        raise JaxseqError(f"the tokenizer has {len(tokenizer)} tokens but the model only {config.vocab_size}; "
-                          "pass the model's tokenizer or override vocab_size")
+        raise JaxseqError(
+            f"the tokenizer has {len(tokenizer)} tokens but the model only {config.vocab_size}; "
+            "pass the model's tokenizer or override vocab_size"
+        )
     block_size = choose_block_size(data.block_size, config)
     train_blocks, valid_blocks = load_blocks(data, tokenizer, block_size, progress=main_process, log=log)
 
     dtype = jnp.dtype(runtime.dtype)
-    model = build_model(source, "causal-lm", config, folder, overrides, mesh=mesh, dtype=dtype,
-                        seed=trainer_config.seed)
+    model = build_model(
+        source, "causal-lm", config, folder, overrides, mesh=mesh, dtype=dtype, seed=trainer_config.seed
+    )
     if runtime.remat:
         enable_remat(model)
     peak = speed.peak_flops or measure_peak_flops(mesh.devices.flat, dtype)
     flops = flops_per_token(model, block_size)
-    trainer = Trainer(model, CausalLM(), trainer_config, optimizer_config, {"input_ids": train_blocks},
-                      {"": {"input_ids": valid_blocks}}, mesh, loss_scaling=runtime.dtype == "float16",
-                      tokens_per_example=block_size, flops_per_example=flops * block_size, peak_flops=peak,
-                      lora=lora_config)
+    trainer = Trainer(
+        model,
+        CausalLM(),
+        trainer_config,
+        optimizer_config,
+        {"input_ids": train_blocks},
+        {"": {"input_ids": valid_blocks}},
+        mesh,
+        loss_scaling=runtime.dtype == "float16",
+        tokens_per_example=block_size,
+        flops_per_example=flops * block_size,
+        peak_flops=peak,
+        lora=lora_config,
+    )
     output_dir = Path(trainer_config.output_dir)
     if main_process:
-        save_config(output_dir / "config.yaml", source, data, runtime, trainer_config, optimizer_config, lora_config,
-                    speed)
+        save_config(
+            output_dir / "config.yaml", source, data, runtime, trainer_config, optimizer_config, lora_config, speed
+        )
     trainer.logger.write(trainer.describe())
     trainer.logger.write(
         f"{config.model_type}: {len(train_blocks):,} training / {len(valid_blocks):,} validation blocks of "
@@ -107,8 +134,13 @@ def main(argv) -> int:
         train_results = trainer.train()
     finally:
         trainer.close()
-    write_results(output_dir, train_results, train_samples=len(train_blocks), eval_samples=len(valid_blocks),
-                  extra_eval={"perplexity": train_results["eval_perplexity"]})  # run_clm's name for it
+    write_results(
+        output_dir,
+        train_results,
+        train_samples=len(train_blocks),
+        eval_samples=len(valid_blocks),
+        extra_eval={"perplexity": train_results["eval_perplexity"]},
+    )  # run_clm's name for it
     log(" ".join(f"{k}={train_results[k]:.4g}" for k in ("train_tokens_per_second", "train_mfu") if k in train_results))
     trainer.logger.plot()
     # every process gathers, process 0 writes

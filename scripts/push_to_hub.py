@@ -24,11 +24,19 @@ def main(argv) -> int:
     parser.add_argument("repo_id", help="Hub repo, 'user/name' or 'name' in your namespace")
     parser.add_argument("--hub_private_repo", action="store_true", help="create the repo private")
     parser.add_argument("--hub_token", default=None, help="Hub token (default: HF_TOKEN or the stored login)")
-    parser.add_argument("--hub_dry_run", action="store_true",
-                        help=f"stage exactly what would be uploaded in OUTPUT_DIR/{DRY_RUN_DIR}; upload nothing")
+    parser.add_argument(
+        "--hub_dry_run",
+        action="store_true",
+        help=f"stage exactly what would be uploaded in OUTPUT_DIR/{DRY_RUN_DIR}; upload nothing",
+    )
     args = parser.parse_args(argv)
-    hub = HubConfig(push_to_hub=True, hub_model_id=args.repo_id, hub_private_repo=args.hub_private_repo,
-                    hub_token=args.hub_token, hub_dry_run=args.hub_dry_run)
+    hub = HubConfig(
+        push_to_hub=True,
+        hub_model_id=args.repo_id,
+        hub_private_repo=args.hub_private_repo,
+        hub_token=args.hub_token,
+        hub_dry_run=args.hub_dry_run,
+    )
     push_run(hub, args.output_dir)
     return 0
 

@@ -21,8 +21,9 @@ def torch_forward(model, **inputs):
 
     model.eval()
     with torch.no_grad():
-        return model(**{k: torch.as_tensor(v).long() if v.dtype.kind in "iu" else torch.as_tensor(v)
-                        for k, v in inputs.items()})
+        return model(
+            **{k: torch.as_tensor(v).long() if v.dtype.kind in "iu" else torch.as_tensor(v) for k, v in inputs.items()}
+        )
 
 
 def max_diff_on(mask: np.ndarray, a, b) -> float:

@@ -20,9 +20,9 @@ import subprocess
 import sys
 import time
 import zipfile
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Callable
 
 import pytest
 
@@ -32,8 +32,13 @@ from tests.test_pretrain_clm import last_logged_step
 transformers = pytest.importorskip("transformers")
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
-ENV = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu",
-       "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+ENV = {
+    **os.environ,
+    "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+    "JAX_PLATFORMS": "cpu",
+    "HF_HUB_OFFLINE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
 
 
 def command(script: str, *args) -> list[str]:
@@ -96,8 +101,9 @@ def assets(tmp_path_factory):
     tokenizer = transformers.GPT2TokenizerFast(vocab=str(gpt2 / "vocab.json"), merges=str(gpt2 / "merges.txt"))
     tokenizer.save_pretrained(root / "gpt2-tokenizer")
     transformers.GPT2Config().save_pretrained(root / "gpt2-config")
-    transformers.LlamaConfig(num_hidden_layers=1, hidden_size=16, intermediate_size=32, num_attention_heads=2,
-                             num_key_value_heads=2).save_pretrained(root / "llama")
+    transformers.LlamaConfig(
+        num_hidden_layers=1, hidden_size=16, intermediate_size=32, num_attention_heads=2, num_key_value_heads=2
+    ).save_pretrained(root / "llama")
     shutil.copytree(root / "gpt2-tokenizer", root / "llama", dirs_exist_ok=True)
     cut = root / "minilm-truncated"
     cut.mkdir()
@@ -115,33 +121,71 @@ def assets(tmp_path_factory):
         archive.writestr("archive/data.pkl", pickle.dumps({"transformer.wte.weight": RunsCode()}, protocol=2))
         archive.writestr("archive/version", "3\n")
         archive.writestr("archive/byteorder", "little")
-    return {"root": root, "minilm": minilm, "evil": evil, "glue": glue, "truncated": cut, "llama": root / "llama",
-            "gpt2_tokenizer": root / "gpt2-tokenizer", "gpt2_config": root / "gpt2-config",
-            "text": shared_asset("data/text/botchan.txt"), "token_cache": root / "token-cache"}
+    return {
+        "root": root,
+        "minilm": minilm,
+        "evil": evil,
+        "glue": glue,
+        "truncated": cut,
+        "llama": root / "llama",
+        "gpt2_tokenizer": root / "gpt2-tokenizer",
+        "gpt2_config": root / "gpt2-config",
+        "text": shared_asset("data/text/botchan.txt"),
+        "token_cache": root / "token-cache",
+    }
 
 
 def glue_args(a, out, **changes):
-    args = {"--model_name_or_path": a["minilm"], "--data_dir": a["glue"], "--task_name": "sst2",
-            "--output_dir": out, "--max_train_samples": 32, "--max_eval_samples": 16, "--max_seq_length": 32,
-            "--per_device_train_batch_size": 2, "--per_device_eval_batch_size": 4, "--max_steps": 2,
-            "--compilation_cache_dir": ""}
+    args = {
+        "--model_name_or_path": a["minilm"],
+        "--data_dir": a["glue"],
+        "--task_name": "sst2",
+        "--output_dir": out,
+        "--max_train_samples": 32,
+        "--max_eval_samples": 16,
+        "--max_seq_length": 32,
+        "--per_device_train_batch_size": 2,
+        "--per_device_eval_batch_size": 4,
+        "--max_steps": 2,
+        "--compilation_cache_dir": "",
+    }
     return flags(args, changes)
 
 
 def clm_args(a, out, **changes):
-    args = {"--config_name": a["gpt2_config"], "--config_overrides": "n_layer=2,n_embd=64,n_head=4",
-            "--tokenizer_name": a["gpt2_tokenizer"], "--train_file": a["text"], "--block_size": 32,
-            "--max_eval_samples": 8, "--per_device_train_batch_size": 2, "--per_device_eval_batch_size": 4,
-            "--max_steps": 4, "--logging_steps": 1, "--learning_rate": 1e-3, "--seed": 0, "--output_dir": out,
-            "--data_cache_dir": a["token_cache"], "--compilation_cache_dir": "", "--peak_flops": 1e11}
+    args = {
+        "--config_name": a["gpt2_config"],
+        "--config_overrides": "n_layer=2,n_embd=64,n_head=4",
+        "--tokenizer_name": a["gpt2_tokenizer"],
+        "--train_file": a["text"],
+        "--block_size": 32,
+        "--max_eval_samples": 8,
+        "--per_device_train_batch_size": 2,
+        "--per_device_eval_batch_size": 4,
+        "--max_steps": 4,
+        "--logging_steps": 1,
+        "--learning_rate": 1e-3,
+        "--seed": 0,
+        "--output_dir": out,
+        "--data_cache_dir": a["token_cache"],
+        "--compilation_cache_dir": "",
+        "--peak_flops": 1e11,
+    }
     return flags(args, changes)
 
 
 def seq2seq_args(a, out, **changes):
-    args = {"--model_type": "t5", "--config_overrides": "num_layers=1,num_decoder_layers=1,d_model=32,d_ff=64,"
-            "num_heads=2,d_kv=16,vocab_size=50304", "--tokenizer_name": a["gpt2_tokenizer"],
-            "--train_file": a["pairs"], "--validation_file": a["pairs"], "--output_dir": out, "--max_steps": 2,
-            "--compilation_cache_dir": ""}
+    args = {
+        "--model_type": "t5",
+        "--config_overrides": "num_layers=1,num_decoder_layers=1,d_model=32,d_ff=64,"
+        "num_heads=2,d_kv=16,vocab_size=50304",
+        "--tokenizer_name": a["gpt2_tokenizer"],
+        "--train_file": a["pairs"],
+        "--validation_file": a["pairs"],
+        "--output_dir": out,
+        "--max_steps": 2,
+        "--compilation_cache_dir": "",
+    }
     return flags(args, changes)
 
 
@@ -207,97 +251,185 @@ def listing(out: Path) -> dict[str, str]:
 CASES = {
     # ---- finetune_glue.py
     "model path that does not exist": Case(
-        "finetune_glue.py", lambda a, t, o: glue_args(a, o, model_name_or_path=t / "nowhere"), 1, "is not a folder"),
+        "finetune_glue.py", lambda a, t, o: glue_args(a, o, model_name_or_path=t / "nowhere"), 1, "is not a folder"
+    ),
     "the same with --debug": Case(
-        "finetune_glue.py", lambda a, t, o: glue_args(a, o, model_name_or_path=t / "nowhere", extra=["--debug"]), 1,
-        "is not a folder", debug=True),
+        "finetune_glue.py",
+        lambda a, t, o: glue_args(a, o, model_name_or_path=t / "nowhere", extra=["--debug"]),
+        1,
+        "is not a folder",
+        debug=True,
+    ),
     "hub id while offline": Case(
-        "finetune_glue.py", lambda a, t, o: glue_args(a, o, model_name_or_path="jaxseq-tests/no-such-model"), 1,
-        "cannot download 'jaxseq-tests/no-such-model' from the Hugging Face Hub"),
+        "finetune_glue.py",
+        lambda a, t, o: glue_args(a, o, model_name_or_path="jaxseq-tests/no-such-model"),
+        1,
+        "cannot download 'jaxseq-tests/no-such-model' from the Hugging Face Hub",
+    ),
     "tokenizer hub id while offline": Case(
-        "finetune_glue.py", lambda a, t, o: glue_args(a, o, tokenizer_name="jaxseq-tests/no-such-tokenizer"), 1,
-        "cannot load a tokenizer from jaxseq-tests/no-such-tokenizer"),
+        "finetune_glue.py",
+        lambda a, t, o: glue_args(a, o, tokenizer_name="jaxseq-tests/no-such-tokenizer"),
+        1,
+        "cannot load a tokenizer from jaxseq-tests/no-such-tokenizer",
+    ),
     "unsupported model_type": Case(
-        "finetune_glue.py", lambda a, t, o: glue_args(a, o, model_name_or_path=a["llama"]), 1,
-        "model_type 'llama' is not supported"),
+        "finetune_glue.py",
+        lambda a, t, o: glue_args(a, o, model_name_or_path=a["llama"]),
+        1,
+        "model_type 'llama' is not supported",
+    ),
     "malformed yaml": Case(
-        "finetune_glue.py", lambda a, t, o: glue_args(a, o, config=write(t / "c.yaml", "learning_rate: [1e-4\n")),
-        1, "is not valid YAML"),
+        "finetune_glue.py",
+        lambda a, t, o: glue_args(a, o, config=write(t / "c.yaml", "learning_rate: [1e-4\n")),
+        1,
+        "is not valid YAML",
+    ),
     "unknown flag": Case(
-        "finetune_glue.py", lambda a, t, o: glue_args(a, o, extra=["--learning_rat", "1e-4"]), 2,
-        "unrecognized arguments: --learning_rat 1e-4"),
+        "finetune_glue.py",
+        lambda a, t, o: glue_args(a, o, extra=["--learning_rat", "1e-4"]),
+        2,
+        "unrecognized arguments: --learning_rat 1e-4",
+    ),
     "mesh the devices cannot form": Case(
-        "finetune_glue.py", lambda a, t, o: glue_args(a, o, mesh="dp=3"), 1, "needs 3 devices but 2 are available"),
+        "finetune_glue.py", lambda a, t, o: glue_args(a, o, mesh="dp=3"), 1, "needs 3 devices but 2 are available"
+    ),
     "unknown task": Case(
-        "finetune_glue.py", lambda a, t, o: glue_args(a, o, task_name="squad"), 2, "invalid choice: 'squad'"),
+        "finetune_glue.py", lambda a, t, o: glue_args(a, o, task_name="squad"), 2, "invalid choice: 'squad'"
+    ),
     "missing train file": Case(
-        "finetune_glue.py", lambda a, t, o: glue_args(a, o, train_file=t / "train.csv"), 1, "does not exist"),
+        "finetune_glue.py", lambda a, t, o: glue_args(a, o, train_file=t / "train.csv"), 1, "does not exist"
+    ),
     "tsv missing its columns": Case(
-        "finetune_glue.py", lambda a, t, o: glue_args(a, o, data_dir=a["root"] / "glue-bad"), 1,
-        "lacks column(s) 'sentence'"),
+        "finetune_glue.py",
+        lambda a, t, o: glue_args(a, o, data_dir=a["root"] / "glue-bad"),
+        1,
+        "lacks column(s) 'sentence'",
+    ),
     "label outside num_labels": Case(
         "finetune_glue.py",
         lambda a, t, o: glue_args(a, o, train_file=write(t / "train.csv", "sentence,label\nhi,7\n")),
-        1, "label 7 is outside 0..1 for sst2"),
+        1,
+        "label 7 is outside 0..1 for sst2",
+    ),
     "empty split": Case(
-        "finetune_glue.py", lambda a, t, o: glue_args(a, o, train_file=write(t / "train.csv", "sentence,label\n")), 1,
-        "has no examples"),
+        "finetune_glue.py",
+        lambda a, t, o: glue_args(a, o, train_file=write(t / "train.csv", "sentence,label\n")),
+        1,
+        "has no examples",
+    ),
     "max_seq_length above the positions": Case(
-        "finetune_glue.py", lambda a, t, o: glue_args(a, o, max_seq_length=4096), 1,
-        "--max_seq_length 4096 exceeds the model's 512 positions"),
+        "finetune_glue.py",
+        lambda a, t, o: glue_args(a, o, max_seq_length=4096),
+        1,
+        "--max_seq_length 4096 exceeds the model's 512 positions",
+    ),
     "batch size of zero": Case(
-        "finetune_glue.py", lambda a, t, o: glue_args(a, o, per_device_train_batch_size=0), 1,
-        "--per_device_train_batch_size must be at least 1, got 0"),
+        "finetune_glue.py",
+        lambda a, t, o: glue_args(a, o, per_device_train_batch_size=0),
+        1,
+        "--per_device_train_batch_size must be at least 1, got 0",
+    ),
     "output dir under a file": Case(
-        "finetune_glue.py", lambda a, t, o: glue_args(a, write(t / "a-file", "x") / "out"), 1,
-        "is a file, not a folder; pick another --output_dir"),
+        "finetune_glue.py",
+        lambda a, t, o: glue_args(a, write(t / "a-file", "x") / "out"),
+        1,
+        "is a file, not a folder; pick another --output_dir",
+    ),
     "truncated safetensors": Case(
-        "finetune_glue.py", lambda a, t, o: glue_args(a, o, model_name_or_path=a["truncated"]), 1,
-        "is truncated or corrupt (not a valid safetensors file)"),
+        "finetune_glue.py",
+        lambda a, t, o: glue_args(a, o, model_name_or_path=a["truncated"]),
+        1,
+        "is truncated or corrupt (not a valid safetensors file)",
+    ),
     "tokenizer larger than the vocabulary": Case(
-        "finetune_glue.py", lambda a, t, o: glue_args(a, o, tokenizer_name=a["gpt2_tokenizer"]), 1,
-        "the tokenizer has 50257 tokens but the model only 30522"),
+        "finetune_glue.py",
+        lambda a, t, o: glue_args(a, o, tokenizer_name=a["gpt2_tokenizer"]),
+        1,
+        "the tokenizer has 50257 tokens but the model only 30522",
+    ),
     "unwritable cache folder (any failing file operation)": Case(
-        "finetune_glue.py", lambda a, t, o: glue_args(a, o, compilation_cache_dir=write(t / "a-file", "x") / "xla"),
-        1, "Not a directory: "),
+        "finetune_glue.py",
+        lambda a, t, o: glue_args(a, o, compilation_cache_dir=write(t / "a-file", "x") / "xla"),
+        1,
+        "Not a directory: ",
+    ),
     # ---- pretrain_clm.py
     "block_size above the positions": Case(
-        "pretrain_clm.py", lambda a, t, o: clm_args(a, o, block_size=2048), 1,
-        "--block_size 2048 exceeds the model's 1024 positions"),
+        "pretrain_clm.py",
+        lambda a, t, o: clm_args(a, o, block_size=2048),
+        1,
+        "--block_size 2048 exceeds the model's 1024 positions",
+    ),
     "dimension not divisible by its mesh axis": Case(
-        "pretrain_clm.py", lambda a, t, o: clm_args(a, o, mesh="mp=2"), 1,
-        "are not divisible by their mesh axes"),
+        "pretrain_clm.py", lambda a, t, o: clm_args(a, o, mesh="mp=2"), 1, "are not divisible by their mesh axes"
+    ),
     "output dir holding another model's checkpoint": Case(
-        "pretrain_clm.py", lambda a, t, o: clm_args(a, o, config_overrides="n_layer=2,n_embd=32,n_head=4"), 1,
+        "pretrain_clm.py",
+        lambda a, t, o: clm_args(a, o, config_overrides="n_layer=2,n_embd=32,n_head=4"),
+        1,
         "was written for a different model or optimizer (params/transformer/h/0/attn/c_attn/bias/value is (192,) "
         "there, (96,) here",
-        left=other_run_untouched, after="loss becomes NaN", trains=True),
+        left=other_run_untouched,
+        after="loss becomes NaN",
+        trains=True,
+    ),
     "loss becomes NaN": Case(
-        "pretrain_clm.py", lambda a, t, o: clm_args(a, o, learning_rate=1e30, save_steps=1), 1,
+        "pretrain_clm.py",
+        lambda a, t, o: clm_args(a, o, learning_rate=1e30, save_steps=1),
+        1,
         "the training loss became nan at step 2; the last good checkpoint is step 1",
-        left=kept_last_good_checkpoint, trains=True),
+        left=kept_last_good_checkpoint,
+        trains=True,
+    ),
     "NaN updates skipped with a flag (and a Hub token kept secret)": Case(
-        "pretrain_clm.py", lambda a, t, o: clm_args(a, o, learning_rate=1e30, skip_nonfinite_updates="true",
-                                                    push_to_hub="true", hub_dry_run="true", hub_token=SECRET),
-        0, "", left=skipped_and_counted, trains=True),
+        "pretrain_clm.py",
+        lambda a, t, o: clm_args(
+            a,
+            o,
+            learning_rate=1e30,
+            skip_nonfinite_updates="true",
+            push_to_hub="true",
+            hub_dry_run="true",
+            hub_token=SECRET,
+        ),
+        0,
+        "",
+        left=skipped_and_counted,
+        trains=True,
+    ),
     # ---- finetune_seq2seq.py
     "seq2seq without a validation file": Case(
-        "finetune_seq2seq.py", lambda a, t, o: seq2seq_args(a, o, validation_file=None), 1,
-        "pass --train_file and --validation_file"),
+        "finetune_seq2seq.py",
+        lambda a, t, o: seq2seq_args(a, o, validation_file=None),
+        1,
+        "pass --train_file and --validation_file",
+    ),
     "seq2seq file missing its columns": Case(
-        "finetune_seq2seq.py", lambda a, t, o: seq2seq_args(a, o, source_column="question"), 1,
-        "lacks column(s) question"),
+        "finetune_seq2seq.py",
+        lambda a, t, o: seq2seq_args(a, o, source_column="question"),
+        1,
+        "lacks column(s) question",
+    ),
     # ---- generate.py
     "generate with a model that cannot generate": Case(
-        "generate.py", lambda a, t, o: ["--model_name_or_path", a["minilm"], "--prompt", "hi"], 1,
-        "bert models cannot generate text"),
+        "generate.py",
+        lambda a, t, o: ["--model_name_or_path", a["minilm"], "--prompt", "hi"],
+        1,
+        "bert models cannot generate text",
+    ),
     "pytorch .bin holding pickled code": Case(
         "generate.py",
         lambda a, t, o: ["--model_name_or_path", a["evil"], "--prompt", "hi", "--output_file", o / "c.jsonl"],
-        1, "holds pickled objects besides tensors, and jaxseq never unpickles them", left=no_code_ran),
+        1,
+        "holds pickled objects besides tensors, and jaxseq never unpickles them",
+        left=no_code_ran,
+    ),
     "generate with a missing prompt file": Case(
-        "generate.py", lambda a, t, o: ["--model_name_or_path", a["minilm"], "--prompt_file", t / "p.txt"], 1,
-        "prompt file"),
+        "generate.py",
+        lambda a, t, o: ["--model_name_or_path", a["minilm"], "--prompt_file", t / "p.txt"],
+        1,
+        "prompt file",
+    ),
 }
 
 
@@ -306,8 +438,9 @@ CASES = {
 
 def run_until(args: list, out: Path, step: int, signum: int) -> subprocess.CompletedProcess:
     """Start pretrain_clm, send ``signum`` once metrics.jsonl shows ``step`` trained, wait for the end."""
-    process = subprocess.Popen(command("pretrain_clm.py", *args), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                               text=True, env=ENV)
+    process = subprocess.Popen(
+        command("pretrain_clm.py", *args), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV
+    )
     deadline = time.monotonic() + 240
     while process.poll() is None and time.monotonic() < deadline and last_logged_step(out) < step:
         time.sleep(0.01)
@@ -355,8 +488,9 @@ def run_all(assets, root: Path, names: list[str], extra: dict | None = None) -> 
     with ThreadPoolExecutor(3) as pool:
         for name, job in (extra or {}).items():
             futures[name] = pool.submit(job)
-        for name in sorted(names, key=lambda n: (not CASES[n].trains, CASES[n].after is not None,
-                                                 CASES[n].script != "pretrain_clm.py")):
+        for name in sorted(
+            names, key=lambda n: (not CASES[n].trains, CASES[n].after is not None, CASES[n].script != "pretrain_clm.py")
+        ):
             futures[name] = pool.submit(one, name)
         return {name: future.result() for name, future in futures.items()}
 
@@ -365,8 +499,9 @@ def run_all(assets, root: Path, names: list[str], extra: dict | None = None) -> 
 def outcomes(assets, tmp_path_factory, request):
     """The runs the selected tests need, all in one pool (so the slow ones overlap the quick ones)."""
     root = tmp_path_factory.mktemp("cases")
-    assets["pairs"] = write(root / "pairs.jsonl", "".join(
-        json.dumps({"source": f"say {i}", "target": f"{i}"}) + "\n" for i in range(8)))
+    assets["pairs"] = write(
+        root / "pairs.jsonl", "".join(json.dumps({"source": f"say {i}", "target": f"{i}"}) + "\n" for i in range(8))
+    )
     selected = [item for item in request.session.items if item.module is request.module]
     names = {item.callspec.params["name"] for item in selected if hasattr(item, "callspec")}
     names |= {CASES[n].after for n in names if CASES[n].after}
@@ -376,8 +511,7 @@ def outcomes(assets, tmp_path_factory, request):
     return run_all(assets, root, [n for n in CASES if n in names], extra)
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=[pytest.mark.slow] if CASES[n].trains else [])
-                                  for n in CASES])
+@pytest.mark.parametrize("name", [pytest.param(n, marks=[pytest.mark.slow] if CASES[n].trains else []) for n in CASES])
 def test_case(name, outcomes):
     case = CASES[name]
     result, out = outcomes[name]
@@ -402,28 +536,35 @@ def test_signals_save_a_checkpoint_a_rerun_resumes_and_a_failed_save_keeps_the_l
     assert first.returncode == 128 + signal.SIGTERM, first.stderr[-3000:]
     assert len(after_first) == 1 and after_first[0] >= 3, after_first
     stopped = after_first[0]
-    assert one_line(first) == (f"interrupted: SIGTERM at step {stopped}: saved a checkpoint in "
-                               f"{checkpoints / str(stopped)}; rerun the same command to resume from it")
+    assert one_line(first) == (
+        f"interrupted: SIGTERM at step {stopped}: saved a checkpoint in "
+        f"{checkpoints / str(stopped)}; rerun the same command to resume from it"
+    )
 
     second, after_second = runs["sigint"]
     assert second.returncode == 130, second.stderr[-3000:]
     assert f"resumed from {checkpoints / str(stopped)} (step {stopped})" in second.stdout
-    assert one_line(second) == (f"interrupted: SIGINT at step {after_second[-1]}: saved a checkpoint in "
-                                f"{checkpoints / str(after_second[-1])}; rerun the same command to resume from it")
+    assert one_line(second) == (
+        f"interrupted: SIGINT at step {after_second[-1]}: saved a checkpoint in "
+        f"{checkpoints / str(after_second[-1])}; rerun the same command to resume from it"
+    )
     assert after_second == [stopped, after_second[-1]] and after_second[-1] >= stopped + 3
 
     full, after_full = runs["full disk"]
     assert full.returncode == 1, full.stderr[-3000:]
     assert f"resumed from {checkpoints / str(after_second[-1])}" in full.stdout
-    assert one_line(full) == (f"error: cannot write the checkpoint of step 40 in {checkpoints} (File too large); "
-                              f"the previous checkpoint (step {after_second[-1]}) is intact and a rerun resumes from "
-                              "it; free disk space or pick another --output_dir")
+    assert one_line(full) == (
+        f"error: cannot write the checkpoint of step 40 in {checkpoints} (File too large); "
+        f"the previous checkpoint (step {after_second[-1]}) is intact and a rerun resumes from "
+        "it; free disk space or pick another --output_dir"
+    )
     assert after_full == after_second
 
     last, after_last = runs["last"]
     assert last.returncode == 0, last.stderr[-3000:]
     assert f"resumed from {checkpoints / str(after_second[-1])}" in last.stdout  # the failed save was never used
     assert after_last == [after_second[-1], 40] and (out / "model.safetensors").is_file()
-    logged = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()
-              if '"train/loss"' in line]
+    logged = [
+        json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines() if '"train/loss"' in line
+    ]
     assert logged == list(range(1, 41))  # one run's log: nothing lost, nothing twice

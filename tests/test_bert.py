@@ -28,8 +28,16 @@ SENTENCES = [
 
 
 def tiny_config(**kw):
-    base = dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, intermediate_size=128,
-                vocab_size=VOCAB, max_position_embeddings=64, type_vocab_size=2, pad_token_id=0)
+    base = dict(
+        num_hidden_layers=2,
+        hidden_size=64,
+        num_attention_heads=4,
+        intermediate_size=128,
+        vocab_size=VOCAB,
+        max_position_embeddings=64,
+        type_vocab_size=2,
+        pad_token_id=0,
+    )
     return transformers.BertConfig(**{**base, **kw})
 
 
@@ -82,10 +90,8 @@ def assert_close(task, mask, got, want, tol=1e-4):
 CASES = {  # task, transformers class, config overrides, whether attention_mask/token_type_ids are passed
     "base": ("base", transformers.BertModel, {}, True),
     "base-decoder-defaults": ("base", transformers.BertModel, dict(is_decoder=True), False),
-    "classification": ("sequence-classification", transformers.BertForSequenceClassification,
-                       dict(num_labels=3), True),
-    "regression": ("sequence-classification", transformers.BertForSequenceClassification,
-                   dict(num_labels=1), True),
+    "classification": ("sequence-classification", transformers.BertForSequenceClassification, dict(num_labels=3), True),
+    "regression": ("sequence-classification", transformers.BertForSequenceClassification, dict(num_labels=1), True),
     "masked-lm": ("masked-lm", transformers.BertForMaskedLM, {}, True),
     "masked-lm-untied": ("masked-lm", transformers.BertForMaskedLM, dict(tie_word_embeddings=False), True),
 }
@@ -239,10 +245,14 @@ def test_partition_rules_cover_every_task_and_place_minilm(minilm):
     from jaxseq.mesh import make_mesh
 
     rules = partition.get_partition_rules("bert")
-    for task, kw in [("base", {}), ("sequence-classification", dict(num_labels=1)), ("masked-lm", {}),
-                     ("masked-lm", dict(tie_word_embeddings=False))]:
+    for task, kw in [
+        ("base", {}),
+        ("sequence-classification", dict(num_labels=1)),
+        ("masked-lm", {}),
+        ("masked-lm", dict(tie_word_embeddings=False)),
+    ]:
         make = bert.FAMILY.tasks[task]
-        state = nnx.state(nnx.eval_shape(lambda: make(tiny_config(**kw), rngs=nnx.Rngs(0))), nnx.Param)
+        state = nnx.state(nnx.eval_shape(lambda make=make, kw=kw: make(tiny_config(**kw), rngs=nnx.Rngs(0))), nnx.Param)
         partition.match_partition_rules(rules, state)  # raises if a parameter has no rule
 
     path, _, _, single, _ = minilm

@@ -17,15 +17,39 @@ pytest.importorskip("transformers")
 
 def run_script(*args, timeout=600):
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "HF_HUB_OFFLINE": "1"}
-    return subprocess.run([sys.executable, str(SCRIPT), *map(str, args)], capture_output=True, text=True,
-                          timeout=timeout, env=env)
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), *map(str, args)], capture_output=True, text=True, timeout=timeout, env=env
+    )
 
 
 def quick_args(tmp_path, task, *extra):
-    return ["--model_name_or_path", shared_asset("models/all-MiniLM-L6-v2"), "--data_dir", shared_asset("data/glue"),
-            "--task_name", task, "--output_dir", tmp_path, "--max_train_samples", 64, "--max_eval_samples", 50,
-            "--max_seq_length", 64, "--per_device_train_batch_size", 2, "--per_device_eval_batch_size", 4,
-            "--max_steps", 4, "--logging_steps", 2, "--learning_rate", 1e-4, *extra]
+    return [
+        "--model_name_or_path",
+        shared_asset("models/all-MiniLM-L6-v2"),
+        "--data_dir",
+        shared_asset("data/glue"),
+        "--task_name",
+        task,
+        "--output_dir",
+        tmp_path,
+        "--max_train_samples",
+        64,
+        "--max_eval_samples",
+        50,
+        "--max_seq_length",
+        64,
+        "--per_device_train_batch_size",
+        2,
+        "--per_device_eval_batch_size",
+        4,
+        "--max_steps",
+        4,
+        "--logging_steps",
+        2,
+        "--learning_rate",
+        1e-4,
+        *extra,
+    ]
 
 
 @pytest.mark.slow
@@ -82,19 +106,27 @@ def write(path: Path, text: str) -> Path:
 
 BAD = {
     "unknown task": (lambda t: ["--task_name", "squad"], "invalid choice: 'squad'"),
-    "missing columns": (lambda t: ["--train_file", write(t / "train.csv", "text,label\nhi,1\n")],
-                        "lacks column(s) sentence"),
-    "label out of range": (lambda t: ["--train_file", write(t / "train.csv", "sentence,label\nhi,7\n")],
-                           "label 7 is outside 0..1 for sst2"),
+    "missing columns": (
+        lambda t: ["--train_file", write(t / "train.csv", "text,label\nhi,1\n")],
+        "lacks column(s) sentence",
+    ),
+    "label out of range": (
+        lambda t: ["--train_file", write(t / "train.csv", "sentence,label\nhi,7\n")],
+        "label 7 is outside 0..1 for sst2",
+    ),
     "empty split": (lambda t: ["--train_file", write(t / "train.csv", "sentence,label\n")], "has no examples"),
     "sequence too long": (lambda t: ["--max_seq_length", "4096"], "exceeds the model's 512 positions"),
     "mesh": (lambda t: ["--mesh", "dp=3"], "needs 3 devices but 8 are available"),
     "bad yaml": (lambda t: ["--config", write(t / "c.yaml", "learning_rate: [1e-4\n")], "is not valid YAML"),
-    "unknown yaml key": (lambda t: ["--config", write(t / "c.yaml", "learning_rat: 1e-4\n")],
-                         "unknown key(s) learning_rat"),
+    "unknown yaml key": (
+        lambda t: ["--config", write(t / "c.yaml", "learning_rat: 1e-4\n")],
+        "unknown key(s) learning_rat",
+    ),
     "missing model": (lambda t: ["--model_name_or_path", t / "nowhere"], "is not a folder"),
-    "half the multi-host flags": (lambda t: ["--num_processes", "2"],
-                                  "need --coordinator_address, --num_processes and --process_id together"),
+    "half the multi-host flags": (
+        lambda t: ["--num_processes", "2"],
+        "need --coordinator_address, --num_processes and --process_id together",
+    ),
 }
 
 

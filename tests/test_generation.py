@@ -26,14 +26,31 @@ from tests.conftest import shared_asset  # noqa: E402
 VOCAB, NEW, PAD = 128, 32, 0
 # Random weights larger than the usual init, so greedy decoding wanders instead of repeating one token.
 CONFIGS = {
-    "gpt2": lambda: transformers.GPT2LMHeadModel(transformers.GPT2Config(
-        n_layer=2, n_embd=64, n_head=4, vocab_size=VOCAB, n_positions=64, initializer_range=0.3)),
-    "gptj": lambda: transformers.GPTJForCausalLM(transformers.GPTJConfig(
-        n_layer=2, n_embd=64, n_head=4, rotary_dim=8, vocab_size=VOCAB, n_positions=64, initializer_range=0.3)),
-    "t5": lambda: t5_with_unit_weights(transformers.T5ForConditionalGeneration(transformers.T5Config(
-        num_layers=2, num_decoder_layers=2, d_model=64, d_kv=16, num_heads=4, d_ff=128, vocab_size=VOCAB,
-        relative_attention_num_buckets=8, relative_attention_max_distance=20, decoder_start_token_id=0,
-        pad_token_id=0))),
+    "gpt2": lambda: transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=VOCAB, n_positions=64, initializer_range=0.3)
+    ),
+    "gptj": lambda: transformers.GPTJForCausalLM(
+        transformers.GPTJConfig(
+            n_layer=2, n_embd=64, n_head=4, rotary_dim=8, vocab_size=VOCAB, n_positions=64, initializer_range=0.3
+        )
+    ),
+    "t5": lambda: t5_with_unit_weights(
+        transformers.T5ForConditionalGeneration(
+            transformers.T5Config(
+                num_layers=2,
+                num_decoder_layers=2,
+                d_model=64,
+                d_kv=16,
+                num_heads=4,
+                d_ff=128,
+                vocab_size=VOCAB,
+                relative_attention_num_buckets=8,
+                relative_attention_max_distance=20,
+                decoder_start_token_id=0,
+                pad_token_id=0,
+            )
+        )
+    ),
 }
 
 
@@ -62,10 +79,18 @@ def torch_generate(ref, ids, mask, eos_token_id, **kw):
     """transformers' greedy ``generate()``: the new tokens padded to NEW, and each step's raw logits.
     ``eos_token_id=None`` runs all NEW steps (VOCAB is an id no model here produces)."""
     with torch.no_grad():
-        out = ref.generate(torch.as_tensor(ids).long(), attention_mask=torch.as_tensor(mask).long(),
-                           max_new_tokens=NEW, do_sample=False, pad_token_id=PAD, return_dict_in_generate=True,
-                           output_logits=True, eos_token_id=VOCAB if eos_token_id is None else eos_token_id, **kw)
-    new = out.sequences[:, 1:] if ref.config.is_encoder_decoder else out.sequences[:, ids.shape[1]:]
+        out = ref.generate(
+            torch.as_tensor(ids).long(),
+            attention_mask=torch.as_tensor(mask).long(),
+            max_new_tokens=NEW,
+            do_sample=False,
+            pad_token_id=PAD,
+            return_dict_in_generate=True,
+            output_logits=True,
+            eos_token_id=VOCAB if eos_token_id is None else eos_token_id,
+            **kw,
+        )
+    new = out.sequences[:, 1:] if ref.config.is_encoder_decoder else out.sequences[:, ids.shape[1] :]
     new = np.pad(new.numpy(), ((0, 0), (0, NEW - new.shape[1])), constant_values=PAD)
     return new, torch.stack(out.logits, 1).numpy()
 
@@ -107,12 +132,12 @@ def test_greedy_matches_pytorch_with_eos_inside_the_run(family):
     logprobs = torch.log_softmax(torch.as_tensor(logits), -1).numpy()
     chosen = np.take_along_axis(logprobs, want[:, :steps, None], -1)[..., 0]
     ended = np.cumsum(np.pad(want == eos, ((0, 0), (1, 0)))[:, :NEW], 1) > 0  # steps after the row's EOS
-    np.testing.assert_allclose(np.asarray(got.logprobs)[:, :steps], np.where(ended[:, :steps], 0.0, chosen),
-                               atol=1e-4)
+    np.testing.assert_allclose(np.asarray(got.logprobs)[:, :steps], np.where(ended[:, :steps], 0.0, chosen), atol=1e-4)
     assert (np.asarray(got.logprobs)[:, steps:] == 0).all()
     # the same prompts padded on the right: left-aligned inside, same program, same tokens
-    again = generate(model, *prompts(left=False), max_new_tokens=NEW, eos_token_id=eos, pad_token_id=PAD,
-                     return_logprobs=True)
+    again = generate(
+        model, *prompts(left=False), max_new_tokens=NEW, eos_token_id=eos, pad_token_id=PAD, return_logprobs=True
+    )
     np.testing.assert_array_equal(np.asarray(again.sequences), want)
 
 
@@ -124,8 +149,16 @@ def test_min_new_tokens_matches_pytorch(family):
     min_new = max(list(row).index(eos) for row in free) + 1
     want, _ = torch_generate(ref, ids, mask, eos_token_id=eos, min_new_tokens=min_new)
     assert (want[:, :min_new] != eos).all()
-    got = generate(model, ids, mask, max_new_tokens=NEW, eos_token_id=eos, pad_token_id=PAD,
-                   min_new_tokens=min_new, return_logprobs=True)  # the program of the test above
+    got = generate(
+        model,
+        ids,
+        mask,
+        max_new_tokens=NEW,
+        eos_token_id=eos,
+        pad_token_id=PAD,
+        min_new_tokens=min_new,
+        return_logprobs=True,
+    )  # the program of the test above
     np.testing.assert_array_equal(np.asarray(got.sequences), want)
 
 
@@ -137,8 +170,10 @@ def test_filters_match_transformers_warpers():
         (dict(temperature=0.7), [lp.TemperatureLogitsWarper(0.7)]),
         (dict(top_k=5), [lp.TopKLogitsWarper(5)]),
         (dict(top_p=0.8), [lp.TopPLogitsWarper(0.8)]),
-        (dict(temperature=1.5, top_k=20, top_p=0.6),
-         [lp.TemperatureLogitsWarper(1.5), lp.TopKLogitsWarper(20), lp.TopPLogitsWarper(0.6)]),
+        (
+            dict(temperature=1.5, top_k=20, top_p=0.6),
+            [lp.TemperatureLogitsWarper(1.5), lp.TopKLogitsWarper(20), lp.TopPLogitsWarper(0.6)],
+        ),
     ]
     for kw, warpers in cases:
         want = torch.as_tensor(logits)
@@ -149,14 +184,17 @@ def test_filters_match_transformers_warpers():
         np.testing.assert_allclose(got[~np.isinf(got)], want.numpy()[~np.isinf(got)], rtol=1e-6, err_msg=str(kw))
 
 
-@pytest.mark.parametrize("kw, expected", [
-    (dict(), [0.5, 0.2, 0.15, 0.1, 0.05]),
-    (dict(top_k=2), np.array([0.5, 0.2, 0, 0, 0]) / 0.7),
-    (dict(top_p=0.75), np.array([0.5, 0.2, 0.15, 0, 0]) / 0.85),  # 0.5 + 0.2 < 0.75 <= 0.5 + 0.2 + 0.15
-    (dict(temperature=0.5), np.array([0.5, 0.2, 0.15, 0.1, 0.05]) ** 2 / 0.325),  # softmax(log p / T) ~ p**2
-    # at T=2 the probabilities go as sqrt(p): 0.34, 0.21, 0.19, ...; the 0.5 nucleus holds the first two
-    (dict(temperature=2.0, top_p=0.5), np.sqrt([0.5, 0.2]) / np.sqrt([0.5, 0.2]).sum()),
-])
+@pytest.mark.parametrize(
+    "kw, expected",
+    [
+        (dict(), [0.5, 0.2, 0.15, 0.1, 0.05]),
+        (dict(top_k=2), np.array([0.5, 0.2, 0, 0, 0]) / 0.7),
+        (dict(top_p=0.75), np.array([0.5, 0.2, 0.15, 0, 0]) / 0.85),  # 0.5 + 0.2 < 0.75 <= 0.5 + 0.2 + 0.15
+        (dict(temperature=0.5), np.array([0.5, 0.2, 0.15, 0.1, 0.05]) ** 2 / 0.325),  # softmax(log p / T) ~ p**2
+        # at T=2 the probabilities go as sqrt(p): 0.34, 0.21, 0.19, ...; the 0.5 nucleus holds the first two
+        (dict(temperature=2.0, top_p=0.5), np.sqrt([0.5, 0.2]) / np.sqrt([0.5, 0.2]).sum()),
+    ],
+)
 def test_sampling_frequencies_follow_the_filtered_distribution(kw, expected):
     """40000 draws: each frequency within 5 standard errors (<= 0.0125) of the renormalised softmax."""
     draws = 40_000
@@ -209,15 +247,26 @@ def test_one_compiled_program_per_bucket(gpt2):
     inputs of the program, so changing them compiles nothing new."""
     model = load_pretrained(gpt2, "causal-lm")
     generate(model, *prompts((12, 7, 3)), **{**SAMPLE, "temperature": 0.9, "top_p": 0.9, "seed": 0})
-    generate(model, *prompts((20, 5, 1)), **{**SAMPLE, "temperature": 1.2, "top_p": 0.5, "seed": 4},
-             min_new_tokens=3)
-    settings = Settings(max_new_tokens=NEW, do_sample=True, top_k=0, use_top_p=True, eos=(), pad=0,
-                        return_logprobs=False, decoder_start=None, mesh=None)
+    generate(model, *prompts((20, 5, 1)), **{**SAMPLE, "temperature": 1.2, "top_p": 0.5, "seed": 4}, min_new_tokens=3)
+    settings = Settings(
+        max_new_tokens=NEW,
+        do_sample=True,
+        top_k=0,
+        use_top_p=True,
+        eos=(),
+        pad=0,
+        return_logprobs=False,
+        decoder_start=None,
+        mesh=None,
+    )
     assert cached_program(ProgramKey(nnx.graphdef(model), settings))._cache_size() == 1
 
 
-@pytest.mark.parametrize("name, kw", [("gpt2", dict(max_new_tokens=NEW)), ("gpt2", SAMPLE), ("t5", dict(max_new_tokens=NEW))],
-                         ids=["gpt2-greedy", "gpt2-sampled", "t5-greedy"])
+@pytest.mark.parametrize(
+    "name, kw",
+    [("gpt2", dict(max_new_tokens=NEW)), ("gpt2", SAMPLE), ("t5", dict(max_new_tokens=NEW))],
+    ids=["gpt2-greedy", "gpt2-sampled", "t5-greedy"],
+)
 def test_mesh_dp2_mp4_equals_single_device(checkpoint, name, kw):
     """Parameters sharded by the family's rules, a batch of 3 padded to 4 and split over dp; the same tokens,
     sampled ones included (the same seed draws the same numbers whatever the sharding)."""
@@ -260,8 +309,9 @@ def gpt2_with_tokenizer(tmp_path_factory):
     folder = shared_asset("data/tokenizers/gpt2")
     tokenizer = transformers.GPT2TokenizerFast(vocab=str(folder / "vocab.json"), merges=str(folder / "merges.txt"))
     torch.manual_seed(0)
-    ref = transformers.GPT2LMHeadModel(transformers.GPT2Config(
-        n_layer=2, n_embd=64, n_head=4, n_positions=64, initializer_range=0.3)).eval()
+    ref = transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, n_positions=64, initializer_range=0.3)
+    ).eval()
     path = tmp_path_factory.mktemp("gpt2-tokenizer")
     ref.save_pretrained(path)
     tokenizer.save_pretrained(path)
@@ -271,19 +321,33 @@ def gpt2_with_tokenizer(tmp_path_factory):
 def test_script_writes_the_completions_of_pytorch_greedy(gpt2_with_tokenizer, tmp_path, capsys):
     path, ref, tokenizer = gpt2_with_tokenizer
     texts = ["The quick brown fox", "Hello", "In 1905, Einstein published four papers that"]
-    (tmp_path / "prompts.jsonl").write_text("".join(json.dumps({"prompt": t, "id": i}) + "\n"
-                                                   for i, t in enumerate(texts)))
+    (tmp_path / "prompts.jsonl").write_text(
+        "".join(json.dumps({"prompt": t, "id": i}) + "\n" for i, t in enumerate(texts))
+    )
     out = tmp_path / "out" / "completions.jsonl"
-    code = load_script().main(["--model_name_or_path", str(path), "--prompt_file", str(tmp_path / "prompts.jsonl"),
-                               "--output_file", str(out), "--max_new_tokens", "12", "--batch_size", "2",
-                               "--compilation_cache_dir", ""])
+    code = load_script().main(
+        [
+            "--model_name_or_path",
+            str(path),
+            "--prompt_file",
+            str(tmp_path / "prompts.jsonl"),
+            "--output_file",
+            str(out),
+            "--max_new_tokens",
+            "12",
+            "--batch_size",
+            "2",
+            "--compilation_cache_dir",
+            "",
+        ]
+    )
     assert code == 0, capsys.readouterr().err
     records = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["prompt"] for r in records] == texts
     for record in records:
         ids = tokenizer(record["prompt"], return_tensors="pt")["input_ids"]
         with torch.no_grad():
-            want = ref.generate(ids, max_new_tokens=12, do_sample=False, pad_token_id=50256)[0, ids.shape[1]:]
+            want = ref.generate(ids, max_new_tokens=12, do_sample=False, pad_token_id=50256)[0, ids.shape[1] :]
         assert record["prompt_tokens"] == ids.shape[1]
         assert record["completion_tokens"] == len(want)
         assert record["completion"] == tokenizer.decode(want, skip_special_tokens=True)
@@ -292,8 +356,19 @@ def test_script_writes_the_completions_of_pytorch_greedy(gpt2_with_tokenizer, tm
 def test_script_reads_stdin_and_prints(gpt2_with_tokenizer, monkeypatch, capsys):
     path, _, _ = gpt2_with_tokenizer
     monkeypatch.setattr("sys.stdin", io.StringIO("Once upon a time\nThe end\n"))
-    code = load_script().main(["--model_name_or_path", str(path), "--max_new_tokens", "6", "--do_sample",
-                               "--top_k", "10", "--compilation_cache_dir", ""])
+    code = load_script().main(
+        [
+            "--model_name_or_path",
+            str(path),
+            "--max_new_tokens",
+            "6",
+            "--do_sample",
+            "--top_k",
+            "10",
+            "--compilation_cache_dir",
+            "",
+        ]
+    )
     captured = capsys.readouterr()
     assert code == 0, captured.err
     first, second = captured.out.rstrip("\n").split("\n\n")
@@ -302,13 +377,16 @@ def test_script_reads_stdin_and_prints(gpt2_with_tokenizer, monkeypatch, capsys)
     assert "2 prompts, 12 tokens generated" in captured.err
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--prompt", "Hello", "--prompt", "  "], "the prompt at --prompt #2 is empty"),
-    (["--prompt", " ".join(["word"] * 60)], "prompt 1 has 60 token(s); with --max_new_tokens 8 that exceeds"),
-    (["--prompt_file", "prompts.jsonl"], "line 1 of prompts.jsonl has no string 'prompt' field"),
-    (["--prompt", "a", "--batch_size", "0"], "--batch_size must be at least 1"),
-    (["--prompt_file", "missing.txt"], "prompt file missing.txt does not exist"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--prompt", "Hello", "--prompt", "  "], "the prompt at --prompt #2 is empty"),
+        (["--prompt", " ".join(["word"] * 60)], "prompt 1 has 60 token(s); with --max_new_tokens 8 that exceeds"),
+        (["--prompt_file", "prompts.jsonl"], "line 1 of prompts.jsonl has no string 'prompt' field"),
+        (["--prompt", "a", "--batch_size", "0"], "--batch_size must be at least 1"),
+        (["--prompt_file", "missing.txt"], "prompt file missing.txt does not exist"),
+    ],
+)
 def test_script_bad_input_is_one_line_and_exit_1(gpt2_with_tokenizer, tmp_path, monkeypatch, capsys, args, message):
     path, _, _ = gpt2_with_tokenizer
     monkeypatch.chdir(tmp_path)

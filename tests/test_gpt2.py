@@ -12,8 +12,9 @@ from tests.reference import max_diff_on, padded_batch, torch_forward  # noqa: E4
 
 
 def tiny_config(**kw):
-    base = dict(n_layer=2, n_embd=64, n_head=4, vocab_size=101, n_positions=64, pad_token_id=0,
-                bos_token_id=1, eos_token_id=2)
+    base = dict(
+        n_layer=2, n_embd=64, n_head=4, vocab_size=101, n_positions=64, pad_token_id=0, bos_token_id=1, eos_token_id=2
+    )
     return transformers.GPT2Config(**{**base, **kw})
 
 
@@ -53,9 +54,7 @@ def test_sequence_classification_matches_pytorch_and_round_trips(tmp_path):
     assert np.abs(got - want).max() <= 1e-4
 
     save_pretrained(model, tmp_path / "out")
-    back, info = transformers.GPT2ForSequenceClassification.from_pretrained(
-        tmp_path / "out", output_loading_info=True
-    )
+    back, info = transformers.GPT2ForSequenceClassification.from_pretrained(tmp_path / "out", output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"]
     again = torch_forward(back, input_ids=ids, attention_mask=mask).logits.numpy()
     assert np.abs(again - got).max() <= 1e-4

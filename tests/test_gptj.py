@@ -21,8 +21,17 @@ forward = nnx.jit(lambda model, *args, **kwargs: model(*args, **kwargs))
 
 
 def tiny_config(**kw):
-    base = dict(n_layer=2, n_embd=64, n_head=4, rotary_dim=8, vocab_size=101, n_positions=64, pad_token_id=0,
-                bos_token_id=1, eos_token_id=2)
+    base = dict(
+        n_layer=2,
+        n_embd=64,
+        n_head=4,
+        rotary_dim=8,
+        vocab_size=101,
+        n_positions=64,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     return transformers.GPTJConfig(**{**base, **kw})
 
 
@@ -108,7 +117,7 @@ def test_kv_cache_decoding_matches_full_forward(gptj_lm):
     out = step(state, jnp.asarray(ids[:, :prompt]), model.init_cache(len(ids), max_len))
     logits, cache = [out.logits], out.cache
     for t in range(prompt, width):
-        out = step(state, jnp.asarray(ids[:, t:t + 1]), cache)
+        out = step(state, jnp.asarray(ids[:, t : t + 1]), cache)
         logits.append(out.logits)
         cache = out.cache
     assert int(cache.index) == width
@@ -143,9 +152,7 @@ def test_sequence_classification_matches_pytorch_and_round_trips(tmp_path):
     assert np.abs(got - want).max() <= 1e-4
 
     save_pretrained(model, tmp_path / "out")
-    back, info = transformers.GPTJForSequenceClassification.from_pretrained(
-        tmp_path / "out", output_loading_info=True
-    )
+    back, info = transformers.GPTJForSequenceClassification.from_pretrained(tmp_path / "out", output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"]
     again = torch_forward(back, input_ids=ids, attention_mask=mask).logits.numpy()
     assert np.abs(again - got).max() <= 1e-4
@@ -159,8 +166,9 @@ def test_classifier_head_on_lm_checkpoint_is_initialised_and_reported(gptj_lm, c
     assert model.score.kernel.shape == (64, 2)
 
 
-@pytest.mark.parametrize("task, tied", [("base", False), ("causal-lm", False), ("causal-lm", True),
-                                        ("sequence-classification", False)])
+@pytest.mark.parametrize(
+    "task, tied", [("base", False), ("causal-lm", False), ("causal-lm", True), ("sequence-classification", False)]
+)
 def test_partition_rules_cover_every_parameter(task, tied):
     config = tiny_config(vocab_size=128, tie_word_embeddings=tied, num_labels=2)
     abstract = nnx.state(nnx.eval_shape(lambda: model_class(config, task)(config, rngs=nnx.Rngs(0))))

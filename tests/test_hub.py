@@ -71,7 +71,7 @@ def test_flax_msgpack(reference, tmp_path):
 
 
 def test_bfloat16_safetensors_load_exactly(reference, tmp_path):
-    model, *_ = reference
+    _model, *_ = reference
     transformers.GPT2LMHeadModel(tiny_gpt2()).to(torch.bfloat16).save_pretrained(tmp_path)
     ours = load_pretrained(tmp_path, "causal-lm")
     theirs = transformers.GPT2LMHeadModel.from_pretrained(tmp_path, dtype=torch.bfloat16)

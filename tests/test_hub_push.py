@@ -22,19 +22,53 @@ pytestmark = pytest.mark.slow  # a real fine-tune, run once for the module
 
 def run(script, *args):
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "HF_HUB_OFFLINE": "1"}
-    return subprocess.run([sys.executable, str(ROOT / "scripts" / script), *map(str, args)], capture_output=True,
-                          text=True, timeout=600, env=env)
+    return subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / script), *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
 
 
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("runs") / "minilm-sst2-lora"
-    result = run("finetune_glue.py", "--model_name_or_path", shared_asset("models/all-MiniLM-L6-v2"),
-                 "--data_dir", shared_asset("data/glue"), "--task_name", "sst2", "--output_dir", out,
-                 "--max_train_samples", 64, "--max_eval_samples", 40, "--max_seq_length", 32,
-                 "--per_device_train_batch_size", 1, "--per_device_eval_batch_size", 5, "--max_steps", 4,
-                 "--logging_steps", 2, "--learning_rate", 1e-3, "--compilation_cache_dir", "",
-                 "--lora_rank", 4, "--push_to_hub", "--hub_dry_run", "--hub_token", TOKEN)
+    result = run(
+        "finetune_glue.py",
+        "--model_name_or_path",
+        shared_asset("models/all-MiniLM-L6-v2"),
+        "--data_dir",
+        shared_asset("data/glue"),
+        "--task_name",
+        "sst2",
+        "--output_dir",
+        out,
+        "--max_train_samples",
+        64,
+        "--max_eval_samples",
+        40,
+        "--max_seq_length",
+        32,
+        "--per_device_train_batch_size",
+        1,
+        "--per_device_eval_batch_size",
+        5,
+        "--max_steps",
+        4,
+        "--logging_steps",
+        2,
+        "--learning_rate",
+        1e-3,
+        "--compilation_cache_dir",
+        "",
+        "--lora_rank",
+        4,
+        "--push_to_hub",
+        "--hub_dry_run",
+        "--hub_token",
+        TOKEN,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     return out, result
 
@@ -45,8 +79,17 @@ def test_dry_run_stages_the_model_and_a_card_with_the_real_metrics(finished_run)
     names = {p.name for p in staged.iterdir()}
     local = {p.name for p in out.iterdir() if p.is_file()}
     assert names == local | {"README.md"}  # the run's files (its folders stay home) and the card
-    assert {"config.json", "model.safetensors", "tokenizer.json", "all_results.json", "eval_results.json",
-            "training_curves.png", "config.yaml", "metrics.jsonl", "README.md"} <= names
+    assert {
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "all_results.json",
+        "eval_results.json",
+        "training_curves.png",
+        "config.yaml",
+        "metrics.jsonl",
+        "README.md",
+    } <= names
     for name in names - {"README.md"}:
         assert (staged / name).read_bytes() == (out / name).read_bytes(), name
 
@@ -78,13 +121,16 @@ def test_the_merged_lora_model_loads_in_transformers(finished_run):
     import transformers
 
     out, _ = finished_run
-    model, info = transformers.BertForSequenceClassification.from_pretrained(out, output_loading_info=True)
+    _model, info = transformers.BertForSequenceClassification.from_pretrained(out, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"]
 
 
 def digest(folder: Path) -> dict:
-    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(folder.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
 
 
 def test_push_script_dry_run_stages_the_same(finished_run, tmp_path):

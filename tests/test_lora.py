@@ -28,13 +28,28 @@ VOCAB, SEQ, HIDDEN, RANK = 128, 16, 64, 4
 
 def tiny(task="sequence-classification", family="bert", mesh=None, dropout=0.0):
     if family == "bert":
-        config = transformers.BertConfig(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=2,
-                                         num_attention_heads=4, intermediate_size=128, max_position_embeddings=64,
-                                         num_labels=2, hidden_dropout_prob=dropout,
-                                         attention_probs_dropout_prob=dropout)
+        config = transformers.BertConfig(
+            vocab_size=VOCAB,
+            hidden_size=HIDDEN,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            intermediate_size=128,
+            max_position_embeddings=64,
+            num_labels=2,
+            hidden_dropout_prob=dropout,
+            attention_probs_dropout_prob=dropout,
+        )
     else:
-        config = transformers.GPT2Config(vocab_size=VOCAB, n_embd=HIDDEN, n_layer=2, n_head=4, n_positions=64,
-                                         resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout)
+        config = transformers.GPT2Config(
+            vocab_size=VOCAB,
+            n_embd=HIDDEN,
+            n_layer=2,
+            n_head=4,
+            n_positions=64,
+            resid_pdrop=dropout,
+            embd_pdrop=dropout,
+            attn_pdrop=dropout,
+        )
     return from_config(config, task, mesh=mesh, seed=0)
 
 
@@ -43,19 +58,38 @@ def arrays(n, seed=0):
     rng = np.random.default_rng(seed)
     ids = rng.integers(1, VOCAB, (n, SEQ)).astype(np.int32)
     mask = (np.arange(SEQ)[None] < rng.integers(SEQ // 2, SEQ + 1, (n, 1))).astype(np.int32)
-    return {"input_ids": ids * mask, "attention_mask": mask, "token_type_ids": np.zeros_like(ids),
-            "labels": (ids[:, 0] % 2).astype(np.int32)}
+    return {
+        "input_ids": ids * mask,
+        "attention_mask": mask,
+        "token_type_ids": np.zeros_like(ids),
+        "labels": (ids[:, 0] % 2).astype(np.int32),
+    }
 
 
 def make_trainer(tmp_path, model, mesh, *, lora=None, objective=None, steps=4, **optim):
     train, dev = arrays(64), arrays(20, seed=1)
     if objective is not None:  # causal LM: ids and mask only
         train, dev = ({k: v[k] for k in ("input_ids", "attention_mask")} for v in (train, dev))
-    config = TrainerConfig(output_dir=str(tmp_path), per_device_train_batch_size=2, per_device_eval_batch_size=4,
-                           max_steps=steps, logging_steps=1, eval_steps=100, seed=0)
+    config = TrainerConfig(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=2,
+        per_device_eval_batch_size=4,
+        max_steps=steps,
+        logging_steps=1,
+        eval_steps=100,
+        seed=0,
+    )
     optimizer = OptimizerConfig(**{"learning_rate": 1e-2, **optim})
-    return Trainer(model, objective or SequenceClassification(get_task("sst2")), config, optimizer, train,
-                   {"": dev}, mesh, lora=lora)
+    return Trainer(
+        model,
+        objective or SequenceClassification(get_task("sst2")),
+        config,
+        optimizer,
+        train,
+        {"": dev},
+        mesh,
+        lora=lora,
+    )
 
 
 def host(tree):
@@ -120,8 +154,10 @@ def test_merged_export_gives_the_lora_models_logits(tmp_path):
     np.testing.assert_allclose(np.asarray(ours), want, atol=1e-5)
     theirs = transformers.BertForSequenceClassification.from_pretrained(tmp_path / "merged").eval()
     with torch.no_grad():
-        logits = theirs(input_ids=torch.as_tensor(base["input_ids"]).long(),
-                        attention_mask=torch.as_tensor(base["attention_mask"]).long()).logits.numpy()
+        logits = theirs(
+            input_ids=torch.as_tensor(base["input_ids"]).long(),
+            attention_mask=torch.as_tensor(base["attention_mask"]).long(),
+        ).logits.numpy()
     np.testing.assert_allclose(logits, want, atol=1e-4)
 
 
@@ -133,9 +169,13 @@ def test_peft_adapter_loads_in_peft_with_the_same_logits(tmp_path, family):
     task = "sequence-classification" if family == "bert" else "causal-lm"
     model = tiny(task, family, mesh=mesh)
     save_pretrained(model, tmp_path / "base")
-    trainer = make_trainer(tmp_path / "run", model, mesh, lora=LoraConfig(lora_rank=RANK, lora_alpha=8.0,
-                                                                            lora_export="adapter"),
-                           objective=None if family == "bert" else CausalLM())
+    trainer = make_trainer(
+        tmp_path / "run",
+        model,
+        mesh,
+        lora=LoraConfig(lora_rank=RANK, lora_alpha=8.0, lora_export="adapter"),
+        objective=None if family == "bert" else CausalLM(),
+    )
     # random adapters and head (B too, which starts at zero), so every exported tensor matters
     leaves, treedef = jax.tree.flatten(trainer.state.params)
     keys = jax.random.split(jax.random.key(3), len(leaves))
@@ -150,8 +190,10 @@ def test_peft_adapter_loads_in_peft_with_the_same_logits(tmp_path, family):
     auto = transformers.AutoModelForSequenceClassification if family == "bert" else transformers.AutoModelForCausalLM
     loaded = peft.PeftModel.from_pretrained(auto.from_pretrained(tmp_path / "base"), tmp_path / "adapter").eval()
     with torch.no_grad():
-        logits = loaded(input_ids=torch.as_tensor(batch["input_ids"]).long(),
-                        attention_mask=torch.as_tensor(batch["attention_mask"]).long()).logits.numpy()
+        logits = loaded(
+            input_ids=torch.as_tensor(batch["input_ids"]).long(),
+            attention_mask=torch.as_tensor(batch["attention_mask"]).long(),
+        ).logits.numpy()
     mask = batch["attention_mask"].astype(bool)
     if family == "gpt2":  # compare real positions only
         logits, want = logits[mask], want[mask]
@@ -160,9 +202,16 @@ def test_peft_adapter_loads_in_peft_with_the_same_logits(tmp_path, family):
     # the same tensor names and shapes PEFT itself saves for such a model
     from safetensors.numpy import load_file
 
-    reference = peft.get_peft_model(auto.from_pretrained(tmp_path / "base"), peft.LoraConfig(
-        r=RANK, lora_alpha=8, target_modules=["query", "value"] if family == "bert" else ["c_attn"],
-        task_type="SEQ_CLS" if family == "bert" else "CAUSAL_LM", fan_in_fan_out=family == "gpt2"))
+    reference = peft.get_peft_model(
+        auto.from_pretrained(tmp_path / "base"),
+        peft.LoraConfig(
+            r=RANK,
+            lora_alpha=8,
+            target_modules=["query", "value"] if family == "bert" else ["c_attn"],
+            task_type="SEQ_CLS" if family == "bert" else "CAUSAL_LM",
+            fan_in_fan_out=family == "gpt2",
+        ),
+    )
     expected = {k: tuple(v.shape) for k, v in peft.get_peft_model_state_dict(reference).items()}
     saved = {k: v.shape for k, v in load_file(tmp_path / "adapter" / "adapter_model.safetensors").items()}
     assert saved == expected
@@ -177,9 +226,18 @@ def test_ema_update_on_a_known_sequence():
 
 def test_ema_in_training_follows_its_definition_and_is_what_evaluates(tmp_path):
     mesh = make_mesh("dp=2,mp=4")
-    trainer = make_trainer(tmp_path, tiny(mesh=mesh), mesh, optimizer="sgd", momentum=0.0, learning_rate=0.5,
-                           lr_scheduler_type="constant", max_grad_norm=0.0, ema_decay=0.75)
-    spec = lambda tree: [x.sharding.spec for x in jax.tree.leaves(tree)]  # noqa: E731
+    trainer = make_trainer(
+        tmp_path,
+        tiny(mesh=mesh),
+        mesh,
+        optimizer="sgd",
+        momentum=0.0,
+        learning_rate=0.5,
+        lr_scheduler_type="constant",
+        max_grad_norm=0.0,
+        ema_decay=0.75,
+    )
+    spec = lambda tree: [x.sharding.spec for x in jax.tree.leaves(tree)]
     assert spec(trainer.state.ema) == spec(trainer.state.params)
     expected = {k: v.astype(np.float64) for k, v in host(trainer.state.params).items()}
     batches = trainer.batches()
@@ -199,8 +257,9 @@ def test_ema_in_training_follows_its_definition_and_is_what_evaluates(tmp_path):
 
 def test_a_learning_rate_group_moves_by_its_factor(tmp_path):
     mesh = make_mesh("dp=8")
-    kw = dict(optimizer="sgd", momentum=0.0, learning_rate=0.05, lr_scheduler_type="constant", max_grad_norm=0.0,
-              steps=1)
+    kw = dict(
+        optimizer="sgd", momentum=0.0, learning_rate=0.05, lr_scheduler_type="constant", max_grad_norm=0.0, steps=1
+    )
     deltas = []
     for groups in (None, "classifier=10"):
         trainer = make_trainer(tmp_path / str(groups), tiny(mesh=mesh), mesh, lr_groups=groups, **kw)
@@ -219,13 +278,23 @@ def test_a_learning_rate_group_moves_by_its_factor(tmp_path):
 
 
 FAMILY_CONFIGS = {
-    "bert": ("sequence-classification", lambda: transformers.BertConfig(
-        vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128)),
+    "bert": (
+        "sequence-classification",
+        lambda: transformers.BertConfig(
+            vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128
+        ),
+    ),
     "gpt2": ("causal-lm", lambda: transformers.GPT2Config(vocab_size=VOCAB, n_embd=HIDDEN, n_layer=2, n_head=4)),
-    "gptj": ("causal-lm", lambda: transformers.GPTJConfig(vocab_size=VOCAB, n_embd=HIDDEN, n_layer=2, n_head=4,
-                                                          rotary_dim=8)),
-    "t5": ("seq2seq-lm", lambda: transformers.T5Config(vocab_size=VOCAB, d_model=HIDDEN, d_kv=16, num_heads=4,
-                                                        d_ff=128, num_layers=2, num_decoder_layers=2)),
+    "gptj": (
+        "causal-lm",
+        lambda: transformers.GPTJConfig(vocab_size=VOCAB, n_embd=HIDDEN, n_layer=2, n_head=4, rotary_dim=8),
+    ),
+    "t5": (
+        "seq2seq-lm",
+        lambda: transformers.T5Config(
+            vocab_size=VOCAB, d_model=HIDDEN, d_kv=16, num_heads=4, d_ff=128, num_layers=2, num_decoder_layers=2
+        ),
+    ),
 }
 
 
@@ -239,12 +308,12 @@ def test_default_targets_are_peft_defaults(family):
 
     task, config = FAMILY_CONFIGS[family]
     model = nnx.eval_shape(lambda: from_config(config(), task))
-    lora = Lora(LoraConfig(lora_rank=RANK), model, match_partition_rules(get_partition_rules(family),
-                                                                        nnx.state(model)))
+    lora = Lora(LoraConfig(lora_rank=RANK), model, match_partition_rules(get_partition_rules(family), nnx.state(model)))
     names = {lora.layout[(*path, "kernel")][0].removesuffix(".weight") for path in lora.targets}
     wanted = constants.TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING[family]
     assert {name.rsplit(".", 1)[-1] for name in names} == set(wanted)
     layers = 2 if family != "t5" else 2 + 2 * 2  # T5: encoder self-attention, decoder self- and cross-attention
     assert len(names) == layers * len(wanted)
-    assert sorted("/".join(map(str, p)) for p in lora.full) == (["classifier/bias", "classifier/kernel"]
-                                                                if family == "bert" else [])
+    assert sorted("/".join(map(str, p)) for p in lora.full) == (
+        ["classifier/bias", "classifier/kernel"] if family == "bert" else []
+    )

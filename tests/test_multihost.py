@@ -30,8 +30,15 @@ def tiny_gpt2(tmp_path_factory):
     folder = shared_asset("data/tokenizers/gpt2")
     tokenizer = transformers.GPT2TokenizerFast(vocab=str(folder / "vocab.json"), merges=str(folder / "merges.txt"))
     tokenizer.pad_token = tokenizer.eos_token
-    config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, n_positions=64, vocab_size=50264,
-                                     pad_token_id=tokenizer.pad_token_id, num_labels=2)
+    config = transformers.GPT2Config(
+        n_layer=2,
+        n_embd=64,
+        n_head=4,
+        n_positions=64,
+        vocab_size=50264,
+        pad_token_id=tokenizer.pad_token_id,
+        num_labels=2,
+    )
     out = tmp_path_factory.mktemp("tiny-gpt2")
     save_pretrained(from_config(config, "sequence-classification", seed=0), out, tokenizer=tokenizer)
     return out
@@ -45,9 +52,18 @@ def free_port() -> int:
 
 def launch(args, devices: int, output_dir: Path, cache: Path, process_flags=(), script="finetune_glue.py"):
     env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", "HF_HUB_OFFLINE": "1"}
-    output = ["--output_file", output_dir / "completions.jsonl"] if script == "generate.py" else ["--output_dir", output_dir]
-    cmd = [sys.executable, str(SCRIPTS / script), *map(str, args), *map(str, output),
-           "--compilation_cache_dir", str(cache), *map(str, process_flags)]
+    output = (
+        ["--output_file", output_dir / "completions.jsonl"] if script == "generate.py" else ["--output_dir", output_dir]
+    )
+    cmd = [
+        sys.executable,
+        str(SCRIPTS / script),
+        *map(str, args),
+        *map(str, output),
+        "--compilation_cache_dir",
+        str(cache),
+        *map(str, process_flags),
+    ]
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
@@ -74,11 +90,19 @@ def one_and_two(args, tmp_path: Path, script="finetune_glue.py") -> tuple[Path, 
     one, two = tmp_path / "one", tmp_path / "two"
     finish([launch(args, 8, one, cache, script=script)])
     port = free_port()
-    outputs = finish([
-        launch(args, 4, two, cache, ["--coordinator_address", f"127.0.0.1:{port}", "--num_processes", 2,
-                                     "--process_id", rank], script=script)
-        for rank in range(2)
-    ])
+    outputs = finish(
+        [
+            launch(
+                args,
+                4,
+                two,
+                cache,
+                ["--coordinator_address", f"127.0.0.1:{port}", "--num_processes", 2, "--process_id", rank],
+                script=script,
+            )
+            for rank in range(2)
+        ]
+    )
     return one, two, outputs
 
 
@@ -94,10 +118,37 @@ def params(output_dir: Path) -> dict[str, np.ndarray]:
 
 
 def test_two_processes_match_one_and_their_checkpoint_restores_in_one(tmp_path, tiny_gpt2):
-    args = ["--model_name_or_path", tiny_gpt2, "--data_dir", shared_asset("data/glue"), "--task_name", "sst2",
-            "--max_train_samples", 64, "--max_eval_samples", 24, "--max_seq_length", 32, "--mesh", "dp=4,mp=2",
-            "--per_device_train_batch_size", 2, "--per_device_eval_batch_size", 2, "--max_steps", 4,
-            "--logging_steps", 1, "--save_steps", 2, "--learning_rate", 1e-4, "--seed", 0, "--pack_sequences"]
+    args = [
+        "--model_name_or_path",
+        tiny_gpt2,
+        "--data_dir",
+        shared_asset("data/glue"),
+        "--task_name",
+        "sst2",
+        "--max_train_samples",
+        64,
+        "--max_eval_samples",
+        24,
+        "--max_seq_length",
+        32,
+        "--mesh",
+        "dp=4,mp=2",
+        "--per_device_train_batch_size",
+        2,
+        "--per_device_eval_batch_size",
+        2,
+        "--max_steps",
+        4,
+        "--logging_steps",
+        1,
+        "--save_steps",
+        2,
+        "--learning_rate",
+        1e-4,
+        "--seed",
+        0,
+        "--pack_sequences",
+    ]
     one, two, outputs = one_and_two(args, tmp_path)
     assert "8 devices" in outputs[0]  # process 0 reports the global device count
     # each process tokenized only the examples it took: half of each of the 4 global batches of 8
@@ -110,7 +161,8 @@ def test_two_processes_match_one_and_their_checkpoint_restores_in_one(tmp_path, 
     assert pa.keys() == pb.keys()
     assert max(float(np.abs(pa[k] - pb[k]).max()) for k in pa) <= 1e-5
     assert json.loads((two / "eval_results.json").read_text())["eval_accuracy"] == pytest.approx(
-        json.loads((one / "eval_results.json").read_text())["eval_accuracy"])
+        json.loads((one / "eval_results.json").read_text())["eval_accuracy"]
+    )
     assert sorted(p.name for p in (two / "checkpoints").iterdir() if p.name.isdigit()) == ["2", "4"]
 
     # the 2-process checkpoint restores in 1 process: nothing left to train, the same parameters come out
@@ -125,10 +177,38 @@ def test_two_processes_match_one_and_their_checkpoint_restores_in_one(tmp_path, 
 
 def test_two_processes_pretrain_like_one_each_tokenizing_a_share_of_the_text(tmp_path, tiny_gpt2):
     text = shared_asset("data/text/tinyshakespeare.txt")
-    args = ["--config_name", tiny_gpt2, "--tokenizer_name", tiny_gpt2, "--train_file", text, "--block_size", 32,
-            "--max_eval_samples", 16, "--per_device_train_batch_size", 2, "--per_device_eval_batch_size", 2,
-            "--max_steps", 3, "--logging_steps", 1, "--eval_steps", 3, "--learning_rate", 3e-3, "--seed", 0,
-            "--mesh", "dp=4,mp=2", "--data_cache_dir", "", "--peak_flops", 1e11]
+    args = [
+        "--config_name",
+        tiny_gpt2,
+        "--tokenizer_name",
+        tiny_gpt2,
+        "--train_file",
+        text,
+        "--block_size",
+        32,
+        "--max_eval_samples",
+        16,
+        "--per_device_train_batch_size",
+        2,
+        "--per_device_eval_batch_size",
+        2,
+        "--max_steps",
+        3,
+        "--logging_steps",
+        1,
+        "--eval_steps",
+        3,
+        "--learning_rate",
+        3e-3,
+        "--seed",
+        0,
+        "--mesh",
+        "dp=4,mp=2",
+        "--data_cache_dir",
+        "",
+        "--peak_flops",
+        1e11,
+    ]
     one, two, _ = one_and_two(args, tmp_path, script="pretrain_clm.py")
     a, b = losses(one), losses(two)
     assert len(a) == 3 and len(set(a)) == 3
@@ -158,12 +238,28 @@ def test_two_processes_generate_what_one_does(tmp_path, tiny_gpt2):
 
     lm = tmp_path / "lm"  # the same tiny GPT-2 with its LM head (tied to the embeddings)
     config = transformers.AutoConfig.from_pretrained(tiny_gpt2)
-    save_pretrained(from_config(config, "causal-lm", seed=0), lm,
-                    tokenizer=transformers.AutoTokenizer.from_pretrained(tiny_gpt2))
+    save_pretrained(
+        from_config(config, "causal-lm", seed=0), lm, tokenizer=transformers.AutoTokenizer.from_pretrained(tiny_gpt2)
+    )
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("The king said\nTo be, or not\nO Romeo\nWhat light through yonder window\nNow is the\n")
-    args = ["--model_name_or_path", lm, "--prompt_file", prompts, "--max_new_tokens", 8, "--batch_size", 8,
-            "--mesh", "dp=4,mp=2", "--do_sample", "--top_k", 20, "--seed", 3]
+    args = [
+        "--model_name_or_path",
+        lm,
+        "--prompt_file",
+        prompts,
+        "--max_new_tokens",
+        8,
+        "--batch_size",
+        8,
+        "--mesh",
+        "dp=4,mp=2",
+        "--do_sample",
+        "--top_k",
+        20,
+        "--seed",
+        3,
+    ]
     one, two, _ = one_and_two(args, tmp_path, script="generate.py")
     records = (one / "completions.jsonl").read_text().splitlines()
     assert len(records) == 5

@@ -11,7 +11,13 @@ from jaxseq.data import packing  # noqa: E402
 from jaxseq.data.glue import encode, get_task, load_split  # noqa: E402
 from jaxseq.models import load_pretrained  # noqa: E402
 from tests.conftest import shared_asset  # noqa: E402
-from tests.test_trainer import make_trainer, sst2, tiny_classifier, tokenizer, train_losses  # noqa: E402,F401
+from tests.test_trainer import (  # noqa: E402,F401 (fixtures)
+    make_trainer,
+    sst2,
+    tiny_classifier,
+    tokenizer,
+    train_losses,
+)
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +60,7 @@ def test_packed_minilm_gives_the_unpacked_logits(minilm_sst2):
     np.testing.assert_allclose(np.asarray(got), np.asarray(expected), atol=1e-5)
 
 
-def test_packed_gpt2_gives_the_unpacked_logits(tokenizer, sst2):
+def test_packed_gpt2_gives_the_unpacked_logits(tokenizer, sst2):  # noqa: F811 (fixtures)
     _, _, dev = sst2
     model = tiny_classifier(tokenizer, dropout=0.0)
     inputs = {k: v for k, v in dev.items() if k != "labels"}
@@ -64,7 +70,7 @@ def test_packed_gpt2_gives_the_unpacked_logits(tokenizer, sst2):
     np.testing.assert_allclose(np.asarray(got), np.asarray(expected), atol=1e-5)
 
 
-def test_packed_training_follows_unpacked_on_a_mesh(tmp_path, tokenizer, sst2):
+def test_packed_training_follows_unpacked_on_a_mesh(tmp_path, tokenizer, sst2):  # noqa: F811 (fixtures)
     # dropout off: packed rows draw different dropout masks; two micro-batches each packed on their own
     kw = dict(per_device_train_batch_size=4, gradient_accumulation_steps=2, max_steps=4, dropout=0.0)
     plain = make_trainer(tmp_path / "plain", tokenizer, sst2, "dp=2,mp=4", **kw)

@@ -48,19 +48,53 @@ def make_batch(seed=0):
 
 
 CASES = {
-    "gpt2-lm": (lambda: transformers.GPT2Config(
-        n_layer=2, n_embd=64, n_head=4, vocab_size=VOCAB, n_positions=64, pad_token_id=0), "causal-lm", lm_loss),
-    "gpt2-cls": (lambda: transformers.GPT2Config(
-        n_layer=2, n_embd=64, n_head=4, vocab_size=VOCAB, n_positions=64, pad_token_id=0, num_labels=2),
-        "sequence-classification", classification_loss),
-    "gptj-lm": (lambda: transformers.GPTJConfig(
-        n_layer=2, n_embd=64, n_head=4, rotary_dim=8, vocab_size=VOCAB, n_positions=64), "causal-lm", lm_loss),
-    "t5": (lambda: transformers.T5Config(
-        num_layers=2, d_model=64, d_kv=16, num_heads=4, d_ff=128, vocab_size=VOCAB, dropout_rate=0.0,
-        relative_attention_num_buckets=8, feed_forward_proj="gated-gelu"), "seq2seq-lm", seq2seq_loss),
-    "bert-cls": (lambda: transformers.BertConfig(
-        num_hidden_layers=2, hidden_size=64, num_attention_heads=4, intermediate_size=128, vocab_size=VOCAB,
-        max_position_embeddings=64, num_labels=2), "sequence-classification", classification_loss),
+    "gpt2-lm": (
+        lambda: transformers.GPT2Config(
+            n_layer=2, n_embd=64, n_head=4, vocab_size=VOCAB, n_positions=64, pad_token_id=0
+        ),
+        "causal-lm",
+        lm_loss,
+    ),
+    "gpt2-cls": (
+        lambda: transformers.GPT2Config(
+            n_layer=2, n_embd=64, n_head=4, vocab_size=VOCAB, n_positions=64, pad_token_id=0, num_labels=2
+        ),
+        "sequence-classification",
+        classification_loss,
+    ),
+    "gptj-lm": (
+        lambda: transformers.GPTJConfig(n_layer=2, n_embd=64, n_head=4, rotary_dim=8, vocab_size=VOCAB, n_positions=64),
+        "causal-lm",
+        lm_loss,
+    ),
+    "t5": (
+        lambda: transformers.T5Config(
+            num_layers=2,
+            d_model=64,
+            d_kv=16,
+            num_heads=4,
+            d_ff=128,
+            vocab_size=VOCAB,
+            dropout_rate=0.0,
+            relative_attention_num_buckets=8,
+            feed_forward_proj="gated-gelu",
+        ),
+        "seq2seq-lm",
+        seq2seq_loss,
+    ),
+    "bert-cls": (
+        lambda: transformers.BertConfig(
+            num_hidden_layers=2,
+            hidden_size=64,
+            num_attention_heads=4,
+            intermediate_size=128,
+            vocab_size=VOCAB,
+            max_position_embeddings=64,
+            num_labels=2,
+        ),
+        "sequence-classification",
+        classification_loss,
+    ),
 }
 
 

@@ -25,8 +25,12 @@ from jaxseq.data import text  # noqa: E402
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "pretrain_clm.py"
 # every subprocess sees the same two CPU devices (data parallel over both): same programs, same numbers
-ENV = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "HF_HUB_OFFLINE": "1",
-       "TOKENIZERS_PARALLELISM": "false"}
+ENV = {
+    **os.environ,
+    "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+    "HF_HUB_OFFLINE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
 STEPS, SAVE_STEPS, BLOCK = 40, 10, 32
 
 
@@ -45,12 +49,43 @@ def assets(tmp_path_factory):
 
 def clm_args(assets, out, *extra):
     root = assets["root"]
-    return ["--config_name", root / "config", "--config_overrides", "n_layer=2,n_embd=64,n_head=4",
-            "--tokenizer_name", root / "tokenizer", "--train_file", assets["text"], "--block_size", BLOCK,
-            "--max_eval_samples", 60, "--per_device_train_batch_size", 2, "--per_device_eval_batch_size", 8,
-            "--max_steps", STEPS, "--save_steps", SAVE_STEPS, "--eval_steps", 10, "--logging_steps", 1,
-            "--learning_rate", 3e-3, "--seed", 0, "--output_dir", out, "--data_cache_dir", root / "token-cache",
-            "--compilation_cache_dir", root / "xla-cache", *extra]
+    return [
+        "--config_name",
+        root / "config",
+        "--config_overrides",
+        "n_layer=2,n_embd=64,n_head=4",
+        "--tokenizer_name",
+        root / "tokenizer",
+        "--train_file",
+        assets["text"],
+        "--block_size",
+        BLOCK,
+        "--max_eval_samples",
+        60,
+        "--per_device_train_batch_size",
+        2,
+        "--per_device_eval_batch_size",
+        8,
+        "--max_steps",
+        STEPS,
+        "--save_steps",
+        SAVE_STEPS,
+        "--eval_steps",
+        10,
+        "--logging_steps",
+        1,
+        "--learning_rate",
+        3e-3,
+        "--seed",
+        0,
+        "--output_dir",
+        out,
+        "--data_cache_dir",
+        root / "token-cache",
+        "--compilation_cache_dir",
+        root / "xla-cache",
+        *extra,
+    ]
 
 
 def command(*args):
@@ -93,8 +128,9 @@ def resumed(assets, straight):
     unfinished save left behind as a crash leaves it, then the same command again."""
     out = assets["root"] / "resumed"
     checkpoints = out / "checkpoints"
-    process = subprocess.Popen(command(*clm_args(assets, out)), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               env=ENV, text=True)
+    process = subprocess.Popen(
+        command(*clm_args(assets, out)), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=ENV, text=True
+    )
     deadline = time.monotonic() + 300
     while process.poll() is None and time.monotonic() < deadline:
         names = os.listdir(checkpoints) if checkpoints.is_dir() else []
@@ -147,8 +183,9 @@ def test_pretraining_lowers_validation_perplexity_and_exports_a_model_transforme
     model, info = transformers.GPT2LMHeadModel.from_pretrained(out, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"]
     assert model.config.n_layer == 2 and model.config.n_embd == 64
-    config = text.TextDataConfig(train_file=str(assets["text"]), max_eval_samples=60,
-                                 data_cache_dir=str(assets["root"] / "token-cache"))
+    config = text.TextDataConfig(
+        train_file=str(assets["text"]), max_eval_samples=60, data_cache_dir=str(assets["root"] / "token-cache")
+    )
     _, valid = text.load_blocks(config, assets["tokenizer"], BLOCK, progress=False, log=lambda _: None)
     model.eval()
     with torch.no_grad():
@@ -179,12 +216,13 @@ def test_sigkill_and_rerun_ends_bitwise_equal_to_an_uninterrupted_run(straight, 
     assert [s for s, _ in redone] == list(range(1, STEPS + 1))
     assert all(loss == losses[step] for step, loss in redone)
     assert json.loads((out / "eval_results.json").read_text()) == json.loads(
-        (straight[0] / "eval_results.json").read_text())
+        (straight[0] / "eval_results.json").read_text()
+    )
 
 
 @pytest.mark.slow
 def test_a_rerun_takes_the_tokens_from_the_cache(assets, straight, resumed):
-    out, first, listing = straight
+    _out, first, listing = straight
     assert "tokens, cached in" in first.stdout
     assert "tokens from the cache" in resumed["result"].stdout
     assert "tokens from the cache" in resumed["first_output"]
@@ -235,14 +273,14 @@ def test_a_dataset_uses_its_validation_split_and_is_cached_by_fingerprint(tmp_pa
 @pytest.mark.parametrize("model_type", ["gpt2", "gptj"])
 def test_flops_per_token_counts_every_matmul_parameter_once(model_type):
     import torch
-
     from flax import nnx
 
     from jaxseq.models.hub import model_class
     from jaxseq.train.throughput import flops_per_token, matmul_parameters
 
-    config = transformers.AutoConfig.for_model(model_type, n_layer=2, n_embd=64, n_head=4, n_positions=64,
-                                               vocab_size=1000, rotary_dim=8)
+    config = transformers.AutoConfig.for_model(
+        model_type, n_layer=2, n_embd=64, n_head=4, n_positions=64, vocab_size=1000, rotary_dim=8
+    )
     torch.manual_seed(0)
     reference = transformers.AutoModelForCausalLM.from_config(config)
     lookups = [m.weight for m in reference.modules() if isinstance(m, torch.nn.Embedding)]
@@ -256,18 +294,22 @@ def test_flops_per_token_counts_every_matmul_parameter_once(model_type):
 
 def hf_group_texts(examples: dict[str, list], block_size: int) -> dict[str, list]:
     """transformers' examples/pytorch/language-modeling/run_clm.py group_texts, verbatim in substance."""
-    concatenated = {k: sum(examples[k], []) for k in examples}
+    concatenated = {k: [t for part in examples[k] for t in part] for k in examples}
     total_length = len(concatenated["input_ids"])
     total_length = (total_length // block_size) * block_size
-    result = {k: [t[i:i + block_size] for i in range(0, total_length, block_size)] for k, t in concatenated.items()}
+    result = {k: [t[i : i + block_size] for i in range(0, total_length, block_size)] for k, t in concatenated.items()}
     result["labels"] = result["input_ids"].copy()
     return result
 
 
 def test_documents_are_joined_by_eos_and_grouped_like_run_clm(tmp_path, assets):
     tokenizer = assets["tokenizer"]
-    rows = ["First Citizen: Before we proceed any further, hear me speak.", "", "All: Speak, speak.",
-            "You are all resolved rather to die than to famish?"]
+    rows = [
+        "First Citizen: Before we proceed any further, hear me speak.",
+        "",
+        "All: Speak, speak.",
+        "You are all resolved rather to die than to famish?",
+    ]
     (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": r, "id": i}) + "\n" for i, r in enumerate(rows)))
     (tmp_path / "docs.csv").write_text("id,text\n" + "".join(f'{i},"{r}"\n' for i, r in enumerate(rows)))
     expected = [tokenizer(r)["input_ids"] + [tokenizer.eos_token_id] for r in rows if r]
@@ -297,8 +339,9 @@ def write(path: Path, content: str) -> Path:
 
 
 def llama_config(t: Path) -> Path:
-    transformers.LlamaConfig(num_hidden_layers=1, hidden_size=16, intermediate_size=32, num_attention_heads=2,
-                             num_key_value_heads=2).save_pretrained(t / "llama")
+    transformers.LlamaConfig(
+        num_hidden_layers=1, hidden_size=16, intermediate_size=32, num_attention_heads=2, num_key_value_heads=2
+    ).save_pretrained(t / "llama")
     return t / "llama"
 
 
@@ -307,10 +350,15 @@ BAD = {  # flags to change (None drops the flag), the message
     "missing train file": (lambda t: {"--train_file": t / "nowhere.txt"}, "does not exist"),
     "missing validation file": (lambda t: {"--validation_file": t / "nowhere.txt"}, "does not exist"),
     "empty text": (lambda t: {"--train_file": write(t / "empty.txt", "")}, "has no text"),
-    "text shorter than a block": (lambda t: {"--train_file": write(t / "short.txt", "Hello there.")},
-                                  "not enough for one block of 32"),
+    "text shorter than a block": (
+        lambda t: {"--train_file": write(t / "short.txt", "Hello there.")},
+        "not enough for one block of 32",
+    ),
     "unknown model type": (lambda t: {"--config_name": llama_config(t)}, "'llama' has no causal-lm model in jaxseq"),
-    "unknown --model_type": (lambda t: {"--config_name": None, "--model_type": "gpt3"}, "'gpt3' has no causal-lm model"),
+    "unknown --model_type": (
+        lambda t: {"--config_name": None, "--model_type": "gpt3"},
+        "'gpt3' has no causal-lm model",
+    ),
     "no model": (lambda t: {"--config_name": None}, "pass --model_name_or_path"),
     "model twice": (lambda t: {"--model_name_or_path": t}, "not both"),
     "no text": (lambda t: {"--train_file": None}, "no training text"),
@@ -318,8 +366,7 @@ BAD = {  # flags to change (None drops the flag), the message
     "vocabulary too small": (lambda t: {"--config_overrides": "vocab_size=1000"}, "the tokenizer has 50257 tokens"),
     "unsupported file": (lambda t: {"--train_file": write(t / "data.parquet", "x")}, "unsupported file type"),
     "no text column": (lambda t: {"--train_file": write(t / "d.jsonl", '{"body": "hi"}\n')}, "has no 'text' field"),
-    "missing checkpoint": (lambda t: {"--config_name": None, "--model_name_or_path": t / "nowhere"},
-                           "is not a folder"),
+    "missing checkpoint": (lambda t: {"--config_name": None, "--model_name_or_path": t / "nowhere"}, "is not a folder"),
 }
 
 
@@ -328,7 +375,7 @@ def with_flags(args: list, changes: dict) -> list[str]:
     for flag, value in changes.items():
         if flag in args:
             i = args.index(flag)
-            del args[i:i + 2]
+            del args[i : i + 2]
         if value is not None:
             args += [flag, str(value)]
     return args
@@ -355,19 +402,73 @@ def test_bad_input_exits_non_zero_from_the_command_line(tmp_path, assets):
 
 @pytest.mark.slow
 def test_gptj_from_scratch_then_from_its_own_checkpoint(tmp_path, assets, script):
-    common = ["--tokenizer_name", assets["root"] / "tokenizer", "--train_file", shared_asset("data/text/botchan.txt"),
-              "--block_size", 16, "--max_eval_samples", 12, "--per_device_train_batch_size", 1,
-              "--per_device_eval_batch_size", 1, "--logging_steps", 1, "--peak_flops", 1e11,
-              "--compilation_cache_dir", "", "--data_cache_dir", assets["root"] / "token-cache"]
+    common = [
+        "--tokenizer_name",
+        assets["root"] / "tokenizer",
+        "--train_file",
+        shared_asset("data/text/botchan.txt"),
+        "--block_size",
+        16,
+        "--max_eval_samples",
+        12,
+        "--per_device_train_batch_size",
+        1,
+        "--per_device_eval_batch_size",
+        1,
+        "--logging_steps",
+        1,
+        "--peak_flops",
+        1e11,
+        "--compilation_cache_dir",
+        "",
+        "--data_cache_dir",
+        assets["root"] / "token-cache",
+    ]
     scratch, continued = tmp_path / "scratch", tmp_path / "continued"
     overrides = "n_layer=2,n_embd=64,n_head=4,rotary_dim=8,n_positions=64"
-    assert script.main(with_flags([*common, "--model_type", "gptj", "--config_overrides", overrides,
-                                   "--max_steps", 2, "--learning_rate", 1e-3, "--output_dir", scratch], {})) == 0
+    assert (
+        script.main(
+            with_flags(
+                [
+                    *common,
+                    "--model_type",
+                    "gptj",
+                    "--config_overrides",
+                    overrides,
+                    "--max_steps",
+                    2,
+                    "--learning_rate",
+                    1e-3,
+                    "--output_dir",
+                    scratch,
+                ],
+                {},
+            )
+        )
+        == 0
+    )
     model, info = transformers.GPTJForCausalLM.from_pretrained(scratch, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"] and model.config.rotary_dim == 8
     # reloaded through --model_name_or_path and not moved (learning rate 0): the same eval loss
-    assert script.main(with_flags([*common, "--model_name_or_path", scratch, "--max_steps", 1,
-                                   "--learning_rate", 0, "--output_dir", continued], {})) == 0
+    assert (
+        script.main(
+            with_flags(
+                [
+                    *common,
+                    "--model_name_or_path",
+                    scratch,
+                    "--max_steps",
+                    1,
+                    "--learning_rate",
+                    0,
+                    "--output_dir",
+                    continued,
+                ],
+                {},
+            )
+        )
+        == 0
+    )
     first, second = (json.loads((out / "eval_results.json").read_text()) for out in (scratch, continued))
     assert second["eval_loss"] == pytest.approx(first["eval_loss"], rel=1e-6)
     assert first["eval_samples"] == second["eval_samples"] == 12

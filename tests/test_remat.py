@@ -14,14 +14,24 @@ from jaxseq.models.layers import enable_remat  # noqa: E402
 from tests.reference import padded_batch  # noqa: E402
 
 CONFIGS = {
-    "gpt2": lambda: (transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=64, n_positions=32),
-                     "causal-lm"),
-    "gptj": lambda: (transformers.GPTJConfig(n_layer=2, n_embd=32, n_head=4, rotary_dim=4, vocab_size=64,
-                                             n_positions=32), "causal-lm"),
-    "t5": lambda: (transformers.T5Config(num_layers=2, d_model=32, d_kv=8, num_heads=4, d_ff=64, vocab_size=64),
-                   "seq2seq-lm"),
-    "bert": lambda: (transformers.BertConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=4,
-                                             intermediate_size=64, vocab_size=64), "masked-lm"),
+    "gpt2": lambda: (
+        transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=64, n_positions=32),
+        "causal-lm",
+    ),
+    "gptj": lambda: (
+        transformers.GPTJConfig(n_layer=2, n_embd=32, n_head=4, rotary_dim=4, vocab_size=64, n_positions=32),
+        "causal-lm",
+    ),
+    "t5": lambda: (
+        transformers.T5Config(num_layers=2, d_model=32, d_kv=8, num_heads=4, d_ff=64, vocab_size=64),
+        "seq2seq-lm",
+    ),
+    "bert": lambda: (
+        transformers.BertConfig(
+            num_hidden_layers=2, hidden_size=32, num_attention_heads=4, intermediate_size=64, vocab_size=64
+        ),
+        "masked-lm",
+    ),
 }
 
 

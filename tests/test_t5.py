@@ -21,8 +21,18 @@ VARIANTS = {
 
 
 def tiny_config(variant, **kw):
-    base = dict(num_layers=2, num_decoder_layers=2, d_model=64, d_kv=16, num_heads=4, d_ff=128, vocab_size=VOCAB,
-                relative_attention_num_buckets=8, relative_attention_max_distance=20, decoder_start_token_id=0)
+    base = dict(
+        num_layers=2,
+        num_decoder_layers=2,
+        d_model=64,
+        d_kv=16,
+        num_heads=4,
+        d_ff=128,
+        vocab_size=VOCAB,
+        relative_attention_num_buckets=8,
+        relative_attention_max_distance=20,
+        decoder_start_token_id=0,
+    )
     return transformers.T5Config(**{**base, **VARIANTS[variant], **kw})
 
 
@@ -44,8 +54,9 @@ def run(model, ids, mask, dec_ids, dec_mask, rngs=None):
 
 
 def torch_logits(ref, ids, mask, dec_ids, dec_mask):
-    out = torch_forward(ref, input_ids=ids, attention_mask=mask, decoder_input_ids=dec_ids,
-                        decoder_attention_mask=dec_mask)
+    out = torch_forward(
+        ref, input_ids=ids, attention_mask=mask, decoder_input_ids=dec_ids, decoder_attention_mask=dec_mask
+    )
     return out.logits.numpy(), out.encoder_last_hidden_state.numpy()
 
 
@@ -68,9 +79,9 @@ def test_relative_position_buckets_match_transformers():
     bucket = transformers.models.t5.modeling_t5.T5Attention._relative_position_bucket
     relative = np.arange(-700, 701)
     cases = [(b, n, d) for b in (True, False) for n, d in ((8, 20), (32, 128))]
-    got = jax.jit(lambda r: [
-        relative_position_bucket(r, bidirectional=b, num_buckets=n, max_distance=d) for b, n, d in cases
-    ])(jnp.asarray(relative, jnp.int32))
+    got = jax.jit(
+        lambda r: [relative_position_bucket(r, bidirectional=b, num_buckets=n, max_distance=d) for b, n, d in cases]
+    )(jnp.asarray(relative, jnp.int32))
     for (b, n, d), ours in zip(cases, got):
         want = bucket(torch.as_tensor(relative), bidirectional=b, num_buckets=n, max_distance=d).numpy()
         np.testing.assert_array_equal(np.asarray(ours), want)
@@ -168,8 +179,9 @@ def test_bfloat16_compute_stays_close_to_float32(t5):
 @pytest.fixture(scope="module")
 def fresh():
     """A randomly initialised one-layer v1.1 model (many buckets, to measure their initial spread)."""
-    config = tiny_config("v1.1", num_layers=1, num_decoder_layers=1, dropout_rate=0.5,
-                         relative_attention_num_buckets=256)
+    config = tiny_config(
+        "v1.1", num_layers=1, num_decoder_layers=1, dropout_rate=0.5, relative_attention_num_buckets=256
+    )
     return from_config(config, "seq2seq-lm")
 
 

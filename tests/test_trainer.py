@@ -40,23 +40,47 @@ def sst2(tokenizer):
 
 
 def tiny_classifier(tokenizer, num_labels=2, mesh=None, vocab=50264, dropout=0.1):
-    config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, n_positions=64, vocab_size=vocab,
-                                     num_labels=num_labels, pad_token_id=tokenizer.pad_token_id,
-                                     resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout)
+    config = transformers.GPT2Config(
+        n_layer=2,
+        n_embd=64,
+        n_head=4,
+        n_positions=64,
+        vocab_size=vocab,
+        num_labels=num_labels,
+        pad_token_id=tokenizer.pad_token_id,
+        resid_pdrop=dropout,
+        embd_pdrop=dropout,
+        attn_pdrop=dropout,
+    )
     return from_config(config, "sequence-classification", mesh=mesh, seed=0)
 
 
 def make_trainer(tmp_path, tokenizer, data, mesh_spec="dp=8", devices=None, **kw):
     task, train, dev = data
     mesh = make_mesh(mesh_spec, devices=devices)
-    trainer_kw = dict(output_dir=str(tmp_path), per_device_train_batch_size=2, per_device_eval_batch_size=4,
-                      max_steps=6, logging_steps=1, eval_steps=3, seed=0)
+    trainer_kw = dict(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=2,
+        per_device_eval_batch_size=4,
+        max_steps=6,
+        logging_steps=1,
+        eval_steps=3,
+        seed=0,
+    )
     trainer_kw.update({k: v for k, v in kw.items() if k in {f.name for f in dataclasses.fields(TrainerConfig)}})
     optim_kw = {k: v for k, v in kw.items() if k in {f.name for f in dataclasses.fields(OptimizerConfig)}}
     optim = OptimizerConfig(**{"learning_rate": 1e-3, "weight_decay": 0.01, **optim_kw})
     model = tiny_classifier(tokenizer, task.num_labels, mesh=mesh, dropout=kw.get("dropout", 0.1))
-    return Trainer(model, SequenceClassification(task), TrainerConfig(**trainer_kw), optim, train, {"": dev}, mesh,
-                   pack=kw.get("pack"))
+    return Trainer(
+        model,
+        SequenceClassification(task),
+        TrainerConfig(**trainer_kw),
+        optim,
+        train,
+        {"": dev},
+        mesh,
+        pack=kw.get("pack"),
+    )
 
 
 def train_losses(trainer):
@@ -66,8 +90,9 @@ def train_losses(trainer):
 
 
 def test_sharded_training_follows_single_device(tmp_path, tokenizer, sst2):
-    single = make_trainer(tmp_path / "one", tokenizer, sst2, "dp=1", devices=jax.devices()[:1],
-                          per_device_train_batch_size=16)
+    single = make_trainer(
+        tmp_path / "one", tokenizer, sst2, "dp=1", devices=jax.devices()[:1], per_device_train_batch_size=16
+    )
     sharded = make_trainer(tmp_path / "many", tokenizer, sst2, "dp=2,mp=4", per_device_train_batch_size=8)
     a, b = train_losses(single), train_losses(sharded)
     assert len(a) == 6 and a[-1] < a[0]
@@ -79,13 +104,20 @@ def test_sharded_training_follows_single_device(tmp_path, tokenizer, sst2):
 def test_gradient_accumulation_equals_one_big_batch(tmp_path, tokenizer, sst2):
     # without dropout (micro-batches draw their own dropout masks)
     big = make_trainer(tmp_path / "big", tokenizer, sst2, per_device_train_batch_size=2, max_steps=3, dropout=0.0)
-    accumulated = make_trainer(tmp_path / "acc", tokenizer, sst2, per_device_train_batch_size=1,
-                               gradient_accumulation_steps=2, max_steps=3, dropout=0.0)
+    accumulated = make_trainer(
+        tmp_path / "acc",
+        tokenizer,
+        sst2,
+        per_device_train_batch_size=1,
+        gradient_accumulation_steps=2,
+        max_steps=3,
+        dropout=0.0,
+    )
     np.testing.assert_allclose(train_losses(accumulated), train_losses(big), atol=1e-5)
 
 
 def test_evaluation_covers_every_example(tmp_path, tokenizer, sst2):
-    task, _, dev = sst2
+    _task, _, dev = sst2
     trainer = make_trainer(tmp_path, tokenizer, sst2, max_steps=1)
     n = len(dev["labels"])
     assert n % trainer.eval_batch != 0  # the last batch is padded
@@ -93,8 +125,9 @@ def test_evaluation_covers_every_example(tmp_path, tokenizer, sst2):
     metrics = trainer.evaluate()
     # recompute directly, batch by batch, with no padding
     model = trainer.model()
-    logits = np.concatenate([np.asarray(model(dev["input_ids"][i:i + 8], dev["attention_mask"][i:i + 8]))
-                             for i in range(0, n, 8)])
+    logits = np.concatenate(
+        [np.asarray(model(dev["input_ids"][i : i + 8], dev["attention_mask"][i : i + 8])) for i in range(0, n, 8)]
+    )
     outputs = logits.argmax(-1)
     assert metrics["accuracy"] == pytest.approx(float(np.mean(outputs == dev["labels"])))
     trainer.close()
@@ -140,8 +173,16 @@ def test_regression_head_reports_correlations(tmp_path, tokenizer):
 @pytest.mark.parametrize("optimizer", OPTIMIZERS)
 def test_every_optimizer_lowers_the_loss(tmp_path, tokenizer, sst2, optimizer):
     lr = {"sgd": 0.1, "adafactor": 1e-2}.get(optimizer, 3e-3)
-    trainer = make_trainer(tmp_path, tokenizer, sst2, optimizer=optimizer, learning_rate=lr, max_steps=8,
-                           eval_steps=100, lr_scheduler_type="constant")
+    trainer = make_trainer(
+        tmp_path,
+        tokenizer,
+        sst2,
+        optimizer=optimizer,
+        learning_rate=lr,
+        max_steps=8,
+        eval_steps=100,
+        lr_scheduler_type="constant",
+    )
     # the same batch every step: the loss must go down
     first = trainer.train_data.take(np.arange(16))
     trainer.train_data = ArrayRows({k: np.tile(v, (8,) + (1,) * (v.ndim - 1)) for k, v in first.items()})
@@ -169,15 +210,28 @@ def test_float16_training_with_loss_scaling(tmp_path, tokenizer, sst2):
 
     task, train, dev = sst2
     mesh = make_mesh("dp=8")
-    config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, n_positions=64, vocab_size=50264,
-                                     num_labels=2, pad_token_id=tokenizer.pad_token_id)
+    config = transformers.GPT2Config(
+        n_layer=2,
+        n_embd=64,
+        n_head=4,
+        n_positions=64,
+        vocab_size=50264,
+        num_labels=2,
+        pad_token_id=tokenizer.pad_token_id,
+    )
     model = from_config(config, "sequence-classification", mesh=mesh, dtype=jnp.float16)
-    trainer = Trainer(model, SequenceClassification(task),
-                      TrainerConfig(output_dir=str(tmp_path), per_device_train_batch_size=2, max_steps=6,
-                                    logging_steps=1, eval_steps=6, seed=0),
-                      OptimizerConfig(learning_rate=3e-3, lr_scheduler_type="constant"),
-                      {k: np.tile(v[:16], (2,) + (1,) * (v.ndim - 1)) for k, v in train.items()}, {"": dev}, mesh,
-                      loss_scaling=True)
+    trainer = Trainer(
+        model,
+        SequenceClassification(task),
+        TrainerConfig(
+            output_dir=str(tmp_path), per_device_train_batch_size=2, max_steps=6, logging_steps=1, eval_steps=6, seed=0
+        ),
+        OptimizerConfig(learning_rate=3e-3, lr_scheduler_type="constant"),
+        {k: np.tile(v[:16], (2,) + (1,) * (v.ndim - 1)) for k, v in train.items()},
+        {"": dev},
+        mesh,
+        loss_scaling=True,
+    )
     assert trainer.state.params["score"]["kernel"][...].dtype == jnp.float32  # master weights
     losses = train_losses(trainer)
     records = [r for r in trainer.logger.records if "train/loss_scale" in r]

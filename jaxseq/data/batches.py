@@ -4,7 +4,7 @@ padded and its padding masked out)."""
 
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
 
 import numpy as np
 
@@ -30,7 +30,7 @@ def train_indices(n: int, batch_size: int, seed: int, start_step: int = 0) -> It
         epoch, offset = divmod(step, per_epoch)
         order = epoch_order(n, seed, epoch)
         for i in range(offset, per_epoch):
-            yield order[i * batch_size:(i + 1) * batch_size]
+            yield order[i * batch_size : (i + 1) * batch_size]
         step = (epoch + 1) * per_epoch
 
 

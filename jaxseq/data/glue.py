@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 
@@ -40,30 +40,84 @@ class GlueTask:
 TASKS = {
     t.name: t
     for t in (
-        GlueTask("cola", ("sentence", None), ("unacceptable", "acceptable"), ("matthews_correlation",),
-                 "CoLA", (3, None, 1), tsv_header=False),
-        GlueTask("sst2", ("sentence", None), ("negative", "positive"), ("accuracy",),
-                 "SST-2", ("sentence", None, "label")),
-        GlueTask("mrpc", ("sentence1", "sentence2"), ("not_equivalent", "equivalent"), ("accuracy", "f1"),
-                 "MRPC", ("#1 String", "#2 String", "Quality")),
-        GlueTask("qqp", ("question1", "question2"), ("not_duplicate", "duplicate"), ("accuracy", "f1"),
-                 "QQP", ("question1", "question2", "is_duplicate")),
-        GlueTask("stsb", ("sentence1", "sentence2"), None, ("pearson", "spearmanr"),
-                 "STS-B", ("sentence1", "sentence2", "score")),
-        GlueTask("mnli", ("premise", "hypothesis"), ("entailment", "neutral", "contradiction"), ("accuracy",),
-                 "MNLI", ("sentence1", "sentence2", "gold_label"),
-                 eval_splits=("validation_matched", "validation_mismatched")),
-        GlueTask("qnli", ("question", "sentence"), ("entailment", "not_entailment"), ("accuracy",),
-                 "QNLI", ("question", "sentence", "label")),
-        GlueTask("rte", ("sentence1", "sentence2"), ("entailment", "not_entailment"), ("accuracy",),
-                 "RTE", ("sentence1", "sentence2", "label")),
-        GlueTask("wnli", ("sentence1", "sentence2"), ("not_entailment", "entailment"), ("accuracy",),
-                 "WNLI", ("sentence1", "sentence2", "label")),
+        GlueTask(
+            "cola",
+            ("sentence", None),
+            ("unacceptable", "acceptable"),
+            ("matthews_correlation",),
+            "CoLA",
+            (3, None, 1),
+            tsv_header=False,
+        ),
+        GlueTask(
+            "sst2", ("sentence", None), ("negative", "positive"), ("accuracy",), "SST-2", ("sentence", None, "label")
+        ),
+        GlueTask(
+            "mrpc",
+            ("sentence1", "sentence2"),
+            ("not_equivalent", "equivalent"),
+            ("accuracy", "f1"),
+            "MRPC",
+            ("#1 String", "#2 String", "Quality"),
+        ),
+        GlueTask(
+            "qqp",
+            ("question1", "question2"),
+            ("not_duplicate", "duplicate"),
+            ("accuracy", "f1"),
+            "QQP",
+            ("question1", "question2", "is_duplicate"),
+        ),
+        GlueTask(
+            "stsb",
+            ("sentence1", "sentence2"),
+            None,
+            ("pearson", "spearmanr"),
+            "STS-B",
+            ("sentence1", "sentence2", "score"),
+        ),
+        GlueTask(
+            "mnli",
+            ("premise", "hypothesis"),
+            ("entailment", "neutral", "contradiction"),
+            ("accuracy",),
+            "MNLI",
+            ("sentence1", "sentence2", "gold_label"),
+            eval_splits=("validation_matched", "validation_mismatched"),
+        ),
+        GlueTask(
+            "qnli",
+            ("question", "sentence"),
+            ("entailment", "not_entailment"),
+            ("accuracy",),
+            "QNLI",
+            ("question", "sentence", "label"),
+        ),
+        GlueTask(
+            "rte",
+            ("sentence1", "sentence2"),
+            ("entailment", "not_entailment"),
+            ("accuracy",),
+            "RTE",
+            ("sentence1", "sentence2", "label"),
+        ),
+        GlueTask(
+            "wnli",
+            ("sentence1", "sentence2"),
+            ("not_entailment", "entailment"),
+            ("accuracy",),
+            "WNLI",
+            ("sentence1", "sentence2", "label"),
+        ),
     )
 }
 # The local file of each split in the GLUE download script's layout.
-_TSV_FILES = {"train": "train.tsv", "validation": "dev.tsv",
-              "validation_matched": "dev_matched.tsv", "validation_mismatched": "dev_mismatched.tsv"}
+_TSV_FILES = {
+    "train": "train.tsv",
+    "validation": "dev.tsv",
+    "validation_matched": "dev_matched.tsv",
+    "validation_mismatched": "dev_mismatched.tsv",
+}
 # Split suffixes of the metric keys, as run_glue writes them (MNLI mismatched: eval_accuracy_mm).
 SPLIT_SUFFIX = {"validation_mismatched": "_mm"}
 
@@ -78,8 +132,11 @@ def get_task(name: str) -> GlueTask:
 def compute_metrics(task: GlueTask, predictions: np.ndarray, labels: np.ndarray) -> dict[str, float]:
     """The task's metrics from predictions (class ids, or scores for regression) and labels."""
     functions: dict[str, Callable] = {
-        "accuracy": metrics.accuracy, "f1": metrics.f1, "matthews_correlation": metrics.matthews_correlation,
-        "pearson": metrics.pearson, "spearmanr": metrics.spearmanr,
+        "accuracy": metrics.accuracy,
+        "f1": metrics.f1,
+        "matthews_correlation": metrics.matthews_correlation,
+        "pearson": metrics.pearson,
+        "spearmanr": metrics.spearmanr,
     }
     result = {name: functions[name](predictions, labels) for name in task.metric_names}
     if len(result) > 1:
@@ -102,7 +159,9 @@ def _label_value(task: GlueTask, raw: str, where: str) -> float:
     try:
         value = int(float(raw))
     except ValueError:
-        raise JaxseqError(f"{where}: label {raw!r} is not one of {', '.join(task.labels)} or 0..{task.num_labels - 1}") from None
+        raise JaxseqError(
+            f"{where}: label {raw!r} is not one of {', '.join(task.labels)} or 0..{task.num_labels - 1}"
+        ) from None
     if not 0 <= value < task.num_labels:
         raise JaxseqError(f"{where}: label {value} is outside 0..{task.num_labels - 1} for {task.name}")
     return float(value)
@@ -190,7 +249,9 @@ def encode(task: GlueTask, examples: list[Example], tokenizer, max_seq_length: i
     encoded = tokenizer(
         texts_a, texts_b, padding="max_length", truncation=True, max_length=max_seq_length, return_tensors="np"
     )
-    arrays = {k: np.asarray(v, np.int32) for k, v in encoded.items() if k in ("input_ids", "attention_mask", "token_type_ids")}
+    arrays = {
+        k: np.asarray(v, np.int32) for k, v in encoded.items() if k in ("input_ids", "attention_mask", "token_type_ids")
+    }
     labels = np.asarray([label for _, _, label in examples])
     arrays["labels"] = labels.astype(np.float32 if task.is_regression else np.int32)
     return arrays

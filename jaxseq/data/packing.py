@@ -18,7 +18,7 @@ decreasing; the row count is fixed for a whole run (one compilation), the larges
 
 from __future__ import annotations
 
-from typing import Iterable, Mapping
+from collections.abc import Iterable, Mapping
 
 import numpy as np
 

@@ -4,7 +4,8 @@ global batch; the global order (``jaxseq.data.batches``) is the same whatever th
 
 from __future__ import annotations
 
-from typing import Callable, Mapping, Protocol, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Protocol
 
 import numpy as np
 

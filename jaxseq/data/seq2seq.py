@@ -20,8 +20,9 @@ def load_pairs(path: str | Path, source_column: str, target_column: str) -> list
     return [(str(r[source_column]), str(r[target_column])) for r in records]
 
 
-def encode_pairs(pairs: list[tuple[str, str]], tokenizer, max_source_length: int, max_target_length: int,
-                 source_prefix: str = "") -> dict[str, np.ndarray]:
+def encode_pairs(
+    pairs: list[tuple[str, str]], tokenizer, max_source_length: int, max_target_length: int, source_prefix: str = ""
+) -> dict[str, np.ndarray]:
     """``input_ids``/``attention_mask`` ``[n, max_source_length]`` of the prefixed sources, and ``labels``/
     ``decoder_attention_mask`` ``[n, max_target_length]`` of the targets (with the tokenizer's EOS; padding
     masked). Longer texts are truncated."""

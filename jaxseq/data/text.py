@@ -22,8 +22,8 @@ import json
 import os
 import re
 import tempfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Callable, Iterator
 
 import numpy as np
 
@@ -44,16 +44,23 @@ Log = Callable[[str], None]
 
 @dataclasses.dataclass
 class TextDataConfig:
-    train_file: str | None = arg(None, "training text: .txt (one document per file), .jsonl/.json or .csv/.tsv "
-                                       "(one document per record, see --text_column)")
-    validation_file: str | None = arg(None, "validation text, same formats (default: the dataset's validation "
-                                            "split, else the last --validation_split_percentage of the blocks)")
+    train_file: str | None = arg(
+        None,
+        "training text: .txt (one document per file), .jsonl/.json or .csv/.tsv "
+        "(one document per record, see --text_column)",
+    )
+    validation_file: str | None = arg(
+        None,
+        "validation text, same formats (default: the dataset's validation "
+        "split, else the last --validation_split_percentage of the blocks)",
+    )
     dataset_name: str | None = arg(None, "Hugging Face Hub dataset to train on instead of --train_file, e.g. wikitext")
     dataset_config_name: str | None = arg(None, "configuration of --dataset_name, e.g. wikitext-2-raw-v1")
     text_column: str = arg("text", "column holding the text in jsonl/csv files and Hub datasets")
     block_size: int | None = arg(None, "tokens per training example (default: the model's positions, at most 1024)")
     validation_split_percentage: float = arg(
-        5.0, "without a validation file or split: percentage of the training blocks held out for validation")
+        5.0, "without a validation file or split: percentage of the training blocks held out for validation"
+    )
     max_train_samples: int | None = arg(None, "use only the first N training blocks")
     max_eval_samples: int | None = arg(None, "use only the first N validation blocks")
     data_cache_dir: str | None = arg(None, "where tokenized text is cached (default ~/.cache/jaxseq/text; '' disables)")
@@ -74,9 +81,11 @@ def read_documents(path: str | os.PathLike, text_column: str = "text") -> list[s
     if suffix in JSON_SUFFIXES:
         text = path.read_text(encoding="utf-8")
         try:
-            records = json.loads(text) if text.lstrip().startswith("[") else [
-                json.loads(line) for line in text.splitlines() if line.strip()
-            ]
+            records = (
+                json.loads(text)
+                if text.lstrip().startswith("[")
+                else [json.loads(line) for line in text.splitlines() if line.strip()]
+            )
         except json.JSONDecodeError as e:
             raise JaxseqError(f"{path} is not valid JSON/JSONL: {e}") from None
     elif suffix in CSV_SUFFIXES:
@@ -93,8 +102,7 @@ def _column(records, text_column: str, where: str) -> list[str]:
     for i, record in enumerate(records):
         if not isinstance(record, dict) or text_column not in record:
             keys = ", ".join(record) if isinstance(record, dict) else type(record).__name__
-            raise JaxseqError(f"{where} record {i + 1} has no {text_column!r} field (it has {keys}); "
-                              "set --text_column")
+            raise JaxseqError(f"{where} record {i + 1} has no {text_column!r} field (it has {keys}); set --text_column")
         value = record[text_column]
         documents.append("" if value is None else str(value))
     return documents
@@ -109,9 +117,11 @@ def load_hub_dataset(name: str, config_name: str | None) -> dict:
     try:
         return dict(datasets.load_dataset(name, config_name))
     except Exception as e:  # datasets raises many types (offline, unknown name, missing config)
-        raise JaxseqError(f"cannot load dataset {name!r} ({config_name or 'default config'}) from the Hugging "
-                          f"Face Hub ({type(e).__name__}: {str(e).splitlines()[0][:150]}); offline? pass "
-                          "--train_file") from None
+        raise JaxseqError(
+            f"cannot load dataset {name!r} ({config_name or 'default config'}) from the Hugging "
+            f"Face Hub ({type(e).__name__}: {str(e).splitlines()[0][:150]}); offline? pass "
+            "--train_file"
+        ) from None
 
 
 # --------------------------------------------------------------------------- tokenizing
@@ -126,7 +136,7 @@ def pieces(document: str, size: int = PIECE_CHARS) -> Iterator[str]:
         cut = _CUT.search(document, start + size)
         if cut is None:
             break
-        yield document[start:cut.start()]
+        yield document[start : cut.start()]
         start = cut.start()
     yield document[start:]
 
@@ -145,8 +155,11 @@ def tokenize(documents: list[str], tokenizer, *, progress: bool = True, desc: st
     if eos is None:
         raise JaxseqError("the tokenizer has no EOS token to put between documents; pass another --tokenizer_name")
     dtype = token_dtype(tokenizer)
-    parts = [(piece, i == len(cut) - 1) for cut in map(list, map(pieces, filter(None, documents)))
-             for i, piece in enumerate(cut)]  # (piece, whether it ends its document: then EOS follows)
+    parts = [
+        (piece, i == len(cut) - 1)
+        for cut in map(list, map(pieces, filter(None, documents)))
+        for i, piece in enumerate(cut)
+    ]  # (piece, whether it ends its document: then EOS follows)
     parts = _my_share(parts)
     total = sum(len(piece) for piece, _ in parts)
     bar = tqdm(total=total, desc=desc, unit="char", unit_scale=True, disable=not progress or total < PROGRESS_CHARS)
@@ -155,9 +168,10 @@ def tokenize(documents: list[str], tokenizer, *, progress: bool = True, desc: st
     for i, (piece, _) in enumerate(parts):
         size += len(piece)
         if size >= BATCH_CHARS or i == len(parts) - 1:
-            batch = parts[start:i + 1]
-            encoded = tokenizer([p for p, _ in batch], add_special_tokens=False, verbose=False,
-                                return_attention_mask=False)
+            batch = parts[start : i + 1]
+            encoded = tokenizer(
+                [p for p, _ in batch], add_special_tokens=False, verbose=False, return_attention_mask=False
+            )
             for ids, (_, end) in zip(encoded["input_ids"], batch):
                 out.append(np.asarray(ids + [eos] if end else ids, dtype=dtype))
             bar.update(size)
@@ -188,7 +202,7 @@ def _join_shares(tokens: np.ndarray) -> np.ndarray:
 
     lengths = np.asarray(multihost_utils.process_allgather(np.int32(len(tokens))))
     padded = np.zeros(int(lengths.max()), tokens.dtype)
-    padded[:len(tokens)] = tokens
+    padded[: len(tokens)] = tokens
     streams = np.asarray(multihost_utils.process_allgather(padded))
     return np.concatenate([stream[:n] for stream, n in zip(streams, lengths)])
 
@@ -259,8 +273,15 @@ class TokenCache:
             raise
 
 
-def file_tokens(path: str | os.PathLike, tokenizer, cache: TokenCache, *, text_column: str = "text",
-                progress: bool = True, log: Log = print) -> np.ndarray:
+def file_tokens(
+    path: str | os.PathLike,
+    tokenizer,
+    cache: TokenCache,
+    *,
+    text_column: str = "text",
+    progress: bool = True,
+    log: Log = print,
+) -> np.ndarray:
     """The token stream of a local file, from the cache when its bytes and the tokenizer are unchanged."""
     path = Path(path)
     if not path.is_file():
@@ -269,16 +290,30 @@ def file_tokens(path: str | os.PathLike, tokenizer, cache: TokenCache, *, text_c
     key = cache.key(file=file_fingerprint(path), column=column, tokenizer=tokenizer_fingerprint(tokenizer))
     describe = {"source": str(path), "text_column": column, "tokenizer": tokenizer.name_or_path}
     return cache.get_or_make(
-        key, describe, lambda: tokenize(read_documents(path, text_column), tokenizer, progress=progress,
-                                        desc=f"tokenizing {path.name}"), log)
+        key,
+        describe,
+        lambda: tokenize(
+            read_documents(path, text_column), tokenizer, progress=progress, desc=f"tokenizing {path.name}"
+        ),
+        log,
+    )
 
 
-def dataset_tokens(split, name: str, tokenizer, cache: TokenCache, *, text_column: str = "text",
-                   progress: bool = True, log: Log = print) -> np.ndarray:
+def dataset_tokens(
+    split,
+    name: str,
+    tokenizer,
+    cache: TokenCache,
+    *,
+    text_column: str = "text",
+    progress: bool = True,
+    log: Log = print,
+) -> np.ndarray:
     """The token stream of a Hub dataset split, cached under the dataset's fingerprint."""
     if text_column not in split.column_names:
-        raise JaxseqError(f"dataset {name} has no column {text_column!r} (it has {', '.join(split.column_names)}); "
-                          "set --text_column")
+        raise JaxseqError(
+            f"dataset {name} has no column {text_column!r} (it has {', '.join(split.column_names)}); set --text_column"
+        )
     fingerprint = getattr(split, "_fingerprint", None)
 
     def make():
@@ -288,8 +323,9 @@ def dataset_tokens(split, name: str, tokenizer, cache: TokenCache, *, text_colum
     if fingerprint is None:
         return make()
     key = cache.key(dataset=fingerprint, column=text_column, tokenizer=tokenizer_fingerprint(tokenizer))
-    return cache.get_or_make(key, {"source": name, "text_column": text_column,
-                                   "tokenizer": tokenizer.name_or_path}, make, log)
+    return cache.get_or_make(
+        key, {"source": name, "text_column": text_column, "tokenizer": tokenizer.name_or_path}, make, log
+    )
 
 
 # --------------------------------------------------------------------------- blocks
@@ -302,8 +338,10 @@ def group_texts(tokens: np.ndarray, block_size: int, where: str = "the text") ->
         raise JaxseqError(f"--block_size must be at least 2 (a token and the next one to predict), got {block_size}")
     n = len(tokens) // block_size
     if n == 0:
-        raise JaxseqError(f"{where} has {len(tokens)} tokens, not enough for one block of {block_size}; "
-                          "lower --block_size or give more text")
+        raise JaxseqError(
+            f"{where} has {len(tokens)} tokens, not enough for one block of {block_size}; "
+            "lower --block_size or give more text"
+        )
     return tokens[: n * block_size].reshape(n, block_size)
 
 
@@ -313,8 +351,10 @@ def split_blocks(blocks: np.ndarray, percentage: float) -> tuple[np.ndarray, np.
         raise JaxseqError(f"--validation_split_percentage must be between 0 and 100, got {percentage}")
     held_out = max(1, int(len(blocks) * percentage / 100))
     if held_out >= len(blocks):
-        raise JaxseqError(f"{len(blocks)} block(s) cannot be split into training and validation; give more text, "
-                          "a smaller --block_size or a --validation_file")
+        raise JaxseqError(
+            f"{len(blocks)} block(s) cannot be split into training and validation; give more text, "
+            "a smaller --block_size or a --validation_file"
+        )
     return blocks[:-held_out], blocks[-held_out:]
 
 
@@ -329,8 +369,9 @@ def check_sources(config: TextDataConfig) -> None:
             raise JaxseqError(f"text file {file} does not exist")
 
 
-def load_blocks(config: TextDataConfig, tokenizer, block_size: int, *, progress: bool = True,
-                log: Log = print) -> tuple[np.ndarray, np.ndarray]:
+def load_blocks(
+    config: TextDataConfig, tokenizer, block_size: int, *, progress: bool = True, log: Log = print
+) -> tuple[np.ndarray, np.ndarray]:
     """(train, validation) blocks ``[n, block_size]`` for ``config``: local files or a Hub dataset."""
     check_sources(config)
     cache = TokenCache(config.data_cache_dir, overwrite=config.overwrite_cache)
@@ -342,8 +383,10 @@ def load_blocks(config: TextDataConfig, tokenizer, block_size: int, *, progress:
             raise JaxseqError(f"dataset {name} has no train split (it has {', '.join(splits)})")
         train = (f"{name} train", dataset_tokens(splits["train"], f"{name} train", tokenizer, cache, **kw))
         if not config.validation_file and "validation" in splits:
-            valid = (f"{name} validation",
-                     dataset_tokens(splits["validation"], f"{name} validation", tokenizer, cache, **kw))
+            valid = (
+                f"{name} validation",
+                dataset_tokens(splits["validation"], f"{name} validation", tokenizer, cache, **kw),
+            )
         else:
             valid = None
     else:

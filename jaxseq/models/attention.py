@@ -6,8 +6,9 @@ values ``[batch, kv_len, heads, head_dim]``, masks ``[batch, 1, q_len, kv_len]``
 The KV cache is a plain pytree of fixed shapes, so it can be carried through ``lax.while_loop``:
 ``Cache(layers=(KVCache(k, v), ...), index)`` where ``k``/``v`` are ``[batch, heads, max_len, head_dim]``
 (heads before positions, so the attention dots read the whole cache without transposing it every step;
-``attend_cache`` is the attention over it) and ``index`` is the int32 position the next token is written to. With a cache, the attention mask the
-caller passes covers all ``max_len`` key positions (1 for real tokens written so far or about to be).
+``attend_cache`` is the attention over it) and ``index`` is the int32 position the next token is written
+to. With a cache, the attention mask the caller passes covers all ``max_len`` key positions (1 for real
+tokens written so far or about to be).
 """
 
 from __future__ import annotations
@@ -28,12 +29,12 @@ class KVCache(NamedTuple):
     v: jax.Array
 
     @classmethod
-    def zeros(cls, batch: int, max_len: int, heads: int, head_dim: int, dtype) -> "KVCache":
+    def zeros(cls, batch: int, max_len: int, heads: int, head_dim: int, dtype) -> KVCache:
         shape = (batch, heads, max_len, head_dim)
         return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
 
     @classmethod
-    def of(cls, k: jax.Array, v: jax.Array, dtype=None) -> "KVCache":
+    def of(cls, k: jax.Array, v: jax.Array, dtype=None) -> KVCache:
         """A cache holding keys/values given as ``[batch, len, heads, head_dim]`` (T5's cross-attention)."""
         return cls(*(jnp.swapaxes(t, 1, 2).astype(dtype or t.dtype) for t in (k, v)))
 
@@ -51,7 +52,7 @@ class Cache(NamedTuple):
     cross: tuple[KVCache, ...] | None = None
 
     @classmethod
-    def zeros(cls, num_layers: int, batch: int, max_len: int, heads: int, head_dim: int, dtype) -> "Cache":
+    def zeros(cls, num_layers: int, batch: int, max_len: int, heads: int, head_dim: int, dtype) -> Cache:
         layer = KVCache.zeros(batch, max_len, heads, head_dim, dtype)
         return cls(tuple(layer for _ in range(num_layers)), jnp.zeros((), jnp.int32))
 
@@ -145,8 +146,9 @@ def attend(
     return jnp.einsum("bhqk,bkhd->bqhd", probs, v)
 
 
-def attend_cache(q: jax.Array, cache: KVCache, mask: jax.Array | None, *, bias: jax.Array | None = None,
-                 scale: float | None = None) -> jax.Array:
+def attend_cache(
+    q: jax.Array, cache: KVCache, mask: jax.Array | None, *, bias: jax.Array | None = None, scale: float | None = None
+) -> jax.Array:
     """``attend`` (without dropout: caches serve inference) over the keys/values of ``cache``."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     k, v = cache.k.astype(q.dtype), cache.v.astype(q.dtype)

@@ -79,8 +79,12 @@ class BertAttention(nnx.Module):
 class BertIntermediate(nnx.Module):
     def __init__(self, config, *, dtype, param_dtype, rngs: nnx.Rngs):
         self.dense = Linear(
-            config.hidden_size, config.intermediate_size, dtype=dtype, param_dtype=param_dtype,
-            kernel_init=normal(config.initializer_range), rngs=rngs,
+            config.hidden_size,
+            config.intermediate_size,
+            dtype=dtype,
+            param_dtype=param_dtype,
+            kernel_init=normal(config.initializer_range),
+            rngs=rngs,
         )
         self.act = activation(config.hidden_act)
 
@@ -118,8 +122,12 @@ class BertPooler(nnx.Module):
 
     def __init__(self, config, *, dtype, param_dtype, rngs: nnx.Rngs):
         self.dense = Linear(
-            config.hidden_size, config.hidden_size, dtype=dtype, param_dtype=param_dtype,
-            kernel_init=normal(config.initializer_range), rngs=rngs,
+            config.hidden_size,
+            config.hidden_size,
+            dtype=dtype,
+            param_dtype=param_dtype,
+            kernel_init=normal(config.initializer_range),
+            rngs=rngs,
         )
 
     def __call__(self, h, pool_index=None):
@@ -136,14 +144,17 @@ class BertModel(nnx.Module):
     hf_architecture = "BertModel"
 
     def __init__(
-        self, config, *, add_pooling_layer: bool = True, dtype=jnp.float32, param_dtype=jnp.float32,
+        self,
+        config,
+        *,
+        add_pooling_layer: bool = True,
+        dtype=jnp.float32,
+        param_dtype=jnp.float32,
         rngs: nnx.Rngs,
     ):
         position_type = getattr(config, "position_embedding_type", None) or "absolute"
         if position_type != "absolute":
-            raise JaxseqError(
-                f"BERT position_embedding_type {position_type!r} is not supported; only 'absolute' is"
-            )
+            raise JaxseqError(f"BERT position_embedding_type {position_type!r} is not supported; only 'absolute' is")
         if getattr(config, "add_cross_attention", False):
             raise JaxseqError("BERT configs with add_cross_attention are not supported; set it to false")
         self.config = config
@@ -152,8 +163,9 @@ class BertModel(nnx.Module):
         self.encoder = BertEncoder(config, **kw)
         self.pooler = BertPooler(config, **kw) if add_pooling_layer else None
 
-    def __call__(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None, *,
-                 pool_index=None, rngs=None):
+    def __call__(
+        self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None, *, pool_index=None, rngs=None
+    ):
         seq = input_ids.shape[1]
         if position_ids is None:
             if seq > self.config.max_position_embeddings:
@@ -181,14 +193,19 @@ class BertForSequenceClassification(nnx.Module):
         self.config = config
         self.bert = BertModel(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.classifier = Linear(
-            config.hidden_size, config.num_labels, dtype=dtype, param_dtype=param_dtype,
-            kernel_init=normal(config.initializer_range), rngs=rngs,
+            config.hidden_size,
+            config.num_labels,
+            dtype=dtype,
+            param_dtype=param_dtype,
+            kernel_init=normal(config.initializer_range),
+            rngs=rngs,
         )
         rate = config.classifier_dropout
         self.classifier_dropout = config.hidden_dropout_prob if rate is None else rate
 
-    def __call__(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None, *,
-                 pool_index=None, rngs=None):
+    def __call__(
+        self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None, *, pool_index=None, rngs=None
+    ):
         """Logits ``[batch, num_labels]``, or ``[len(pool_index), num_labels]`` for packed rows."""
         out = self.bert(input_ids, attention_mask, token_type_ids, position_ids, pool_index=pool_index, rngs=rngs)
         pooled = out.pooler_output
@@ -217,8 +234,12 @@ class BertLMPredictionHead(nnx.Module):
         self.bias = nnx.Param(jnp.zeros((config.vocab_size,), param_dtype))
         if not config.tie_word_embeddings:
             self.decoder = Linear(
-                config.hidden_size, config.vocab_size, dtype=dtype, param_dtype=param_dtype,
-                kernel_init=normal(config.initializer_range), rngs=rngs,
+                config.hidden_size,
+                config.vocab_size,
+                dtype=dtype,
+                param_dtype=param_dtype,
+                kernel_init=normal(config.initializer_range),
+                rngs=rngs,
             )
 
 

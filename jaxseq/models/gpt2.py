@@ -8,7 +8,15 @@ from jax.sharding import PartitionSpec as P
 
 from jaxseq.errors import JaxseqError
 from jaxseq.models.attention import (
-    Cache, KVCache, attend, attend_cache, make_mask, merge_heads, run_blocks, split_heads, update_kv,
+    Cache,
+    KVCache,
+    attend,
+    attend_cache,
+    make_mask,
+    merge_heads,
+    run_blocks,
+    split_heads,
+    update_kv,
 )
 from jaxseq.models.family import Family
 from jaxseq.models.layers import Conv1D, Linear, activation, dropout, normal
@@ -112,8 +120,13 @@ class GPT2LMHeadModel(nnx.Module):
         self.transformer = GPT2Model(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         if not config.tie_word_embeddings:
             self.lm_head = Linear(
-                config.n_embd, config.vocab_size, use_bias=False, dtype=dtype, param_dtype=param_dtype,
-                kernel_init=normal(config.initializer_range), rngs=rngs,
+                config.n_embd,
+                config.vocab_size,
+                use_bias=False,
+                dtype=dtype,
+                param_dtype=param_dtype,
+                kernel_init=normal(config.initializer_range),
+                rngs=rngs,
             )
 
     def __call__(self, input_ids, attention_mask=None, position_ids=None, *, cache=None, rngs=None):
@@ -150,8 +163,13 @@ class LastTokenClassifier(nnx.Module):
         self.config = config
         self.transformer = self.base(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.score = Linear(
-            config.n_embd, config.num_labels, use_bias=False, dtype=dtype, param_dtype=param_dtype,
-            kernel_init=normal(config.initializer_range), rngs=rngs,
+            config.n_embd,
+            config.num_labels,
+            use_bias=False,
+            dtype=dtype,
+            param_dtype=param_dtype,
+            kernel_init=normal(config.initializer_range),
+            rngs=rngs,
         )
 
     def __call__(self, input_ids, attention_mask=None, position_ids=None, *, pool_index=None, rngs=None):

@@ -13,7 +13,15 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jaxseq.models.attention import (
-    Cache, KVCache, attend, attend_cache, make_mask, merge_heads, run_blocks, split_heads, update_kv,
+    Cache,
+    KVCache,
+    attend,
+    attend_cache,
+    make_mask,
+    merge_heads,
+    run_blocks,
+    split_heads,
+    update_kv,
 )
 from jaxseq.models.family import Family
 from jaxseq.models.gpt2 import LastTokenClassifier
@@ -48,8 +56,13 @@ def apply_rotary(x: jax.Array, sin: jax.Array, cos: jax.Array) -> jax.Array:
 class GPTJAttention(nnx.Module):
     def __init__(self, config, *, dtype, param_dtype, rngs: nnx.Rngs):
         d = config.n_embd
-        kw = dict(use_bias=False, kernel_init=normal(config.initializer_range), dtype=dtype,
-                  param_dtype=param_dtype, rngs=rngs)
+        kw = dict(
+            use_bias=False,
+            kernel_init=normal(config.initializer_range),
+            dtype=dtype,
+            param_dtype=param_dtype,
+            rngs=rngs,
+        )
         self.q_proj = Linear(d, d, **kw)
         self.k_proj = Linear(d, d, **kw)
         self.v_proj = Linear(d, d, **kw)
@@ -148,8 +161,12 @@ class GPTJForCausalLM(nnx.Module):
             self.lm_head = TiedHeadBias(config.vocab_size, param_dtype=param_dtype)
         else:
             self.lm_head = Linear(
-                config.n_embd, config.vocab_size, dtype=dtype, param_dtype=param_dtype,
-                kernel_init=normal(config.initializer_range), rngs=rngs,
+                config.n_embd,
+                config.vocab_size,
+                dtype=dtype,
+                param_dtype=param_dtype,
+                kernel_init=normal(config.initializer_range),
+                rngs=rngs,
             )
 
     def __call__(self, input_ids, attention_mask=None, position_ids=None, *, cache=None, rngs=None):

@@ -13,8 +13,8 @@ import json
 import logging
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -38,8 +38,8 @@ _WEIGHT_PATTERNS = (["*.safetensors", "*.safetensors.index.json"], ["pytorch_mod
 
 
 def _is_weights_folder(path: Path) -> bool:
-    return any(path.glob("*.safetensors")) or any(path.glob("pytorch_model*.bin")) or any(
-        path.glob("flax_model*.msgpack")
+    return (
+        any(path.glob("*.safetensors")) or any(path.glob("pytorch_model*.bin")) or any(path.glob("flax_model*.msgpack"))
     )
 
 
@@ -145,8 +145,16 @@ def apply_overrides(config, *, num_labels: int | None = None, **overrides):
 # --------------------------------------------------------------------------- reading weights
 
 _ST_DTYPES = {
-    "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
-    "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_,
+    "F64": np.float64,
+    "F32": np.float32,
+    "F16": np.float16,
+    "BF16": ml_dtypes.bfloat16,
+    "I64": np.int64,
+    "I32": np.int32,
+    "I16": np.int16,
+    "I8": np.int8,
+    "U8": np.uint8,
+    "BOOL": np.bool_,
 }
 
 
@@ -183,9 +191,10 @@ def _read_torch_bin(path: Path) -> dict[str, Callable[[], np.ndarray]]:
         state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as e:  # torch raises many types for bad files
         if "Weights only load failed" in str(e):  # torch's own advice (weights_only=False) would run its code
-            raise JaxseqError(f"{path} holds pickled objects besides tensors, and jaxseq never unpickles them "
-                              "(they can run code); use a safetensors copy of the model from a source you trust"
-                              ) from None
+            raise JaxseqError(
+                f"{path} holds pickled objects besides tensors, and jaxseq never unpickles them "
+                "(they can run code); use a safetensors copy of the model from a source you trust"
+            ) from None
         raise JaxseqError(f"cannot read {path}: {str(e).splitlines()[0]}") from None
 
     def tensor(t):
@@ -233,9 +242,7 @@ def read_checkpoint(folder: Path) -> dict[str, Callable[[], np.ndarray]]:
             return tensors
         if (folder / filename).is_file():
             return reader(folder / filename)
-    raise JaxseqError(
-        f"no weights in {folder} (looked for model.safetensors, pytorch_model.bin, flax_model.msgpack)"
-    )
+    raise JaxseqError(f"no weights in {folder} (looked for model.safetensors, pytorch_model.bin, flax_model.msgpack)")
 
 
 # --------------------------------------------------------------------------- names
@@ -266,7 +273,7 @@ def match_names(family: Family, expected: set[str], found: dict[str, Callable]):
                 (prefix + n if prefix + n in expected or not family.is_head(n) else n): t for n, t in found.items()
             }
         elif theirs_prefixed and not ours_prefixed:  # a head-model checkpoint into the bare base model
-            found = {(n[len(prefix):] if n.startswith(prefix) else n): t for n, t in found.items()}
+            found = {(n[len(prefix) :] if n.startswith(prefix) else n): t for n, t in found.items()}
     for alias, target in family.aliases.items():
         if alias in found:
             tensor = found.pop(alias)
@@ -308,9 +315,7 @@ def family_for(model_type: str | None) -> Family:
     from jaxseq.models import FAMILIES
 
     if model_type not in FAMILIES:
-        raise JaxseqError(
-            f"model_type {model_type!r} is not supported; jaxseq supports {', '.join(sorted(FAMILIES))}"
-        )
+        raise JaxseqError(f"model_type {model_type!r} is not supported; jaxseq supports {', '.join(sorted(FAMILIES))}")
     return FAMILIES[model_type]
 
 
@@ -340,9 +345,7 @@ def _placement(mesh, rules, abstract_state, model_type):
     return partition.make_shardings(mesh, specs)
 
 
-def from_config(
-    config, task: str, *, dtype=jnp.float32, param_dtype=jnp.float32, mesh=None, rules=None, seed: int = 0
-):
+def from_config(config, task: str, *, dtype=jnp.float32, param_dtype=jnp.float32, mesh=None, rules=None, seed: int = 0):
     """A randomly initialised model (for pretraining from scratch), built under ``jit`` straight onto its
     shardings, so no device ever holds the whole model when a mesh is given."""
     make = _constructor(config, task, dtype, param_dtype, seed)

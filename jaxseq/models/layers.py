@@ -24,9 +24,7 @@ def activation(name: str):
     try:
         return ACTIVATIONS[name]
     except KeyError:
-        raise JaxseqError(
-            f"activation {name!r} is not supported; use one of {sorted(ACTIVATIONS)}"
-        ) from None
+        raise JaxseqError(f"activation {name!r} is not supported; use one of {sorted(ACTIVATIONS)}") from None
 
 
 def normal(std: float):
@@ -71,7 +69,7 @@ def call_block(block: nnx.Module, remat: bool, *args, **kwargs):
     names = tuple(kwargs)
 
     def run(block, *values):
-        return block(*values[: len(args)], **dict(zip(names, values[len(args):])))
+        return block(*values[: len(args)], **dict(zip(names, values[len(args) :])))
 
     return nnx.remat(run)(block, *args, *kwargs.values())
 

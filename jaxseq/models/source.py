@@ -13,15 +13,23 @@ from jaxseq.errors import JaxseqError
 
 @dataclasses.dataclass
 class ModelSource:
-    model_name_or_path: str | None = arg(None, "Hub id or local folder of a checkpoint to start from (omit to "
-                                               "train from scratch with --config_name or --model_type)")
+    model_name_or_path: str | None = arg(
+        None,
+        "Hub id or local folder of a checkpoint to start from (omit to "
+        "train from scratch with --config_name or --model_type)",
+    )
     config_name: str | None = arg(None, "train from scratch: a local folder holding config.json, or a Hub id")
-    model_type: str | None = arg(None, "train from scratch from transformers' default config of this type "
-                                       "(e.g. gpt2, gptj, t5) instead of --config_name")
-    config_overrides: str | None = arg(None, "config fields to change, comma-separated, e.g. "
-                                             "'n_layer=2,n_embd=128,n_head=4,resid_pdrop=0'")
-    tokenizer_name: str | None = arg(None, "tokenizer Hub id or folder (default: the one beside the model or "
-                                           "config); it must be a fast tokenizer")
+    model_type: str | None = arg(
+        None,
+        "train from scratch from transformers' default config of this type "
+        "(e.g. gpt2, gptj, t5) instead of --config_name",
+    )
+    config_overrides: str | None = arg(
+        None, "config fields to change, comma-separated, e.g. 'n_layer=2,n_embd=128,n_head=4,resid_pdrop=0'"
+    )
+    tokenizer_name: str | None = arg(
+        None, "tokenizer Hub id or folder (default: the one beside the model or config); it must be a fast tokenizer"
+    )
 
 
 def check(source: ModelSource, default_model: str | None = None) -> None:
@@ -29,8 +37,9 @@ def check(source: ModelSource, default_model: str | None = None) -> None:
     scratch = source.config_name or source.model_type
     if not source.model_name_or_path and not scratch:
         if default_model is None:
-            raise JaxseqError("pass --model_name_or_path (start from a checkpoint) or --config_name/--model_type "
-                              "(train from scratch)")
+            raise JaxseqError(
+                "pass --model_name_or_path (start from a checkpoint) or --config_name/--model_type (train from scratch)"
+            )
         source.model_name_or_path = default_model
     if source.model_name_or_path and scratch:
         raise JaxseqError("pass either --model_name_or_path or --config_name/--model_type, not both")
@@ -74,8 +83,9 @@ def load_tokenizer(name: str | Path | None, *, fast: bool = True):
         tokenizer = AutoTokenizer.from_pretrained(name)
     except (OSError, ValueError, TypeError, KeyError, AttributeError) as e:
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:150]
-        raise JaxseqError(f"cannot load a tokenizer from {name} ({first}); pass --tokenizer_name with a "
-                          "tokenizer folder or Hub id") from None
+        raise JaxseqError(
+            f"cannot load a tokenizer from {name} ({first}); pass --tokenizer_name with a tokenizer folder or Hub id"
+        ) from None
     if fast and not tokenizer.is_fast:
         raise JaxseqError(f"the tokenizer of {name} is not a fast (Rust) tokenizer; pass one with a tokenizer.json")
     return tokenizer

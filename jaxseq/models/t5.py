@@ -93,8 +93,9 @@ class T5Attention(nnx.Module):
     """Unscaled multi-head attention; the first self-attention layer of each stack also owns the
     relative position bias that every layer of the stack adds to its scores."""
 
-    def __init__(self, config, *, has_relative_attention_bias=False, is_decoder=False, dtype, param_dtype,
-                 rngs: nnx.Rngs):
+    def __init__(
+        self, config, *, has_relative_attention_bias=False, is_decoder=False, dtype, param_dtype, rngs: nnx.Rngs
+    ):
         d, heads, d_kv, f = config.d_model, config.num_heads, config.d_kv, config.initializer_factor
         inner = heads * d_kv
         kw = dict(use_bias=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
@@ -104,8 +105,12 @@ class T5Attention(nnx.Module):
         self.o = Linear(inner, d, kernel_init=normal(f * inner**-0.5), **kw)
         if has_relative_attention_bias:
             self.relative_attention_bias = nnx.Embed(
-                config.relative_attention_num_buckets, heads, embedding_init=normal(f * d**-0.5),
-                dtype=dtype, param_dtype=param_dtype, rngs=rngs,
+                config.relative_attention_num_buckets,
+                heads,
+                embedding_init=normal(f * d**-0.5),
+                dtype=dtype,
+                param_dtype=param_dtype,
+                rngs=rngs,
             )
         self.is_decoder = is_decoder
         self.num_heads = heads
@@ -118,7 +123,9 @@ class T5Attention(nnx.Module):
         (causal buckets in the decoder, bidirectional in the encoder)."""
         relative = jnp.arange(kv_len, dtype=jnp.int32)[None, :] - query_positions(q_len, index)[:, None]
         buckets = relative_position_bucket(
-            relative, bidirectional=not self.is_decoder, num_buckets=self.num_buckets,
+            relative,
+            bidirectional=not self.is_decoder,
+            num_buckets=self.num_buckets,
             max_distance=self.max_distance,
         )
         return jnp.transpose(self.relative_attention_bias(buckets), (2, 0, 1))[None]
@@ -127,8 +134,18 @@ class T5Attention(nnx.Module):
         """Keys and values of ``states``, ``[batch, len, heads, d_kv]``."""
         return split_heads(self.k(states), self.num_heads), split_heads(self.v(states), self.num_heads)
 
-    def __call__(self, x, mask, bias=None, *, kv_states=None, kv: KVCache | None = None,
-                 cache: KVCache | None = None, index=0, rngs=None):
+    def __call__(
+        self,
+        x,
+        mask,
+        bias=None,
+        *,
+        kv_states=None,
+        kv: KVCache | None = None,
+        cache: KVCache | None = None,
+        index=0,
+        rngs=None,
+    ):
         """Self-attention over ``x``, or cross-attention over ``kv_states`` (or their precomputed ``kv``).
         With a self-attention ``cache`` the new keys/values are written at ``index`` first."""
         q = split_heads(self.q(x), self.num_heads)
@@ -140,8 +157,16 @@ class T5Attention(nnx.Module):
                 cache = update_kv(cache, k, v, index)
                 y = attend_cache(q, cache, mask, bias=bias, scale=1.0)
             else:
-                y = attend(q, k.astype(q.dtype), v.astype(q.dtype), mask, bias=bias, scale=1.0,
-                           dropout_rate=self.dropout_rate, rngs=rngs)
+                y = attend(
+                    q,
+                    k.astype(q.dtype),
+                    v.astype(q.dtype),
+                    mask,
+                    bias=bias,
+                    scale=1.0,
+                    dropout_rate=self.dropout_rate,
+                    rngs=rngs,
+                )
         return self.o(merge_heads(y)), cache
 
 
@@ -215,17 +240,20 @@ class T5Block(nnx.Module):
 
     def __init__(self, config, *, has_relative_attention_bias, is_decoder, dtype, param_dtype, rngs: nnx.Rngs):
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-        layers = [T5LayerSelfAttention(
-            config, has_relative_attention_bias=has_relative_attention_bias, is_decoder=is_decoder, **kw
-        )]
+        layers = [
+            T5LayerSelfAttention(
+                config, has_relative_attention_bias=has_relative_attention_bias, is_decoder=is_decoder, **kw
+            )
+        ]
         if is_decoder:
             layers.append(T5LayerCrossAttention(config, **kw))
         layers.append(T5LayerFF(config, **kw))
         self.layer = nnx.List(layers)
         self.is_decoder = is_decoder
 
-    def __call__(self, x, mask, bias, *, encoder_hidden=None, encoder_mask=None, cross=None, cache=None,
-                 index=0, rngs=None):
+    def __call__(
+        self, x, mask, bias, *, encoder_hidden=None, encoder_mask=None, cross=None, cache=None, index=0, rngs=None
+    ):
         x, cache = self.layer[0](x, mask, bias, cache=cache, index=index, rngs=rngs)
         if self.is_decoder:
             x = self.layer[1](x, encoder_mask, kv_states=encoder_hidden, kv=cross, rngs=rngs)
@@ -238,16 +266,24 @@ class T5Stack(nnx.Module):
     def __init__(self, config, *, is_decoder: bool, dtype, param_dtype, rngs: nnx.Rngs):
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         n = config.num_decoder_layers if is_decoder else config.num_layers
-        self.block = nnx.List([
-            T5Block(config, has_relative_attention_bias=i == 0, is_decoder=is_decoder, **kw) for i in range(n)
-        ])
+        self.block = nnx.List(
+            [T5Block(config, has_relative_attention_bias=i == 0, is_decoder=is_decoder, **kw) for i in range(n)]
+        )
         self.final_layer_norm = nnx.RMSNorm(config.d_model, epsilon=config.layer_norm_epsilon, **kw)
         self.is_decoder = is_decoder
         self.dropout_rate = config.dropout_rate
         self.remat = False  # see layers.enable_remat
 
-    def __call__(self, embeds, attention_mask=None, *, encoder_hidden=None, encoder_mask=None,
-                 cache: Cache | None = None, rngs=None) -> BaseOutput:
+    def __call__(
+        self,
+        embeds,
+        attention_mask=None,
+        *,
+        encoder_hidden=None,
+        encoder_mask=None,
+        cache: Cache | None = None,
+        rngs=None,
+    ) -> BaseOutput:
         """``attention_mask`` is ``[batch, seq]`` (1 = token), or, with a decoder ``cache``, covers its
         ``max_len`` positions. The decoder attends to ``encoder_hidden`` or to ``cache.cross``."""
         seq = embeds.shape[1]
@@ -265,9 +301,17 @@ class T5Stack(nnx.Module):
         new_layers = []
         for i, block in enumerate(self.block):
             x, layer_cache = call_block(
-                block, self.remat, x, mask, bias, encoder_hidden=encoder_hidden, encoder_mask=cross_mask,
+                block,
+                self.remat,
+                x,
+                mask,
+                bias,
+                encoder_hidden=encoder_hidden,
+                encoder_mask=cross_mask,
                 cross=None if cache is None else cache.cross[i],
-                cache=None if cache is None else cache.layers[i], index=index, rngs=rngs,
+                cache=None if cache is None else cache.layers[i],
+                index=index,
+                rngs=rngs,
             )
             new_layers.append(layer_cache)
         if cache is not None:
@@ -291,23 +335,33 @@ class T5ForConditionalGeneration(nnx.Module):
         self.decoder = T5Stack(config, is_decoder=True, **kw)
         self.tied = uses_shared_lm_head(config)
         if not self.tied:
-            self.lm_head = Linear(
-                config.d_model, config.vocab_size, use_bias=False, kernel_init=normal(f), **kw
-            )
+            self.lm_head = Linear(config.d_model, config.vocab_size, use_bias=False, kernel_init=normal(f), **kw)
 
     def encode(self, input_ids, attention_mask=None, *, rngs=None):
         """Encoder output ``[batch, source_len, d_model]`` (``attention_mask``: 1 = token, 0 = padding)."""
         return self.encoder(self.shared(input_ids), attention_mask, rngs=rngs).last_hidden_state
 
-    def decode(self, decoder_input_ids, encoder_hidden, encoder_attention_mask=None, decoder_attention_mask=None,
-               *, cache: Cache | None = None, rngs=None) -> LMOutput:
+    def decode(
+        self,
+        decoder_input_ids,
+        encoder_hidden,
+        encoder_attention_mask=None,
+        decoder_attention_mask=None,
+        *,
+        cache: Cache | None = None,
+        rngs=None,
+    ) -> LMOutput:
         """Logits of the decoder over the encoder output. Without a cache this is the teacher-forced
         pass over all of ``decoder_input_ids``. With one (``init_cache``) the tokens are written at
         ``cache.index``, cross-attention uses ``cache.cross`` (``encoder_hidden`` may then be None), and
         ``decoder_attention_mask``, if given, covers the cache's ``max_len`` positions."""
         out = self.decoder(
-            self.shared(decoder_input_ids), decoder_attention_mask, encoder_hidden=encoder_hidden,
-            encoder_mask=encoder_attention_mask, cache=cache, rngs=rngs,
+            self.shared(decoder_input_ids),
+            decoder_attention_mask,
+            encoder_hidden=encoder_hidden,
+            encoder_mask=encoder_attention_mask,
+            cache=cache,
+            rngs=rngs,
         )
         h = out.last_hidden_state
         if self.tied:
@@ -316,8 +370,17 @@ class T5ForConditionalGeneration(nnx.Module):
             logits = self.lm_head(h)
         return LMOutput(logits.astype(jnp.float32), out.cache)
 
-    def __call__(self, input_ids, attention_mask, decoder_input_ids, decoder_attention_mask=None, *,
-                 encoder_outputs=None, cache: Cache | None = None, rngs=None) -> Seq2SeqOutput:
+    def __call__(
+        self,
+        input_ids,
+        attention_mask,
+        decoder_input_ids,
+        decoder_attention_mask=None,
+        *,
+        encoder_outputs=None,
+        cache: Cache | None = None,
+        rngs=None,
+    ) -> Seq2SeqOutput:
         """Encode (unless ``encoder_outputs``, a previous ``encode`` result, is given) and decode."""
         if encoder_outputs is None:
             encoder_outputs = self.encode(input_ids, attention_mask, rngs=rngs)

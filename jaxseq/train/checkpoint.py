@@ -21,8 +21,14 @@ from jaxseq.errors import JaxseqError
 class Checkpointer:
     """Keeps the last ``keep_last`` checkpoints and, if ``best_metric`` is set, the best one by it."""
 
-    def __init__(self, directory: str | Path, *, keep_last: int = 2, best_metric: str | None = None,
-                 greater_is_better: bool = True):
+    def __init__(
+        self,
+        directory: str | Path,
+        *,
+        keep_last: int = 2,
+        best_metric: str | None = None,
+        greater_is_better: bool = True,
+    ):
         self.directory = Path(directory).absolute()
         keep = [policies.LatestN(n=max(keep_last, 1))]
         if best_metric:
@@ -117,23 +123,30 @@ class Checkpointer:
             first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
             why = os.strerror(int(code.group(1))) if code else first
             last = max((s for s in self.manager.all_steps() if step is None or s < step), default=None)
-            kept = (f"the previous checkpoint (step {last}) is intact and a rerun resumes from it" if last is not None
-                    else "no earlier checkpoint exists")
-            self._failed = JaxseqError(f"cannot write the checkpoint of step {step} in {self.directory} ({why}); "
-                                       f"{kept}; free disk space or pick another --output_dir")
+            kept = (
+                f"the previous checkpoint (step {last}) is intact and a rerun resumes from it"
+                if last is not None
+                else "no earlier checkpoint exists"
+            )
+            self._failed = JaxseqError(
+                f"cannot write the checkpoint of step {step} in {self.directory} ({why}); "
+                f"{kept}; free disk space or pick another --output_dir"
+            )
         return self._failed
 
 
 def _shapes(tree) -> dict[str, tuple]:
     """``"params/transformer/wte/embedding/value" -> shape`` for every array of a state or its metadata."""
+
     def name(key) -> str:
         for attr in ("key", "name", "idx"):
             if hasattr(key, attr):
                 return str(getattr(key, attr))
         return str(key)
 
-    return {"/".join(map(name, path)): tuple(leaf.shape)
-            for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+    return {
+        "/".join(map(name, path)): tuple(leaf.shape) for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]
+    }
 
 
 class _DropOrbaxErrors(logging.Filter):

@@ -17,8 +17,14 @@ class RunLogger:
         self.enabled = jax.process_index() == 0 if enabled is None else enabled
         self.output_dir = Path(output_dir)
         self.records: list[dict] = []
-        self.bar = tqdm(total=total_steps, initial=initial_step, desc="train", unit="step",
-                        disable=not self.enabled, dynamic_ncols=True)
+        self.bar = tqdm(
+            total=total_steps,
+            initial=initial_step,
+            desc="train",
+            unit="step",
+            disable=not self.enabled,
+            dynamic_ncols=True,
+        )
         self._tb = None
         self._jsonl = None
         if self.enabled:
@@ -26,7 +32,7 @@ class RunLogger:
 
             self.output_dir.mkdir(parents=True, exist_ok=True)
             self._tb = SummaryWriter(str(self.output_dir / "tensorboard"))
-            self._jsonl = open(self.output_dir / "metrics.jsonl", "a", encoding="utf-8")
+            self._jsonl = open(self.output_dir / "metrics.jsonl", "a", encoding="utf-8")  # noqa: SIM115 (open for the run)
 
     def log(self, step: int, values: dict[str, float]) -> None:
         """Record ``values`` at ``step`` (keys like ``train/loss``, ``eval/accuracy``)."""
@@ -65,7 +71,7 @@ class RunLogger:
         tmp.write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")
         tmp.replace(path)
         self.records = kept + self.records
-        self._jsonl = open(path, "a", encoding="utf-8")
+        self._jsonl = open(path, "a", encoding="utf-8")  # noqa: SIM115 (open for the run)
         from tensorboardX import SummaryWriter
 
         self._tb.close()

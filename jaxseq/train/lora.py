@@ -37,8 +37,12 @@ from jaxseq.partition import gather, path_string
 
 EXPORTS = ("merged", "adapter")
 # PEFT's task_type by the transformers class a model mirrors
-_PEFT_TASKS = {"ForSequenceClassification": "SEQ_CLS", "LMHeadModel": "CAUSAL_LM", "ForCausalLM": "CAUSAL_LM",
-               "ForConditionalGeneration": "SEQ_2_SEQ_LM"}
+_PEFT_TASKS = {
+    "ForSequenceClassification": "SEQ_CLS",
+    "LMHeadModel": "CAUSAL_LM",
+    "ForCausalLM": "CAUSAL_LM",
+    "ForConditionalGeneration": "SEQ_2_SEQ_LM",
+}
 
 
 @dataclasses.dataclass
@@ -46,14 +50,24 @@ class LoraConfig:
     lora_rank: int = arg(0, "train rank-r LoRA adapters instead of every weight (0: full fine-tuning)")
     lora_alpha: float = arg(16.0, "adapter scale numerator: each adapted layer adds (alpha / rank) * x A B")
     lora_dropout: float = arg(0.0, "dropout on the adapters' input during training, as PEFT's lora_dropout")
-    lora_targets: str | None = arg(None, "regex on parameter paths: the dense kernels it matches get adapters "
-                                         "(default: attention query and value as in PEFT, e.g. "
-                                         "'/(query|value)/kernel$' for BERT)")
-    lora_trainable: str | None = arg(None, "regex on parameter paths trained in full beside the adapters (PEFT's "
-                                           "modules_to_save; default: the classification head, if the model has one)")
-    lora_export: str = arg("merged", "what --output_dir receives: the adapters merged into plain Hugging Face "
-                                     "weights, or the adapter alone in PEFT's format (adapter_config.json + "
-                                     "adapter_model.safetensors)", choices=EXPORTS)
+    lora_targets: str | None = arg(
+        None,
+        "regex on parameter paths: the dense kernels it matches get adapters "
+        "(default: attention query and value as in PEFT, e.g. "
+        "'/(query|value)/kernel$' for BERT)",
+    )
+    lora_trainable: str | None = arg(
+        None,
+        "regex on parameter paths trained in full beside the adapters (PEFT's "
+        "modules_to_save; default: the classification head, if the model has one)",
+    )
+    lora_export: str = arg(
+        "merged",
+        "what --output_dir receives: the adapters merged into plain Hugging Face "
+        "weights, or the adapter alone in PEFT's format (adapter_config.json + "
+        "adapter_model.safetensors)",
+        choices=EXPORTS,
+    )
 
     def __post_init__(self):
         if self.lora_rank < 0:
@@ -91,19 +105,26 @@ class Lora:
         family = family_for(model.config.model_type)
         pattern = config.lora_targets or family.lora_targets
         dense = {path: m for path, m in nnx.iter_modules(model) if isinstance(m, nnx.Linear)}
-        self.targets = {path: (m.in_features, m.out_features) for path, m in dense.items()
-                        if re.search(pattern, _name((*path, "kernel")))}
+        self.targets = {
+            path: (m.in_features, m.out_features)
+            for path, m in dense.items()
+            if re.search(pattern, _name((*path, "kernel")))
+        }
         if not self.targets:
             example = _name((*next(iter(dense)), "kernel")) if dense else "none"
-            raise JaxseqError(f"--lora_targets {pattern!r} matches no dense kernel of the {family.model_type} model "
-                              f"(they look like {example!r})")
+            raise JaxseqError(
+                f"--lora_targets {pattern!r} matches no dense kernel of the {family.model_type} model "
+                f"(they look like {example!r})"
+            )
         head = config.lora_trainable if config.lora_trainable is not None else getattr(type(model), "task_head", "")
         params = [path for path, _ in nnx.to_flat_state(nnx.state(model, nnx.Param))]
         self.full = [path for path in params if head and re.search(head, _name(path))]
         both = [_name(p) for p in self.full if p[-1] == "kernel" and p[:-1] in self.targets]
         if both:
-            raise JaxseqError(f"{both[0]} is both adapted (--lora_targets) and trained in full (--lora_trainable); "
-                              "narrow one of the regexes")
+            raise JaxseqError(
+                f"{both[0]} is both adapted (--lora_targets) and trained in full (--lora_trainable); "
+                "narrow one of the regexes"
+            )
         flat_specs = {path: v.get_value() for path, v in nnx.to_flat_state(param_specs)}
         specs = {}
         for path in self.targets:
@@ -126,9 +147,10 @@ class Lora:
         out = {}
         for i, (path, (fan_in, fan_out)) in enumerate(self.targets.items()):
             dtype = flat[(*path, "kernel")].dtype
-            bound = fan_in ** -0.5
-            out[(*path, "lora_A")] = jax.random.uniform(jax.random.fold_in(key, i), (fan_in, self.rank), dtype,
-                                                        -bound, bound)
+            bound = fan_in**-0.5
+            out[(*path, "lora_A")] = jax.random.uniform(
+                jax.random.fold_in(key, i), (fan_in, self.rank), dtype, -bound, bound
+            )
             out[(*path, "lora_B")] = jnp.zeros((self.rank, fan_out), dtype)
         out.update({path: flat[path] for path in self.full})
         return _tree(out)
@@ -166,15 +188,18 @@ class Lora:
     def describe(self, model_count: int, trainable_count: int) -> str:
         targets = sorted({re.sub(r"/\d+/", "/*/", _name(path)) for path in self.targets})
         full = sorted({_name(path) for path in self.full})
-        return (f"LoRA rank {self.rank} (alpha {self.config.lora_alpha:g}, dropout {self.config.lora_dropout:g}) on "
-                f"{len(self.targets)} kernels ({', '.join(targets)}); trained in full: {', '.join(full) or 'nothing'}; "
-                f"{trainable_count:,} trainable parameters, {100 * trainable_count / model_count:.2f}% of the "
-                f"model's {model_count:,}")
+        return (
+            f"LoRA rank {self.rank} (alpha {self.config.lora_alpha:g}, dropout {self.config.lora_dropout:g}) on "
+            f"{len(self.targets)} kernels ({', '.join(targets)}); trained in full: {', '.join(full) or 'nothing'}; "
+            f"{trainable_count:,} trainable parameters, {100 * trainable_count / model_count:.2f}% of the "
+            f"model's {model_count:,}"
+        )
 
     # ------------------------------------------------------------------ PEFT export
 
-    def save_adapter(self, trainable: dict, out_dir: str | os.PathLike, *, base_model: str | None,
-                     tokenizer=None) -> Path:
+    def save_adapter(
+        self, trainable: dict, out_dir: str | os.PathLike, *, base_model: str | None, tokenizer=None
+    ) -> Path:
         """``adapter_config.json`` + ``adapter_model.safetensors`` as PEFT writes them (``lora_A.weight``
         ``[r, in]``, ``lora_B.weight`` ``[out, r]``, the task head under its own name), and the tokenizer.
         ``PeftModel.from_pretrained(base, out_dir)`` loads it. Every process calls this; process 0 writes."""
@@ -198,11 +223,20 @@ class Lora:
             to_save.add(name.rsplit(".", 1)[0])
         task = next((t for suffix, t in _PEFT_TASKS.items() if self.architecture.endswith(suffix)), None)
         config = {
-            "peft_type": "LORA", "task_type": task, "base_model_name_or_path": base_model,
-            "r": self.rank, "lora_alpha": self.config.lora_alpha, "lora_dropout": self.config.lora_dropout,
-            "target_modules": sorted(targets), "modules_to_save": sorted(to_save) or None,
-            "fan_in_fan_out": self.fan_in_fan_out, "bias": "none", "use_rslora": False, "use_dora": False,
-            "init_lora_weights": True, "inference_mode": True,
+            "peft_type": "LORA",
+            "task_type": task,
+            "base_model_name_or_path": base_model,
+            "r": self.rank,
+            "lora_alpha": self.config.lora_alpha,
+            "lora_dropout": self.config.lora_dropout,
+            "target_modules": sorted(targets),
+            "modules_to_save": sorted(to_save) or None,
+            "fan_in_fan_out": self.fan_in_fan_out,
+            "bias": "none",
+            "use_rslora": False,
+            "use_dora": False,
+            "init_lora_weights": True,
+            "inference_mode": True,
         }
         out.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=out, prefix=".saving-") as tmp:
@@ -225,8 +259,9 @@ class _AdapterDot:
         y = jax.lax.dot_general(x, kernel, dimension_numbers, precision=precision, **kwargs)
         if self.rate:
             x = dropout_with_key(x, self.rate, self.key)
-        h = jnp.matmul(jnp.matmul(x, self.a.astype(x.dtype), precision=precision), self.b.astype(x.dtype),
-                       precision=precision)
+        h = jnp.matmul(
+            jnp.matmul(x, self.a.astype(x.dtype), precision=precision), self.b.astype(x.dtype), precision=precision
+        )
         return y + (self.scale * h).astype(y.dtype)
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
@@ -37,8 +37,10 @@ class SequenceClassification:
         return {"prediction": prediction, "labels": batch["labels"], "loss": self._losses(logits, batch["labels"])}
 
     def metrics(self, outputs: dict[str, np.ndarray]) -> dict[str, float]:
-        return {"loss": float(outputs["loss"].mean()),
-                **compute_metrics(self.task, outputs["prediction"], outputs["labels"])}
+        return {
+            "loss": float(outputs["loss"].mean()),
+            **compute_metrics(self.task, outputs["prediction"], outputs["labels"]),
+        }
 
 
 class TokenLoss:
@@ -103,11 +105,16 @@ class Seq2SeqLM(TokenLoss):
             from jaxseq.generation import greedy_tokens
 
             outputs["generated"] = greedy_tokens(
-                model, batch["input_ids"], batch["attention_mask"], max_new_tokens=self.max_new_tokens,
-                eos_token_id=model.config.eos_token_id, pad_token_id=model.config.pad_token_id,
+                model,
+                batch["input_ids"],
+                batch["attention_mask"],
+                max_new_tokens=self.max_new_tokens,
+                eos_token_id=model.config.eos_token_id,
+                pad_token_id=model.config.pad_token_id,
             )
-            outputs["references"] = jnp.where(batch["decoder_attention_mask"] > 0, batch["labels"],
-                                              model.config.pad_token_id)
+            outputs["references"] = jnp.where(
+                batch["decoder_attention_mask"] > 0, batch["labels"], model.config.pad_token_id
+            )
         return outputs
 
     def metrics(self, outputs: dict[str, np.ndarray]) -> dict[str, float]:

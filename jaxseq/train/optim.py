@@ -12,7 +12,6 @@ import optax
 from jaxseq.config import arg
 from jaxseq.errors import JaxseqError
 
-
 OPTIMIZERS = ("adamw", "adafactor", "lion", "sgd", "muon", "lbfgs")
 # Distributed Shampoo is left out: optax-shampoo 0.0.6 (the newest on PyPI) calls jax.tree_map, which
 # current JAX removed, and no maintained successor is published.
@@ -32,12 +31,21 @@ class OptimizerConfig:
     warmup_steps: int = arg(0, "linear warmup updates (overrides --warmup_ratio)")
     warmup_ratio: float = arg(0.0, "warmup as a fraction of all updates")
     max_grad_norm: float = arg(1.0, "clip gradients to this global norm (0: no clipping)")
-    lr_groups: str | None = arg(None, "learning-rate multipliers by regex on parameter paths, comma-separated "
-                                      "REGEX=FACTOR, first match wins, e.g. 'classifier=10,embeddings=0.1'")
-    ema_decay: float = arg(0.0, "keep an exponential moving average of the parameters, "
-                                "ema = decay * ema + (1 - decay) * params after every update (0: none)")
-    eval_with_ema: bool = arg(True, "with --ema_decay: evaluate, pick the best checkpoint and export with the "
-                                    "averaged parameters (false: with the trained ones)")
+    lr_groups: str | None = arg(
+        None,
+        "learning-rate multipliers by regex on parameter paths, comma-separated "
+        "REGEX=FACTOR, first match wins, e.g. 'classifier=10,embeddings=0.1'",
+    )
+    ema_decay: float = arg(
+        0.0,
+        "keep an exponential moving average of the parameters, "
+        "ema = decay * ema + (1 - decay) * params after every update (0: none)",
+    )
+    eval_with_ema: bool = arg(
+        True,
+        "with --ema_decay: evaluate, pick the best checkpoint and export with the "
+        "averaged parameters (false: with the trained ones)",
+    )
 
     def __post_init__(self):
         if not 0.0 <= self.ema_decay < 1.0:
@@ -49,7 +57,7 @@ def make_schedule(config: OptimizerConfig, total_steps: int) -> optax.Schedule:
     """Linear warmup to ``learning_rate``, then linear decay to 0, cosine decay to 0, or constant."""
     if config.lr_scheduler_type not in SCHEDULES:
         raise JaxseqError(f"unknown lr_scheduler_type {config.lr_scheduler_type!r}; choose {', '.join(SCHEDULES)}")
-    warmup = config.warmup_steps or int(round(config.warmup_ratio * total_steps))
+    warmup = config.warmup_steps or round(config.warmup_ratio * total_steps)
     warmup = min(warmup, total_steps)
     lr = config.learning_rate
     decay_steps = max(total_steps - warmup, 1)
@@ -84,8 +92,10 @@ def parse_lr_groups(text: str | None) -> list[tuple[str, float]]:
         except (ValueError, re.error):
             value = None
         if not pattern or value is None or value < 0:
-            raise JaxseqError(f"bad --lr_groups entry {item!r}: write REGEX=FACTOR pairs (factor >= 0), "
-                              "comma-separated, e.g. 'classifier=10,embeddings=0.1'")
+            raise JaxseqError(
+                f"bad --lr_groups entry {item!r}: write REGEX=FACTOR pairs (factor >= 0), "
+                "comma-separated, e.g. 'classifier=10,embeddings=0.1'"
+            )
         groups.append((pattern, value))
     return groups
 
@@ -107,8 +117,10 @@ def lr_group_labels(groups: list[tuple[str, float]], params):
     labels = jax.tree_util.tree_map_with_path(label, params)
     unused = [groups[i][0] for i in range(len(groups)) if i not in used]
     if unused:
-        raise JaxseqError(f"--lr_groups regex(es) {', '.join(map(repr, unused))} match no trained parameter path "
-                          "(paths look like bert/encoder/layer/0/attention/self/query/kernel)")
+        raise JaxseqError(
+            f"--lr_groups regex(es) {', '.join(map(repr, unused))} match no trained parameter path "
+            "(paths look like bert/encoder/layer/0/attention/self/query/kernel)"
+        )
     return labels
 
 
@@ -140,21 +152,35 @@ def make_optimizer(config: OptimizerConfig, total_steps: int) -> tuple[optax.Gra
 def _optimizer(config: OptimizerConfig, schedule: optax.Schedule) -> optax.GradientTransformation:
     name = config.optimizer.lower()
     if name == "adamw":
-        tx = optax.adamw(schedule, config.adam_beta1, config.adam_beta2, config.adam_epsilon,
-                         weight_decay=config.weight_decay, mask=decay_mask)
+        tx = optax.adamw(
+            schedule,
+            config.adam_beta1,
+            config.adam_beta2,
+            config.adam_epsilon,
+            weight_decay=config.weight_decay,
+            mask=decay_mask,
+        )
     elif name == "adafactor":
         tx = optax.adafactor(schedule, weight_decay_rate=config.weight_decay or None, weight_decay_mask=decay_mask)
     elif name == "lion":
-        tx = optax.lion(schedule, config.adam_beta1, config.adam_beta2, weight_decay=config.weight_decay,
-                        mask=decay_mask)
+        tx = optax.lion(
+            schedule, config.adam_beta1, config.adam_beta2, weight_decay=config.weight_decay, mask=decay_mask
+        )
     elif name == "muon":  # orthogonalised momentum on matrices, AdamW on the rest (optax.contrib)
-        tx = optax.contrib.muon(schedule, weight_decay=config.weight_decay, weight_decay_mask=decay_mask,
-                                adam_b1=config.adam_beta1, adam_b2=config.adam_beta2)
+        tx = optax.contrib.muon(
+            schedule,
+            weight_decay=config.weight_decay,
+            weight_decay_mask=decay_mask,
+            adam_b1=config.adam_beta1,
+            adam_b2=config.adam_beta2,
+        )
     elif name == "lbfgs":  # full-batch style: its zoom line search picks the step; the schedule scales it
         tx = optax.lbfgs(learning_rate=None)
     elif name == "sgd":
-        tx = optax.chain(optax.add_decayed_weights(config.weight_decay, decay_mask),
-                         optax.sgd(schedule, momentum=config.momentum or None))
+        tx = optax.chain(
+            optax.add_decayed_weights(config.weight_decay, decay_mask),
+            optax.sgd(schedule, momentum=config.momentum or None),
+        )
     else:
         raise JaxseqError(f"unknown optimizer {config.optimizer!r}; choose one of {', '.join(OPTIMIZERS)}")
     return tx

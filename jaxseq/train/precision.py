@@ -20,13 +20,14 @@ class LossScale:
     factor: float = dataclasses.field(default=2.0, metadata={"static": True})
 
     @classmethod
-    def create(cls, initial: float = 2.0**15, period: int = 2000, factor: float = 2.0) -> "LossScale":
+    def create(cls, initial: float = 2.0**15, period: int = 2000, factor: float = 2.0) -> LossScale:
         return cls(jnp.float32(initial), jnp.int32(0), jnp.int32(0), period, factor)
 
-    def adjust(self, finite: jax.Array) -> "LossScale":
+    def adjust(self, finite: jax.Array) -> LossScale:
         grow = finite & (self.good_steps + 1 >= self.period)
-        scale = jnp.where(finite, jnp.where(grow, self.scale * self.factor, self.scale),
-                          jnp.maximum(self.scale / self.factor, 1.0))
+        scale = jnp.where(
+            finite, jnp.where(grow, self.scale * self.factor, self.scale), jnp.maximum(self.scale / self.factor, 1.0)
+        )
         good_steps = jnp.where(finite & ~grow, self.good_steps + 1, 0)
         return LossScale(scale, good_steps, self.skipped + (~finite).astype(jnp.int32), self.period, self.factor)
 

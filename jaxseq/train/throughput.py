@@ -9,7 +9,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 
 def matmul_parameters(model: nnx.Module) -> int:
@@ -17,8 +18,11 @@ def matmul_parameters(model: nnx.Module) -> int:
     plus the output projection when it reuses the token embedding (``tie_word_embeddings``), as nanoGPT's
     ``estimate_mfu`` counts them."""
     tables = {path for path, module in nnx.iter_modules(model) if isinstance(module, nnx.Embed)}
-    count = sum(int(np.prod(v.get_value().shape)) for path, v in nnx.to_flat_state(nnx.state(model, nnx.Param))
-                if tuple(path[:-1]) not in tables)
+    count = sum(
+        int(np.prod(v.get_value().shape))
+        for path, v in nnx.to_flat_state(nnx.state(model, nnx.Param))
+        if tuple(path[:-1]) not in tables
+    )
     config = model.config
     if getattr(config, "tie_word_embeddings", False):
         count += config.vocab_size * config.hidden_size
@@ -59,8 +63,13 @@ class Throughput:
     (which restarts the window). ``tokens_per_example``/``flops_per_example``/``peak_flops`` are optional;
     only what they allow is reported."""
 
-    def __init__(self, examples_per_step: int, tokens_per_example: int | None = None,
-                 flops_per_example: float | None = None, peak_flops: float | None = None):
+    def __init__(
+        self,
+        examples_per_step: int,
+        tokens_per_example: int | None = None,
+        flops_per_example: float | None = None,
+        peak_flops: float | None = None,
+    ):
         self.examples_per_step = examples_per_step
         self.tokens_per_example, self.flops_per_example = tokens_per_example, flops_per_example
         self.peak_flops = peak_flops

@@ -11,15 +11,17 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any, Iterator, Mapping, Protocol
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxseq import partition
 from jaxseq.config import arg
@@ -52,15 +54,24 @@ class TrainerConfig:
     greater_is_better: bool = arg(True, "whether a larger --metric_for_best_model is better")
     seed: int = arg(42, "seed of initialisation, data order and dropout")
     resume_from_checkpoint: str | None = arg(
-        None, "checkpoint folder to resume from (a run also resumes from --output_dir/checkpoints by itself)")
+        None, "checkpoint folder to resume from (a run also resumes from --output_dir/checkpoints by itself)"
+    )
     skip_nonfinite_updates: bool = arg(
-        False, "skip an update whose loss or gradients are NaN/inf and count it (train/skipped_updates) instead "
-               "of stopping the run")
+        False,
+        "skip an update whose loss or gradients are NaN/inf and count it (train/skipped_updates) instead "
+        "of stopping the run",
+    )
 
     def __post_init__(self):
-        at_least = {"per_device_train_batch_size": 1, "per_device_eval_batch_size": 1,
-                    "gradient_accumulation_steps": 1, "logging_steps": 1, "save_total_limit": 1,
-                    "eval_steps": 0, "save_steps": 0}
+        at_least = {
+            "per_device_train_batch_size": 1,
+            "per_device_eval_batch_size": 1,
+            "gradient_accumulation_steps": 1,
+            "logging_steps": 1,
+            "save_total_limit": 1,
+            "eval_steps": 0,
+            "save_steps": 0,
+        }
         for name, low in at_least.items():
             if getattr(self, name) < low:
                 raise JaxseqError(f"--{name} must be at least {low}, got {getattr(self, name)}")
@@ -104,8 +115,13 @@ class Task(Protocol):
 def state_specs(param_specs, state: TrainState) -> TrainState:
     """The parameters' specs as given; the optimizer state and the moving average follow their parameters;
     scalars are replicated."""
-    return TrainState(P(), param_specs, partition.follow_params(state.params, param_specs, state.opt_state),
-                      jax.tree.map(lambda _: P(), state.loss_scale), None if state.ema is None else param_specs)
+    return TrainState(
+        P(),
+        param_specs,
+        partition.follow_params(state.params, param_specs, state.opt_state),
+        jax.tree.map(lambda _: P(), state.loss_scale),
+        None if state.ema is None else param_specs,
+    )
 
 
 class Trainer:
@@ -173,15 +189,19 @@ class Trainer:
             partition.check_divisible(params, param_specs, mesh)
             self._frozen_shardings = partition.make_shardings(mesh, param_specs)
             self.frozen = partition.shard(params, self._frozen_shardings)
-            params = jax.jit(lambda p: self.lora.init(p, config.seed), in_shardings=(self._frozen_shardings,),
-                             out_shardings=partition.make_shardings(mesh, self.lora.specs))(self.frozen)
+            params = jax.jit(
+                lambda p: self.lora.init(p, config.seed),
+                in_shardings=(self._frozen_shardings,),
+                out_shardings=partition.make_shardings(mesh, self.lora.specs),
+            )(self.frozen)
             param_specs = self.lora.specs
         self.ema_decay, self.eval_with_ema = optimizer.ema_decay, optimizer.eval_with_ema
         self.tx, self.schedule = make_optimizer(optimizer, self.total_steps)
         self.line_search = needs_value_fn(optimizer)
         if self.line_search and config.gradient_accumulation_steps > 1:
-            raise JaxseqError("--optimizer lbfgs re-evaluates the loss on the whole batch; drop "
-                              "--gradient_accumulation_steps")
+            raise JaxseqError(
+                "--optimizer lbfgs re-evaluates the loss on the whole batch; drop --gradient_accumulation_steps"
+            )
         if loss_scaling:
             loss_scale = LossScale.create()
         elif config.skip_nonfinite_updates:  # float16's skip-and-count without its scaling: a scale fixed at 1
@@ -189,24 +209,36 @@ class Trainer:
         else:
             loss_scale = None
         self.skips_nonfinite = loss_scale is not None  # else a NaN/inf loss or gradient stops the run
-        abstract = TrainState(jax.ShapeDtypeStruct((), jnp.int32), params, jax.eval_shape(self.tx.init, params),
-                              jax.eval_shape(lambda: loss_scale), params if self.ema_decay else None)
+        abstract = TrainState(
+            jax.ShapeDtypeStruct((), jnp.int32),
+            params,
+            jax.eval_shape(self.tx.init, params),
+            jax.eval_shape(lambda: loss_scale),
+            params if self.ema_decay else None,
+        )
         specs = state_specs(param_specs, abstract)
         partition.check_divisible(abstract, specs, mesh)
         self._param_specs = specs.params
         self.state_shardings = partition.make_shardings(mesh, specs)
         self._abstract_state = abstract_like(abstract, self.state_shardings)
         self.state = jax.jit(  # the average starts at the initial parameters (a copy: the state is donated)
-            lambda p: TrainState(jnp.zeros((), jnp.int32), p, self.tx.init(p), loss_scale,
-                                 jax.tree.map(jnp.copy, p) if self.ema_decay else None),
+            lambda p: TrainState(
+                jnp.zeros((), jnp.int32),
+                p,
+                self.tx.init(p),
+                loss_scale,
+                jax.tree.map(jnp.copy, p) if self.ema_decay else None,
+            ),
             in_shardings=(self.state_shardings.params,),
             out_shardings=self.state_shardings,
         )(params)
         self._train_step = self._compile_train_step()
-        self._eval_step = jax.jit(self._predict,
-                                  in_shardings=(self.state_shardings.params, self._frozen_shardings, None))
+        self._eval_step = jax.jit(
+            self._predict, in_shardings=(self.state_shardings.params, self._frozen_shardings, None)
+        )
         self.checkpointer = Checkpointer(
-            self.output_dir / "checkpoints", keep_last=config.save_total_limit,
+            self.output_dir / "checkpoints",
+            keep_last=config.save_total_limit,
             best_metric=config.metric_for_best_model and f"eval/{config.metric_for_best_model}",
             greater_is_better=config.greater_is_better,
         )
@@ -238,8 +270,9 @@ class Trainer:
 
                 def body(carry, xs):
                     i, mb = xs
-                    loss, grads = jax.value_and_grad(loss_of)(state.params, frozen, mb, jax.random.fold_in(key, i),
-                                                              scale)
+                    loss, grads = jax.value_and_grad(loss_of)(
+                        state.params, frozen, mb, jax.random.fold_in(key, i), scale
+                    )
                     return jax.tree.map(jnp.add, carry, (loss, grads)), None
 
                 zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, state.params))
@@ -249,28 +282,36 @@ class Trainer:
                 loss, grads = jax.tree.map(lambda x: x / scale, (loss, grads))
             if self.line_search:
                 updates, opt_state = self.tx.update(
-                    grads, state.opt_state, state.params, value=loss, grad=grads,
+                    grads,
+                    state.opt_state,
+                    state.params,
+                    value=loss,
+                    grad=grads,
                     value_fn=lambda p: loss_of(p, frozen, batch, key),
                 )
             else:
                 updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
             params = optax.apply_updates(state.params, updates)
             ema = None if state.ema is None else ema_update(state.ema, params, self.ema_decay)
-            metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads),
-                       "learning_rate": self.schedule(state.step)}
+            metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "learning_rate": self.schedule(state.step)}
             loss_scale = state.loss_scale
             if loss_scale is not None:  # an overflowing step changes nothing but the scale
                 finite = all_finite(grads) & jnp.isfinite(loss)
-                params, opt_state, ema = select(finite, (params, opt_state, ema),
-                                                (state.params, state.opt_state, state.ema))
+                params, opt_state, ema = select(
+                    finite, (params, opt_state, ema), (state.params, state.opt_state, state.ema)
+                )
                 loss_scale = loss_scale.adjust(finite)
                 metrics["skipped_updates"] = loss_scale.skipped
                 if loss_scale.factor != 1.0:
                     metrics["loss_scale"] = loss_scale.scale
             return TrainState(state.step + 1, params, opt_state, loss_scale, ema), metrics
 
-        step = jax.jit(train_step, in_shardings=(self.state_shardings, self._frozen_shardings, None),
-                       out_shardings=(self.state_shardings, None), donate_argnums=(0,))
+        step = jax.jit(
+            train_step,
+            in_shardings=(self.state_shardings, self._frozen_shardings, None),
+            out_shardings=(self.state_shardings, None),
+            donate_argnums=(0,),
+        )
         return lambda state, batch: step(state, self.frozen, batch)
 
     def _size_packed_batches(self, dp: int) -> None:
@@ -283,8 +324,9 @@ class Trainer:
         run = (next(indices).reshape(micro, -1)[:, self._mine] for _ in range(self.total_steps))
         self.packed_rows = self._rows_for((self.train_data.take(m) for b in run for m in b), dp)
         self.eval_packed_rows = {
-            name: self._rows_for((data.take(index[self._eval_mine])
-                                  for index, _ in eval_indices(len(data), self.eval_batch)), dp)
+            name: self._rows_for(
+                (data.take(index[self._eval_mine]) for index, _ in eval_indices(len(data), self.eval_batch)), dp
+            )
             for name, data in self.eval_sets.items()
         }
 
@@ -312,10 +354,13 @@ class Trainer:
         the seed and the step alone; this process takes (tokenizes, packs) only its own examples of each."""
         micro = self.config.gradient_accumulation_steps
         for index in train_indices(len(self.train_data), self.global_batch, self.config.seed, start_step):
-            parts = [self._local(self.train_data, m[self._mine], self.pack and self.packed_rows)
-                     for m in index.reshape(micro, -1)]
-            yield self._device_batch(parts[0] if micro == 1 else {k: np.stack([p[k] for p in parts])
-                                                                  for k in parts[0]}, stacked=micro > 1)
+            parts = [
+                self._local(self.train_data, m[self._mine], self.pack and self.packed_rows)
+                for m in index.reshape(micro, -1)
+            ]
+            yield self._device_batch(
+                parts[0] if micro == 1 else {k: np.stack([p[k] for p in parts]) for k in parts[0]}, stacked=micro > 1
+            )
 
     def _local(self, data: Rows, index: np.ndarray, packed_rows: int | None) -> dict[str, np.ndarray]:
         """This process's examples ``index`` of one batch; if ``packed_rows`` is given, each data-parallel
@@ -325,8 +370,10 @@ class Trainer:
             return local
         per_shard = packed_rows // data_parallel_size(self.mesh)
         first = self._local_slice(packed_rows).start
-        parts = [packing.pack(shard, per_shard, self.pack, first_row=first + i * per_shard)
-                 for i, shard in enumerate(self._shards(local))]
+        parts = [
+            packing.pack(shard, per_shard, self.pack, first_row=first + i * per_shard)
+            for i, shard in enumerate(self._shards(local))
+        ]
         return {k: np.concatenate([part[k] for part in parts]) for k in parts[0]}
 
     def _device_batch(self, local: Mapping[str, np.ndarray], stacked: bool = False) -> dict[str, jax.Array]:
@@ -336,7 +383,7 @@ class Trainer:
         for name, value in local.items():
             lead = value.shape[:2] if stacked else value.shape[:1]
             spec = P(None, *batch_spec(value.ndim - 1)) if stacked else batch_spec(value.ndim)
-            shape = (*lead[:-1], lead[-1] * self._groups, *value.shape[len(lead):])
+            shape = (*lead[:-1], lead[-1] * self._groups, *value.shape[len(lead) :])
             out[name] = jax.make_array_from_process_local_data(NamedSharding(self.mesh, spec), value, shape)
         return out
 
@@ -375,10 +422,12 @@ class Trainer:
             return 0
         state, record = checkpointer.restore(step, self._abstract_state)
         # the data order is a function of these and the step: a resumed run must see the same ones
-        now = {"global batch": self.global_batch, "seed": self.config.seed,
-               "training examples": len(self.train_data)}
-        saved = {"global batch": record.get("global_batch"), "seed": record.get("seed"),
-                 "training examples": record.get("train_examples")}
+        now = {"global batch": self.global_batch, "seed": self.config.seed, "training examples": len(self.train_data)}
+        saved = {
+            "global batch": record.get("global_batch"),
+            "seed": record.get("seed"),
+            "training examples": record.get("train_examples"),
+        }
         changed = [name for name in now if saved[name] not in (None, now[name])]
         if changed:
             raise JaxseqError(
@@ -479,8 +528,9 @@ class Trainer:
         from jax.experimental import multihost_utils
 
         counts = multihost_utils.process_allgather(np.int32(self.train_data.encoded))
-        self.logger.write(f"training examples tokenized by each process: {np.asarray(counts).tolist()} of "
-                          f"{len(self.train_data)}")
+        self.logger.write(
+            f"training examples tokenized by each process: {np.asarray(counts).tolist()} of {len(self.train_data)}"
+        )
 
     def _check_finite(self, step: int, host: list[dict]) -> None:
         """Stop at the first of the steps ending at ``step`` (their metrics ``host``) whose loss or gradient
@@ -493,8 +543,11 @@ class Trainer:
                 continue
             self.checkpointer.wait()
             last = self.checkpointer.latest_step()
-            kept = (f"the last good checkpoint is step {last} in {self.checkpointer.directory} (a rerun resumes "
-                    "from it)" if last is not None else "no checkpoint had been saved")
+            kept = (
+                f"the last good checkpoint is step {last} in {self.checkpointer.directory} (a rerun resumes from it)"
+                if last is not None
+                else "no checkpoint had been saved"
+            )
             raise JaxseqError(
                 f"the training {'loss' if bad == 'loss' else 'gradient norm'} became {float(metrics[bad])} at step "
                 f"{step - len(host) + 1 + i}; {kept}; lower --learning_rate (or add --warmup_steps), or pass "
@@ -522,8 +575,11 @@ class Trainer:
             self.save(step, None)
         self.checkpointer.wait()
         name = signal.Signals(signum).name
-        raise Interrupted(f"{name} at step {step}: saved a checkpoint in {self.checkpointer.directory / str(step)}; "
-                          "rerun the same command to resume from it", signum)
+        raise Interrupted(
+            f"{name} at step {step}: saved a checkpoint in {self.checkpointer.directory / str(step)}; "
+            "rerun the same command to resume from it",
+            signum,
+        )
 
     def _log_train(self, step: int, pending: list[dict], started: float) -> None:
         host = partition.gather(pending)
@@ -536,8 +592,13 @@ class Trainer:
         self.logger.log(step, values)
 
     def save(self, step: int, eval_metrics: dict | None) -> None:
-        record = {"step": step, "global_batch": self.global_batch, "seed": self.config.seed,
-                  "train_examples": len(self.train_data), "epoch": step / self.steps_per_epoch}
+        record = {
+            "step": step,
+            "global_batch": self.global_batch,
+            "seed": self.config.seed,
+            "train_examples": len(self.train_data),
+            "epoch": step / self.steps_per_epoch,
+        }
         metrics = {f"eval/{k}": v for k, v in eval_metrics.items()} if eval_metrics else None
         self.checkpointer.save(step, self.state, record, metrics)
 
@@ -566,8 +627,10 @@ class Trainer:
 
     def sizes(self) -> dict[str, int]:
         """How many parameters train, and the bytes their optimizer state takes (all devices together)."""
-        return {"trainable_parameters": _count(self.state.params),
-                "optimizer_state_bytes": sum(x.nbytes for x in jax.tree.leaves(self.state.opt_state))}
+        return {
+            "trainable_parameters": _count(self.state.params),
+            "optimizer_state_bytes": sum(x.nbytes for x in jax.tree.leaves(self.state.opt_state)),
+        }
 
     def eval_params(self):
         """What evaluation and export use: the moving average with --ema_decay (unless --eval_with_ema false),
@@ -597,13 +660,17 @@ def local_rows(sharding: NamedSharding, shape: tuple[int, ...]) -> slice:
     return slice(min(s.start or 0 for s in spans), max(shape[0] if s.stop is None else s.stop for s in spans))
 
 
-def write_results(output_dir: Path, results: dict, *, train_samples: int, eval_samples: int,
-                  extra_eval: dict | None = None) -> dict:
+def write_results(
+    output_dir: Path, results: dict, *, train_samples: int, eval_samples: int, extra_eval: dict | None = None
+) -> dict:
     """``eval_results.json`` (the ``eval_*`` entries of ``Trainer.train``'s results, plus ``extra_eval``)
     and ``all_results.json`` (everything), as transformers' scripts write them; the eval figures are
     printed on one line. Returns the eval entries."""
-    eval_results = {**{k: v for k, v in results.items() if k.startswith("eval_")}, **(extra_eval or {}),
-                    "eval_samples": eval_samples}
+    eval_results = {
+        **{k: v for k, v in results.items() if k.startswith("eval_")},
+        **(extra_eval or {}),
+        "eval_samples": eval_samples,
+    }
     write_json(output_dir / "eval_results.json", eval_results)
     write_json(output_dir / "all_results.json", {**results, **eval_results, "train_samples": train_samples})
     if jax.process_index() == 0:
