@@ -76,7 +76,7 @@ def run_jaxseq(args) -> dict:
             mesh,
         )
         del model
-        batches = trainer.batches()
+        batches = trainer.feed.batches()
         losses, times = [], []
         for _step in range(1 + args.warmup):
             start = time.perf_counter()

@@ -1,4 +1,6 @@
-"""What every script shares: one-line errors with a non-zero exit, and the JAX runtime set-up."""
+"""What every script shares, in the order a run goes: ``parse`` its flag sections (YAML, then flags), ``start``
+the JAX runtime (multi-host, compilation cache, mesh), and ``finish`` a training run (results, plot, export,
+Hub push); ``script`` turns errors into one line and a non-zero exit."""
 
 from __future__ import annotations
 
@@ -8,8 +10,14 @@ import os
 import sys
 from pathlib import Path
 
-from jaxseq.config import arg
-from jaxseq.errors import JaxseqError
+import jax
+
+from jaxseq.config import arg, build_parser, parse_args
+from jaxseq.distributed import DistributedConfig, initialize
+from jaxseq.errors import JaxseqError, first_line
+from jaxseq.hub_push import HubConfig, push_run
+from jaxseq.mesh import make_mesh
+from jaxseq.train.results import export_model, write_results
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -22,20 +30,45 @@ class RuntimeConfig:
     dtype: str = arg(
         "float32", "compute dtype; parameters stay float32 (float16 adds dynamic loss scaling)", choices=DTYPES
     )
-    remat: bool = arg(False, "recompute each block's activations in the backward pass (less memory, more compute)")
     compilation_cache_dir: str | None = arg(None, "persistent XLA cache (default ~/.cache/jaxseq/xla; '' disables)")
 
 
-def start(runtime: RuntimeConfig, distributed=None):
+def parse(description: str, sections: tuple[type, ...], argv) -> tuple:
+    """One instance of each section (a config dataclass), from ``--config FILE.yaml`` and then the flags."""
+    return parse_args(build_parser(description, *sections), sections, argv)[1]
+
+
+def start(runtime: RuntimeConfig, distributed: DistributedConfig | None = None):
     """Join a multi-host run if asked (before anything touches devices), turn on the compilation cache,
     and return the device mesh."""
-    from jaxseq.distributed import initialize
-    from jaxseq.mesh import make_mesh
-
     if distributed is not None:
         initialize(distributed)
     setup_compilation_cache(runtime.compilation_cache_dir)
     return make_mesh(runtime.mesh or None)
+
+
+def finish(
+    trainer,
+    results: dict,
+    *,
+    tokenizer,
+    base_model: str | None,
+    hub: HubConfig,
+    train_samples: int,
+    eval_samples: int,
+    extra_eval: dict | None = None,
+) -> dict:
+    """What every training script does once ``trainer.train()`` returned ``results``: ``eval_results.json``
+    and ``all_results.json``, the training-curve plot, the model (or adapter) with its tokenizer as a Hugging
+    Face folder in the output dir, and the push to the Hub if asked. Every process calls this."""
+    output_dir = trainer.output_dir
+    evaluated = write_results(
+        output_dir, results, train_samples=train_samples, eval_samples=eval_samples, extra_eval=extra_eval
+    )
+    trainer.logger.plot()
+    export_model(trainer, output_dir, tokenizer, base_model=base_model)  # every process gathers, process 0 writes
+    push_run(hub, output_dir)
+    return evaluated
 
 
 def default_cache_dir() -> Path:
@@ -45,8 +78,6 @@ def default_cache_dir() -> Path:
 
 def setup_compilation_cache(directory: str | None) -> None:
     """Persist compiled programs so a second run of the same config skips compiling ('' disables)."""
-    import jax
-
     if directory == "":
         return
     path = Path(directory) if directory else default_cache_dir()
@@ -83,7 +114,7 @@ def script(main):
 def os_error_line(e: OSError) -> str:
     """One line for a file operation that failed: what, on which path, and what to check."""
     paths = " -> ".join(str(p) for p in (e.filename, e.filename2) if p is not None)
-    what = e.strerror or str(e).splitlines()[0][:200] or type(e).__name__
+    what = e.strerror or first_line(e)
     return (
         f"{what}{f': {paths}' if paths else ''}; check that the path exists and is writable and that "
         "the disk has room (--debug shows where it happened)"

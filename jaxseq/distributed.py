@@ -13,7 +13,7 @@ import dataclasses
 import os
 
 from jaxseq.config import arg
-from jaxseq.errors import JaxseqError
+from jaxseq.errors import JaxseqError, first_line
 
 
 @dataclasses.dataclass
@@ -59,5 +59,5 @@ def initialize(config: DistributedConfig) -> None:
     except (RuntimeError, ValueError) as e:
         raise JaxseqError(
             f"cannot join the multi-host run at {config.coordinator_address or 'the detected coordinator'}: "
-            f"{str(e).splitlines()[0][:200]}"
+            f"{first_line(e)}"
         ) from None

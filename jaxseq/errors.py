@@ -17,3 +17,10 @@ class Interrupted(JaxseqError):
     def __init__(self, message: str, signum: int):
         super().__init__(message)
         self.exit_code = 128 + signum
+
+
+def first_line(error: BaseException, limit: int = 200) -> str:
+    """The first non-empty line of an exception's message (at most ``limit`` characters), or its type's name
+    when the message is empty: for one-line errors that quote a library's own."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return lines[0][:limit] if lines else type(error).__name__

@@ -14,25 +14,29 @@ from __future__ import annotations
 import dataclasses
 import functools
 import sys
-from pathlib import Path
 
-from jaxseq.cli import RuntimeConfig, script, start
-from jaxseq.config import arg, build_parser, parse_args, save_config
-from jaxseq.data.glue import TASKS
+import jax
+import jax.numpy as jnp
+
+from jaxseq.cli import RuntimeConfig, finish, parse, script, start
+from jaxseq.config import arg, save_config
+from jaxseq.data.glue import SPLIT_SUFFIX, TASKS, encode, get_task, load_split
+from jaxseq.data.rows import EncodedRows
 from jaxseq.distributed import DistributedConfig
 from jaxseq.errors import JaxseqError
 from jaxseq.hub_push import HubConfig
+from jaxseq.models.hub import apply_overrides
+from jaxseq.models.source import ModelSource, build_model, check, load_tokenizer, model_config
 from jaxseq.train.lora import LoraConfig
+from jaxseq.train.objectives import SequenceClassification
 from jaxseq.train.optim import OptimizerConfig
-from jaxseq.train.trainer import TrainerConfig
+from jaxseq.train.trainer import Trainer, TrainerConfig
 
 DEFAULT_MODEL = "sentence-transformers/all-MiniLM-L6-v2"
 
 
 @dataclasses.dataclass
 class GlueConfig:
-    model_name_or_path: str = arg(DEFAULT_MODEL, "Hub id or local folder of a BERT, GPT-2 or GPT-J checkpoint")
-    tokenizer_name: str | None = arg(None, "tokenizer Hub id or folder (default: the model's)")
     task_name: str = arg("sst2", "GLUE task", choices=tuple(TASKS))
     data_dir: str | None = arg(
         None,
@@ -52,22 +56,27 @@ class GlueConfig:
     )
 
 
-SECTIONS = (GlueConfig, RuntimeConfig, TrainerConfig, OptimizerConfig, LoraConfig, HubConfig, DistributedConfig)
+SECTIONS = (
+    ModelSource,
+    GlueConfig,
+    RuntimeConfig,
+    TrainerConfig,
+    OptimizerConfig,
+    LoraConfig,
+    HubConfig,
+    DistributedConfig,
+)
 
 
 def load_examples(glue: GlueConfig):
-    from jaxseq.data.glue import get_task, load_split
-
     task = get_task(glue.task_name)
     train = load_split(task, "train", data_dir=glue.data_dir, file=glue.train_file)
     if glue.validation_file:
         evals = {"": load_split(task, "validation", file=glue.validation_file)}
     else:
-        evals = {}
-        for split in task.eval_splits:
-            from jaxseq.data.glue import SPLIT_SUFFIX
-
-            evals[SPLIT_SUFFIX.get(split, "")] = load_split(task, split, data_dir=glue.data_dir)
+        evals = {
+            SPLIT_SUFFIX.get(split, ""): load_split(task, split, data_dir=glue.data_dir) for split in task.eval_splits
+        }
     if glue.max_train_samples:
         train = train[: glue.max_train_samples]
     if glue.max_eval_samples:
@@ -75,11 +84,11 @@ def load_examples(glue: GlueConfig):
     return task, train, evals
 
 
-def resolve_model(glue: GlueConfig) -> Path:
-    from jaxseq.models.hub import resolve
-
+def glue_model_config(source: ModelSource):
+    """The model's config (with --config_overrides), its folder and the overrides; offline, the error says
+    how to run without the Hub."""
     try:
-        return resolve(glue.model_name_or_path)
+        return model_config(source, "sequence-classification")
     except JaxseqError as e:
         if "cannot download" in str(e):
             raise JaxseqError(
@@ -98,40 +107,23 @@ def max_positions(config) -> int | None:
 
 @script
 def main(argv) -> int:
-    parser = build_parser(__doc__, *SECTIONS)
-    _args, (glue, runtime, trainer_config, optimizer_config, lora_config, hub, distributed) = parse_args(
-        parser, SECTIONS, argv
+    source, glue, runtime, trainer_config, optimizer_config, lora_config, hub, distributed = parse(
+        __doc__, SECTIONS, argv
     )
-
-    import jax
-    import jax.numpy as jnp
-
-    from jaxseq.data.glue import encode
-    from jaxseq.data.rows import EncodedRows
-    from jaxseq.hub_push import push_run
-    from jaxseq.models import load_config, load_pretrained
-    from jaxseq.models.hub import model_class
-    from jaxseq.models.layers import enable_remat
-    from jaxseq.models.source import load_tokenizer
-    from jaxseq.train.lora import export_model
-    from jaxseq.train.objectives import SequenceClassification
-    from jaxseq.train.trainer import Trainer, write_results
-
+    check(source, default_model=DEFAULT_MODEL)
     mesh = start(runtime, distributed)
     task, train_examples, eval_examples = load_examples(glue)
-    folder = resolve_model(glue)
-    config = load_config(folder)
+    config, folder, overrides = glue_model_config(source)
     limit = max_positions(config)
     if limit is not None and glue.max_seq_length > limit:
         raise JaxseqError(f"--max_seq_length {glue.max_seq_length} exceeds the model's {limit} positions; lower it")
-    model_class(config, "sequence-classification")  # a model type jaxseq has, before anything heavy
-    tokenizer = load_tokenizer(glue.tokenizer_name or folder, fast=False)
+    tokenizer = load_tokenizer(source.tokenizer_name or folder, fast=False)
     if len(tokenizer) > config.vocab_size:
         raise JaxseqError(
             f"the tokenizer has {len(tokenizer)} tokens but the model only {config.vocab_size}; "
             "pass the model's own tokenizer"
         )
-    overrides = {}
+    overrides = {**overrides, "num_labels": task.num_labels}
     if tokenizer.pad_token is None:  # GPT-2 style: pad with EOS, and classify at the last real token
         tokenizer.pad_token = tokenizer.eos_token
     if getattr(config, "pad_token_id", None) is None:
@@ -139,24 +131,21 @@ def main(argv) -> int:
     if not task.is_regression:
         overrides["id2label"] = dict(enumerate(task.labels))
         overrides["label2id"] = {name: i for i, name in enumerate(task.labels)}
-    model = load_pretrained(
-        folder,
+    model = build_model(
+        source,
         "sequence-classification",
-        num_labels=task.num_labels,
+        apply_overrides(config, **overrides),
+        folder,
+        overrides,
         mesh=mesh,
         dtype=jnp.dtype(runtime.dtype),
         seed=trainer_config.seed,
-        **overrides,
     )
-    if runtime.remat:
-        enable_remat(model)
     # tokenized when a batch first needs them, by the process that takes them: each process only its share
     tokenize = functools.partial(encode, task, tokenizer=tokenizer, max_seq_length=glue.max_seq_length)
     train_data = EncodedRows(train_examples, tokenize)
     eval_sets = {k: EncodedRows(v, tokenize) for k, v in eval_examples.items()}
 
-    output_dir = Path(trainer_config.output_dir)
-    output_dir.mkdir(parents=True, exist_ok=True)
     trainer = Trainer(
         model,
         SequenceClassification(task),
@@ -170,31 +159,33 @@ def main(argv) -> int:
         lora=lora_config,
     )
     if jax.process_index() == 0:  # after Trainer has checked any checkpoint already in output_dir
-        save_config(output_dir / "config.yaml", glue, runtime, trainer_config, optimizer_config, lora_config)
+        save_config(
+            trainer.output_dir / "config.yaml", source, glue, runtime, trainer_config, optimizer_config, lora_config
+        )
     trainer.logger.write(trainer.describe())
     trainer.logger.write(
         f"{task.name}: {len(train_examples)} train / {sum(map(len, eval_examples.values()))} eval examples, "
         f"{trainer.total_steps} steps of global batch {trainer.global_batch} on {jax.device_count()} devices "
         f"(mesh {dict(mesh.shape)})"
     )
-    if trainer.pack:
+    if trainer.feed.pack:
         trainer.logger.write(
-            f"packing {trainer.micro_batch} examples into {trainer.packed_rows} rows per "
+            f"packing {trainer.feed.micro_batch} examples into {trainer.feed.packed_rows} rows per "
             f"micro-batch (of {glue.max_seq_length} tokens)"
         )
     try:
-        train_results = trainer.train()
+        results = trainer.train()
     finally:
         trainer.close()
-    write_results(
-        output_dir,
-        train_results,
+    finish(
+        trainer,
+        results,
+        tokenizer=tokenizer,
+        base_model=source.model_name_or_path,
+        hub=hub,
         train_samples=len(train_examples),
         eval_samples=len(next(iter(eval_examples.values()))),
     )
-    trainer.logger.plot()
-    export_model(trainer, output_dir, tokenizer, base_model=glue.model_name_or_path)
-    push_run(hub, output_dir)
     return 0
 
 

@@ -18,17 +18,22 @@ from __future__ import annotations
 import dataclasses
 import functools
 import sys
-from pathlib import Path
 
-from jaxseq.cli import RuntimeConfig, script, start
-from jaxseq.config import arg, build_parser, parse_args, save_config
+import jax
+import jax.numpy as jnp
+
+from jaxseq.cli import RuntimeConfig, finish, parse, script, start
+from jaxseq.config import arg, save_config
+from jaxseq.data.rows import EncodedRows
+from jaxseq.data.seq2seq import encode_pairs, load_pairs
 from jaxseq.distributed import DistributedConfig
 from jaxseq.errors import JaxseqError
 from jaxseq.hub_push import HubConfig
-from jaxseq.models.source import ModelSource
+from jaxseq.models.source import ModelSource, build_model, check, load_tokenizer, model_config
 from jaxseq.train.lora import LoraConfig
+from jaxseq.train.objectives import Seq2SeqLM
 from jaxseq.train.optim import OptimizerConfig
-from jaxseq.train.trainer import TrainerConfig
+from jaxseq.train.trainer import Trainer, TrainerConfig
 
 DEFAULT_MODEL = "google-t5/t5-small"
 
@@ -61,8 +66,6 @@ SECTIONS = (
 
 
 def load_data(data: Seq2SeqDataConfig):
-    from jaxseq.data.seq2seq import load_pairs
-
     if not data.train_file or not data.validation_file:
         raise JaxseqError(
             "pass --train_file and --validation_file (csv, tsv, json or jsonl with "
@@ -78,25 +81,11 @@ def load_data(data: Seq2SeqDataConfig):
 
 @script
 def main(argv) -> int:
-    parser = build_parser(__doc__, *SECTIONS)
-    _args, (source, data, runtime, trainer_config, optimizer_config, lora_config, hub, distributed) = parse_args(
-        parser, SECTIONS, argv
+    source, data, runtime, trainer_config, optimizer_config, lora_config, hub, distributed = parse(
+        __doc__, SECTIONS, argv
     )
-    from jaxseq.models.source import build_model, check, load_tokenizer, model_config
-
     check(source, default_model=DEFAULT_MODEL)
     train_pairs, eval_pairs = load_data(data)
-
-    import jax
-    import jax.numpy as jnp
-
-    from jaxseq.data.rows import EncodedRows
-    from jaxseq.data.seq2seq import encode_pairs
-    from jaxseq.hub_push import push_run
-    from jaxseq.models.layers import enable_remat
-    from jaxseq.train.lora import export_model
-    from jaxseq.train.objectives import Seq2SeqLM
-    from jaxseq.train.trainer import Trainer, write_results
 
     mesh = start(runtime, distributed)
     config, folder, overrides = model_config(source, "seq2seq-lm")
@@ -127,13 +116,9 @@ def main(argv) -> int:
         dtype=jnp.dtype(runtime.dtype),
         seed=trainer_config.seed,
     )
-    if runtime.remat:
-        enable_remat(model)
     max_new = (data.generation_max_length or data.max_target_length) if data.predict_with_generate else 0
     objective = Seq2SeqLM(tokenizer, max_new_tokens=max_new)
 
-    output_dir = Path(trainer_config.output_dir)
-    output_dir.mkdir(parents=True, exist_ok=True)
     trainer = Trainer(
         model,
         objective,
@@ -146,20 +131,27 @@ def main(argv) -> int:
         lora=lora_config,
     )
     if jax.process_index() == 0:  # after Trainer has checked any checkpoint already in output_dir
-        save_config(output_dir / "config.yaml", source, data, runtime, trainer_config, optimizer_config, lora_config)
+        save_config(
+            trainer.output_dir / "config.yaml", source, data, runtime, trainer_config, optimizer_config, lora_config
+        )
     trainer.logger.write(trainer.describe())
     trainer.logger.write(
         f"{config.model_type}: {len(train_pairs)} train / {len(eval_pairs)} eval pairs, {trainer.total_steps} steps "
         f"of global batch {trainer.global_batch} on {jax.device_count()} devices (mesh {dict(mesh.shape)})"
     )
     try:
-        train_results = trainer.train()
+        results = trainer.train()
     finally:
         trainer.close()
-    write_results(output_dir, train_results, train_samples=len(train_pairs), eval_samples=len(eval_pairs))
-    trainer.logger.plot()
-    export_model(trainer, output_dir, tokenizer, base_model=source.model_name_or_path)
-    push_run(hub, output_dir)
+    finish(
+        trainer,
+        results,
+        tokenizer=tokenizer,
+        base_model=source.model_name_or_path,
+        hub=hub,
+        train_samples=len(train_pairs),
+        eval_samples=len(eval_pairs),
+    )
     return 0
 
 

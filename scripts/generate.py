@@ -19,16 +19,23 @@ import sys
 import time
 from pathlib import Path
 
-from jaxseq.cli import script, setup_compilation_cache
-from jaxseq.config import arg, build_parser, parse_args
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxseq.cli import RuntimeConfig, parse, script, start
+from jaxseq.config import arg
 from jaxseq.distributed import DistributedConfig
 from jaxseq.errors import JaxseqError
+from jaxseq.generation import generate
+from jaxseq.models.hub import load_config, load_pretrained, parse_overrides, resolve
+from jaxseq.models.registry import families_with, family_for
+from jaxseq.models.source import PretrainedModel, load_tokenizer
+from jaxseq.sharding import gather
 
 
 @dataclasses.dataclass
 class GenerateConfig:
-    model_name_or_path: str | None = arg(None, "Hub id or local folder of a GPT-2, GPT-J or T5 checkpoint")
-    tokenizer_name: str | None = arg(None, "tokenizer Hub id or folder (default: the model's)")
     prompt: list[str] | None = arg(None, "a prompt; repeat the flag for several")
     prompt_file: str | None = arg(None, "file of prompts: one per line, or JSONL (*.jsonl) with a 'prompt' field")
     batch_size: int = arg(8, "prompts per generation call (similar lengths are batched together)")
@@ -39,10 +46,10 @@ class GenerateConfig:
     top_k: int = arg(0, "sample among the k most likely tokens only (0 = all)")
     top_p: float = arg(1.0, "sample from the smallest set of tokens holding this probability mass (1 = all)")
     seed: int = arg(0, "random seed of the sampling; the same seed gives the same completions")
-    mesh: str = arg("", "device mesh, e.g. 'dp=2,mp=4' (axes dp, fsdp, mp; default: all devices on dp)")
-    dtype: str = arg("float32", "compute dtype; parameters stay float32", choices=("float32", "bfloat16"))
     output_file: str | None = arg(None, "write JSONL records here instead of printing the completions")
-    compilation_cache_dir: str | None = arg(None, "persistent XLA cache (default ~/.cache/jaxseq/xla; '' disables)")
+
+
+SECTIONS = (PretrainedModel, GenerateConfig, RuntimeConfig, DistributedConfig)
 
 
 def read_prompts(cfg: GenerateConfig, stdin=None) -> list[str]:
@@ -99,36 +106,22 @@ def completion_length(tokens, eos: int | None) -> int:
 
 @script
 def main(argv) -> int:
-    parser = build_parser(__doc__, GenerateConfig, DistributedConfig)
-    _, (cfg, distributed) = parse_args(parser, (GenerateConfig, DistributedConfig), argv)
-    if not cfg.model_name_or_path:
+    source, cfg, runtime, distributed = parse(__doc__, SECTIONS, argv)
+    if not source.model_name_or_path:
         raise JaxseqError("pass --model_name_or_path (a Hub id such as gpt2, or a local model folder)")
     if cfg.batch_size < 1:
         raise JaxseqError(f"--batch_size must be at least 1, got {cfg.batch_size}")
     prompts = read_prompts(cfg)
 
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-
-    from jaxseq.distributed import initialize
-    from jaxseq.generation import generate
-    from jaxseq.mesh import make_mesh
-    from jaxseq.models import load_config, load_pretrained
-    from jaxseq.models.hub import family_for, resolve
-    from jaxseq.models.source import load_tokenizer
-    from jaxseq.partition import gather
-
-    initialize(distributed)  # a multi-host run: every process reads the same prompts, process 0 writes
-    setup_compilation_cache(cfg.compilation_cache_dir)
-    mesh = make_mesh(cfg.mesh or None)
-    folder = resolve(cfg.model_name_or_path)
+    mesh = start(runtime, distributed)  # a multi-host run: every process reads the same prompts, process 0 writes
+    folder = resolve(source.model_name_or_path)
     config = load_config(folder)
-    tasks = family_for(config.model_type).tasks
-    task = next((t for t in ("causal-lm", "seq2seq-lm") if t in tasks), None)
+    family_for(config.model_type)  # one that jaxseq has
+    task = next((t for t in ("causal-lm", "seq2seq-lm") if config.model_type in families_with(t)), None)
     if task is None:
         raise JaxseqError(f"{config.model_type} models cannot generate text; use a GPT-2, GPT-J or T5 checkpoint")
-    tokenizer = load_tokenizer(cfg.tokenizer_name or folder, fast=False)
+    overrides = parse_overrides(source.config_overrides, config)
+    tokenizer = load_tokenizer(source.tokenizer_name or folder, fast=False)
     eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else config.eos_token_id
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
 
@@ -142,7 +135,7 @@ def main(argv) -> int:
                 f"prompt {i + 1} has {len(ids)} token(s); with --max_new_tokens {cfg.max_new_tokens} that exceeds "
                 f"the model's {limit} positions; shorten the prompt or lower --max_new_tokens"
             )
-    model = load_pretrained(folder, task, mesh=mesh, dtype=jnp.dtype(cfg.dtype))
+    model = load_pretrained(folder, task, mesh=mesh, dtype=jnp.dtype(runtime.dtype), **overrides)
     if len(tokenizer) > model.config.vocab_size:
         raise JaxseqError(
             f"the tokenizer has {len(tokenizer)} tokens but the model only {model.config.vocab_size}; "
@@ -150,7 +143,7 @@ def main(argv) -> int:
         )
 
     completions = [None] * len(prompts)
-    start, generated = time.perf_counter(), 0
+    started, generated = time.perf_counter(), 0
     for k, batch in enumerate(batches([len(ids) for ids in encoded], cfg.batch_size)):
         rows = [encoded[i] for i in batch]
         rows += [rows[-1]] * (cfg.batch_size - len(rows))  # a full batch reuses the compiled program
@@ -181,7 +174,7 @@ def main(argv) -> int:
                 "completion_tokens": n,
             }
             generated += n
-    seconds = time.perf_counter() - start
+    seconds = time.perf_counter() - started
 
     if jax.process_index() != 0:
         return 0

@@ -16,18 +16,22 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-from pathlib import Path
 
-from jaxseq.cli import RuntimeConfig, script, start
-from jaxseq.config import arg, build_parser, parse_args, save_config
-from jaxseq.data.text import TextDataConfig, check_sources
+import jax
+import jax.numpy as jnp
+
+from jaxseq.cli import RuntimeConfig, finish, parse, script, start
+from jaxseq.config import arg, save_config
+from jaxseq.data.text import TextDataConfig, check_sources, load_blocks
 from jaxseq.distributed import DistributedConfig
 from jaxseq.errors import JaxseqError
 from jaxseq.hub_push import HubConfig
-from jaxseq.models.source import ModelSource, check
+from jaxseq.models.source import ModelSource, build_model, check, load_tokenizer, model_config
 from jaxseq.train.lora import LoraConfig
+from jaxseq.train.objectives import CausalLM
 from jaxseq.train.optim import OptimizerConfig
-from jaxseq.train.trainer import TrainerConfig
+from jaxseq.train.throughput import flops_per_token, measure_peak_flops
+from jaxseq.train.trainer import Trainer, TrainerConfig
 
 
 @dataclasses.dataclass
@@ -64,24 +68,11 @@ def choose_block_size(requested: int | None, config) -> int:
 
 @script
 def main(argv) -> int:
-    parser = build_parser(__doc__, *SECTIONS)
-    _args, (source, data, runtime, trainer_config, optimizer_config, lora_config, speed, hub, distributed) = parse_args(
-        parser, SECTIONS, argv
+    source, data, runtime, trainer_config, optimizer_config, lora_config, speed, hub, distributed = parse(
+        __doc__, SECTIONS, argv
     )
     check(source)
     check_sources(data)
-
-    import jax
-    import jax.numpy as jnp
-
-    from jaxseq.data.text import load_blocks
-    from jaxseq.hub_push import push_run
-    from jaxseq.models.layers import enable_remat
-    from jaxseq.models.source import build_model, load_tokenizer, model_config
-    from jaxseq.train.lora import export_model
-    from jaxseq.train.objectives import CausalLM
-    from jaxseq.train.throughput import flops_per_token, measure_peak_flops
-    from jaxseq.train.trainer import Trainer, write_results
 
     mesh = start(runtime, distributed)
     main_process = jax.process_index() == 0
@@ -100,8 +91,6 @@ def main(argv) -> int:
     model = build_model(
         source, "causal-lm", config, folder, overrides, mesh=mesh, dtype=dtype, seed=trainer_config.seed
     )
-    if runtime.remat:
-        enable_remat(model)
     peak = speed.peak_flops or measure_peak_flops(mesh.devices.flat, dtype)
     flops = flops_per_token(model, block_size)
     trainer = Trainer(
@@ -118,10 +107,16 @@ def main(argv) -> int:
         peak_flops=peak,
         lora=lora_config,
     )
-    output_dir = Path(trainer_config.output_dir)
     if main_process:
         save_config(
-            output_dir / "config.yaml", source, data, runtime, trainer_config, optimizer_config, lora_config, speed
+            trainer.output_dir / "config.yaml",
+            source,
+            data,
+            runtime,
+            trainer_config,
+            optimizer_config,
+            lora_config,
+            speed,
         )
     trainer.logger.write(trainer.describe())
     trainer.logger.write(
@@ -131,21 +126,20 @@ def main(argv) -> int:
         f"{peak / 1e9:.4g} GFLOP/s ({'given' if speed.peak_flops else 'measured'})"
     )
     try:
-        train_results = trainer.train()
+        results = trainer.train()
     finally:
         trainer.close()
-    write_results(
-        output_dir,
-        train_results,
+    finish(
+        trainer,
+        results,
+        tokenizer=tokenizer,
+        base_model=source.model_name_or_path,
+        hub=hub,
         train_samples=len(train_blocks),
         eval_samples=len(valid_blocks),
-        extra_eval={"perplexity": train_results["eval_perplexity"]},
-    )  # run_clm's name for it
-    log(" ".join(f"{k}={train_results[k]:.4g}" for k in ("train_tokens_per_second", "train_mfu") if k in train_results))
-    trainer.logger.plot()
-    # every process gathers, process 0 writes
-    export_model(trainer, output_dir, tokenizer, base_model=source.model_name_or_path)
-    push_run(hub, output_dir)
+        extra_eval={"perplexity": results["eval_perplexity"]},  # run_clm's name for it
+    )
+    log(" ".join(f"{k}={results[k]:.4g}" for k in ("train_tokens_per_second", "train_mfu") if k in results))
     return 0
 
 

@@ -13,7 +13,7 @@ transformers = pytest.importorskip("transformers")
 from jaxseq import partition  # noqa: E402
 from jaxseq.mesh import make_mesh  # noqa: E402
 from jaxseq.models import load_pretrained, save_pretrained  # noqa: E402
-from jaxseq.models.hub import model_class  # noqa: E402
+from jaxseq.models.registry import model_class  # noqa: E402
 from tests.reference import max_diff_on, padded_batch, torch_forward  # noqa: E402
 
 # One compiled forward per model structure (op-by-op eager execution costs seconds per test).

@@ -240,7 +240,7 @@ def test_ema_in_training_follows_its_definition_and_is_what_evaluates(tmp_path):
     spec = lambda tree: [x.sharding.spec for x in jax.tree.leaves(tree)]
     assert spec(trainer.state.ema) == spec(trainer.state.params)
     expected = {k: v.astype(np.float64) for k, v in host(trainer.state.params).items()}
-    batches = trainer.batches()
+    batches = trainer.feed.batches()
     for _ in range(4):
         trainer.state, _ = trainer._train_step(trainer.state, next(batches))
         params = host(trainer.state.params)
@@ -264,7 +264,7 @@ def test_a_learning_rate_group_moves_by_its_factor(tmp_path):
     for groups in (None, "classifier=10"):
         trainer = make_trainer(tmp_path / str(groups), tiny(mesh=mesh), mesh, lr_groups=groups, **kw)
         start = host(trainer.state.params)
-        trainer.state, _ = trainer._train_step(trainer.state, next(trainer.batches()))
+        trainer.state, _ = trainer._train_step(trainer.state, next(trainer.feed.batches()))
         deltas.append({k: v - start[k] for k, v in host(trainer.state.params).items()})
         trainer.close()
     plain, grouped = deltas

@@ -32,7 +32,7 @@ def minilm_sst2():
 @pytest.mark.parametrize("pool", ["first", "last"])
 def test_pack_keeps_every_token_and_points_at_the_pooled_one(minilm_sst2, pool):
     _, arrays = minilm_sst2
-    rows = packing.max_rows([packing.lengths(arrays)], 64)
+    rows = packing.rows_needed([arrays])
     assert rows < 48 / 2  # SST-2 dev averages ~25 tokens of 64
     packed = packing.pack(arrays, rows + 1, pool)  # a spare row stays empty
     assert packed["input_ids"].shape == (rows + 1, 64) and not packed["attention_mask"][-1].any()
@@ -54,7 +54,7 @@ def test_packed_minilm_gives_the_unpacked_logits(minilm_sst2):
     model = load_pretrained(folder, "sequence-classification", num_labels=2, seed=0)
     inputs = {k: v for k, v in arrays.items() if k != "labels"}
     expected = model(**{k: jnp.asarray(v) for k, v in inputs.items()})
-    packed = packing.pack(inputs, packing.max_rows([packing.lengths(arrays)], 64), model.pooled_token)
+    packed = packing.pack(inputs, packing.rows_needed([arrays]), model.pooled_token)
     got = model(**{k: jnp.asarray(v) for k, v in packed.items()})
     assert got.shape == expected.shape
     np.testing.assert_allclose(np.asarray(got), np.asarray(expected), atol=1e-5)
@@ -65,7 +65,7 @@ def test_packed_gpt2_gives_the_unpacked_logits(tokenizer, sst2):  # noqa: F811 (
     model = tiny_classifier(tokenizer, dropout=0.0)
     inputs = {k: v for k, v in dev.items() if k != "labels"}
     expected = model(**{k: jnp.asarray(v) for k, v in inputs.items()})
-    packed = packing.pack(inputs, packing.max_rows([packing.lengths(dev)], 32), model.pooled_token)
+    packed = packing.pack(inputs, packing.rows_needed([dev]), model.pooled_token)
     got = model(**{k: jnp.asarray(v) for k, v in packed.items()})
     np.testing.assert_allclose(np.asarray(got), np.asarray(expected), atol=1e-5)
 

@@ -275,7 +275,7 @@ def test_flops_per_token_counts_every_matmul_parameter_once(model_type):
     import torch
     from flax import nnx
 
-    from jaxseq.models.hub import model_class
+    from jaxseq.models.registry import model_class
     from jaxseq.train.throughput import flops_per_token, matmul_parameters
 
     config = transformers.AutoConfig.for_model(

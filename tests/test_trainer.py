@@ -120,7 +120,7 @@ def test_evaluation_covers_every_example(tmp_path, tokenizer, sst2):
     _task, _, dev = sst2
     trainer = make_trainer(tmp_path, tokenizer, sst2, max_steps=1)
     n = len(dev["labels"])
-    assert n % trainer.eval_batch != 0  # the last batch is padded
+    assert n % trainer.feed.eval_batch != 0  # the last batch is padded
     outputs = []
     metrics = trainer.evaluate()
     # recompute directly, batch by batch, with no padding

@@ -46,13 +46,6 @@ def lengths(arrays: Mapping[str, np.ndarray]) -> np.ndarray:
     return (np.asarray(arrays["attention_mask"]) != 0).sum(axis=1)
 
 
-def max_rows(batch_lengths: Iterable[np.ndarray], seq: int, multiple: int = 1) -> int:
-    """Rows enough to pack every batch (given as its examples' lengths), rounded up to ``multiple``
-    (the data-parallel size)."""
-    most = max(len(_assign(b, seq)) for b in batch_lengths)
-    return -(-most // multiple) * multiple
-
-
 def rows_needed(batches: Iterable[Mapping[str, np.ndarray]]) -> int:
     """Rows enough to pack every batch (given as its arrays)."""
     return max(len(_assign(lengths(b), b["input_ids"].shape[1])) for b in batches)

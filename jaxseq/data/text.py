@@ -21,14 +21,14 @@ import hashlib
 import json
 import os
 import re
-import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
 
 from jaxseq.config import arg
-from jaxseq.errors import JaxseqError
+from jaxseq.errors import JaxseqError, first_line
+from jaxseq.files import atomic_write
 
 TEXT_SUFFIXES = (".txt", ".text", ".tokens", ".raw")
 JSON_SUFFIXES = (".json", ".jsonl")
@@ -119,7 +119,7 @@ def load_hub_dataset(name: str, config_name: str | None) -> dict:
     except Exception as e:  # datasets raises many types (offline, unknown name, missing config)
         raise JaxseqError(
             f"cannot load dataset {name!r} ({config_name or 'default config'}) from the Hugging "
-            f"Face Hub ({type(e).__name__}: {str(e).splitlines()[0][:150]}); offline? pass "
+            f"Face Hub ({type(e).__name__}: {first_line(e, 150)}); offline? pass "
             "--train_file"
         ) from None
 
@@ -256,21 +256,11 @@ class TokenCache:
                 return tokens
         tokens = make()
         self.directory.mkdir(parents=True, exist_ok=True)
-        self._write(path, lambda f: np.save(f, tokens, allow_pickle=False))
+        atomic_write(path, lambda f: np.save(f, tokens, allow_pickle=False))
         meta = json.dumps({**describe, "tokens": len(tokens), "dtype": tokens.dtype.name}, indent=2) + "\n"
-        self._write(path.with_suffix(".json"), lambda f: f.write(meta.encode()))
+        atomic_write(path.with_suffix(".json"), meta)
         log(f"{describe['source']}: {len(tokens):,} tokens, cached in {path}")
         return tokens
-
-    def _write(self, path: Path, write: Callable) -> None:
-        fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=f".{path.name}.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                write(f)
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
 
 
 def file_tokens(

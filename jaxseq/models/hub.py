@@ -1,10 +1,6 @@
-"""Hugging Face checkpoints in and out: read safetensors / PyTorch .bin / Flax msgpack into our NNX
-modules (placed straight onto their devices), and write folders that transformers (PyTorch) loads.
-
-Our parameter paths mirror the PyTorch names (``transformer/h/0/attn/c_attn/kernel`` is
-``transformer.h.0.attn.c_attn.weight``), so conversion is a rename plus a transpose for ``nnx.Linear``
-kernels; see ``torch_layout``. Nothing here unpickles: ``.bin`` files load with ``weights_only=True``.
-"""
+"""Pretrained models: find a checkpoint (a folder or a Hub id), read its config, build the NNX model with
+every weight placed straight onto its sharding, and write folders that transformers (PyTorch) loads.
+Tensor reading and naming live in ``jaxseq.models.weights``; which families exist, in ``registry``."""
 
 from __future__ import annotations
 
@@ -12,24 +8,21 @@ import copy
 import json
 import logging
 import os
-import tempfile
-from collections.abc import Callable
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 from flax import nnx
 
-from jaxseq.errors import JaxseqError
-from jaxseq.models.family import Family
-from jaxseq.models.layers import Conv1D
+from jaxseq.errors import JaxseqError, first_line
+from jaxseq.files import atomic_folder
+from jaxseq.models.registry import TASKS, family_for, model_class
+from jaxseq.models.weights import match_names, read_checkpoint, some, torch_layout
+from jaxseq.sharding import check_divisible, gather, make_shardings, match_partition_rules
 
 logger = logging.getLogger("jaxseq")
 
-TASKS = ("base", "causal-lm", "seq2seq-lm", "sequence-classification", "masked-lm")
-_LEAF_TO_TORCH = {"kernel": "weight", "embedding": "weight", "scale": "weight"}
 _HUB_PATTERNS = ["*.json", "*.txt", "*.model", "tokenizer*"]
 _WEIGHT_PATTERNS = (["*.safetensors", "*.safetensors.index.json"], ["pytorch_model*.bin*"], ["flax_model*.msgpack*"])
 
@@ -90,7 +83,7 @@ def load_config(folder: Path, *, num_labels: int | None = None, **overrides):
     try:
         config = AutoConfig.from_pretrained(folder)
     except (ValueError, KeyError, OSError, json.JSONDecodeError) as e:
-        raise JaxseqError(f"cannot read {folder / 'config.json'}: {str(e).splitlines()[0]}") from None
+        raise JaxseqError(f"cannot read {folder / 'config.json'}: {first_line(e)}") from None
     return apply_overrides(config, num_labels=num_labels, **overrides)
 
 
@@ -142,190 +135,7 @@ def apply_overrides(config, *, num_labels: int | None = None, **overrides):
     return config
 
 
-# --------------------------------------------------------------------------- reading weights
-
-_ST_DTYPES = {
-    "F64": np.float64,
-    "F32": np.float32,
-    "F16": np.float16,
-    "BF16": ml_dtypes.bfloat16,
-    "I64": np.int64,
-    "I32": np.int32,
-    "I16": np.int16,
-    "I8": np.int8,
-    "U8": np.uint8,
-    "BOOL": np.bool_,
-}
-
-
-def _read_safetensors(path: Path) -> dict[str, Callable[[], np.ndarray]]:
-    """Lazy, zero-copy tensors of a safetensors file. (The ``safetensors`` package's numpy reader
-    cannot return bfloat16, so the few lines of its documented format are read here with a memmap.)"""
-    corrupt = JaxseqError(f"{path} is truncated or corrupt (not a valid safetensors file); download it again")
-    try:
-        with open(path, "rb") as f:
-            n = int.from_bytes(f.read(8), "little")
-            header = json.loads(f.read(n))
-        header.pop("__metadata__", None)
-        data = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + n)
-    except (ValueError, OSError, UnicodeDecodeError):
-        raise corrupt from None
-
-    def tensor(info):
-        start, end = info["data_offsets"]
-        if end > data.size or info["dtype"] not in _ST_DTYPES:
-            raise corrupt
-        return data[start:end].view(_ST_DTYPES[info["dtype"]]).reshape(info["shape"])
-
-    return {name: (lambda info=info: tensor(info)) for name, info in header.items()}
-
-
-def _read_torch_bin(path: Path) -> dict[str, Callable[[], np.ndarray]]:
-    try:
-        import torch
-    except ImportError:
-        raise JaxseqError(
-            f"{path.name} is a PyTorch checkpoint: install torch to read it, or convert it to safetensors"
-        ) from None
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except Exception as e:  # torch raises many types for bad files
-        if "Weights only load failed" in str(e):  # torch's own advice (weights_only=False) would run its code
-            raise JaxseqError(
-                f"{path} holds pickled objects besides tensors, and jaxseq never unpickles them "
-                "(they can run code); use a safetensors copy of the model from a source you trust"
-            ) from None
-        raise JaxseqError(f"cannot read {path}: {str(e).splitlines()[0]}") from None
-
-    def tensor(t):
-        t = t.detach()
-        return t.float().numpy() if t.dtype == torch.bfloat16 else t.numpy()
-
-    return {name: (lambda t=t: tensor(t)) for name, t in state.items()}
-
-
-def _read_flax_msgpack(path: Path) -> dict[str, Callable[[], np.ndarray]]:
-    """Flax checkpoints, renamed to PyTorch names by transformers' own rule (2-D kernels transposed)."""
-    from flax import serialization
-    from flax.traverse_util import flatten_dict
-
-    try:
-        tree = serialization.msgpack_restore(path.read_bytes())
-    except Exception as e:  # msgpack raises many types for bad files
-        raise JaxseqError(f"cannot read {path}: {str(e).splitlines()[0]}") from None
-    out = {}
-    for keys, value in flatten_dict(tree).items():
-        *mod, leaf = keys
-        value = np.asarray(value)
-        if leaf == "kernel" and value.ndim == 2:
-            value = value.T
-        out[".".join([*mod, _LEAF_TO_TORCH.get(leaf, leaf)])] = lambda v=value: v
-    return out
-
-
-def read_checkpoint(folder: Path) -> dict[str, Callable[[], np.ndarray]]:
-    """All tensors of the folder's checkpoint (sharded or not), by PyTorch name, loaded on demand."""
-    readers = (
-        ("model.safetensors", _read_safetensors),
-        ("pytorch_model.bin", _read_torch_bin),
-        ("flax_model.msgpack", _read_flax_msgpack),
-    )
-    for filename, reader in readers:
-        index = folder / f"{filename}.index.json"
-        if index.is_file():
-            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-            tensors = {}
-            for file in files:
-                if not (folder / file).is_file():
-                    raise JaxseqError(f"{folder / file} is listed in {index.name} but missing; download it again")
-                tensors.update(reader(folder / file))
-            return tensors
-        if (folder / filename).is_file():
-            return reader(folder / filename)
-    raise JaxseqError(f"no weights in {folder} (looked for model.safetensors, pytorch_model.bin, flax_model.msgpack)")
-
-
-# --------------------------------------------------------------------------- names
-
-
-def torch_layout(model: nnx.Module) -> dict[str, tuple[tuple, bool]]:
-    """PyTorch name -> (our parameter path, whether the kernel is transposed) for every parameter."""
-    transposed = {
-        path for path, m in nnx.iter_modules(model) if isinstance(m, nnx.Linear) and not isinstance(m, Conv1D)
-    }
-    layout = {}
-    for path, _ in nnx.to_flat_state(nnx.state(model, nnx.Param)):
-        *mod, leaf = path
-        name = ".".join(map(str, [*mod, _LEAF_TO_TORCH.get(leaf, leaf)]))
-        layout[name] = (path, leaf == "kernel" and tuple(mod) in transposed)
-    return layout
-
-
-def match_names(family: Family, expected: set[str], found: dict[str, Callable]):
-    """Map checkpoint names onto ours. Returns (tensors by our name, missing heads, dropped heads)."""
-    prefix = f"{family.base_prefix}." if family.base_prefix else None
-    found = dict(found)
-    if prefix:
-        ours_prefixed = any(n.startswith(prefix) for n in expected)
-        theirs_prefixed = any(n.startswith(prefix) for n in found)
-        if ours_prefixed and not theirs_prefixed:  # a bare base-model checkpoint into a head model
-            found = {
-                (prefix + n if prefix + n in expected or not family.is_head(n) else n): t for n, t in found.items()
-            }
-        elif theirs_prefixed and not ours_prefixed:  # a head-model checkpoint into the bare base model
-            found = {(n[len(prefix) :] if n.startswith(prefix) else n): t for n, t in found.items()}
-    for alias, target in family.aliases.items():
-        if alias in found:
-            tensor = found.pop(alias)
-            if alias in expected:
-                found[alias] = tensor
-            elif target in expected and target not in found:
-                found[target] = tensor
-    for name, source in family.fallbacks.items():
-        if name in expected and name not in found and source in found:
-            found[name] = found[source]
-    unexpected = sorted(n for n in found if n not in expected and not family.is_ignored(n))
-    missing = sorted(n for n in expected if n not in found)
-    dropped = [n for n in unexpected if family.is_head(n)]
-    new_heads = [n for n in missing if family.is_head(n)]
-    bad_unexpected = [n for n in unexpected if n not in dropped]
-    bad_missing = [n for n in missing if n not in new_heads]
-    if bad_missing or bad_unexpected:
-        parts = []
-        if bad_missing:
-            parts.append(f"missing {_some(bad_missing)}")
-        if bad_unexpected:
-            parts.append(f"unexpected {_some(bad_unexpected)}")
-        raise JaxseqError(
-            f"checkpoint does not fit the {family.model_type} model: {'; '.join(parts)}; "
-            "check that config.json matches the weights"
-        )
-    return {n: found[n] for n in expected if n in found}, new_heads, dropped
-
-
-def _some(names: list[str], limit: int = 8) -> str:
-    more = f" and {len(names) - limit} more" if len(names) > limit else ""
-    return ", ".join(names[:limit]) + more
-
-
 # --------------------------------------------------------------------------- building models
-
-
-def family_for(model_type: str | None) -> Family:
-    from jaxseq.models import FAMILIES
-
-    if model_type not in FAMILIES:
-        raise JaxseqError(f"model_type {model_type!r} is not supported; jaxseq supports {', '.join(sorted(FAMILIES))}")
-    return FAMILIES[model_type]
-
-
-def model_class(config, task: str) -> type:
-    family = family_for(config.model_type)
-    if task not in family.tasks:
-        raise JaxseqError(
-            f"task {task!r} is not available for {family.model_type}; choose one of {', '.join(family.tasks)}"
-        )
-    return family.tasks[task]
 
 
 def _constructor(config, task, dtype, param_dtype, seed):
@@ -337,12 +147,10 @@ def _placement(mesh, rules, abstract_state, model_type):
     """Sharding of every parameter: from the partition rules on a mesh, else the default device."""
     if mesh is None:
         return jax.tree.map(lambda _: jax.sharding.SingleDeviceSharding(jax.devices()[0]), abstract_state)
-    from jaxseq import partition
-
-    rules = rules if rules is not None else partition.get_partition_rules(model_type)
-    specs = partition.match_partition_rules(rules, abstract_state)
-    partition.check_divisible(abstract_state, specs, mesh)
-    return partition.make_shardings(mesh, specs)
+    rules = rules if rules is not None else family_for(model_type).partition_rules
+    specs = match_partition_rules(rules, abstract_state)
+    check_divisible(abstract_state, specs, mesh)
+    return make_shardings(mesh, specs)
 
 
 def from_config(config, task: str, *, dtype=jnp.float32, param_dtype=jnp.float32, mesh=None, rules=None, seed: int = 0):
@@ -409,7 +217,7 @@ def load_pretrained(
         )
         values.update(zip(wanted, init()))
     if dropped:
-        logger.warning("ignored checkpoint weights this task does not use: %s", _some(dropped))
+        logger.warning("ignored checkpoint weights this task does not use: %s", some(dropped))
     for path, value in values.items():
         flat_abstract[path].set_value(value)
     return nnx.merge(graphdef, abstract_state)
@@ -427,27 +235,22 @@ def save_pretrained(model: nnx.Module, out_dir: str | os.PathLike, tokenizer=Non
     """Write ``config.json`` + ``model.safetensors`` (PyTorch names) and the tokenizer, if given, so that
     the matching transformers PyTorch class loads the folder with no missing or unexpected weights.
     In a multi-host run every process calls this (the shards are gathered); process 0 writes."""
-    from safetensors.numpy import save_file
-
-    from jaxseq.partition import gather
+    from safetensors.numpy import save_file  # the only writer of safetensors, imported when writing
 
     out = Path(out_dir)
     flat = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
     host = gather({path: v.get_value() for path, v in flat.items()})  # every process takes part
     if jax.process_index() != 0:
         return out
-    out.mkdir(parents=True, exist_ok=True)
     tensors = {}
     for name, (path, transpose) in torch_layout(model).items():
         array = host[path]
         tensors[name] = np.ascontiguousarray(array.T if transpose else array)
     config = copy.deepcopy(model.config)
     config.architectures = [type(model).hf_architecture]
-    with tempfile.TemporaryDirectory(dir=out, prefix=".saving-") as tmp:
-        save_file(tensors, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+    with atomic_folder(out) as tmp:
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         config.save_pretrained(tmp)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
-        for name in os.listdir(tmp):
-            os.replace(os.path.join(tmp, name), out / name)
     return out

@@ -7,12 +7,29 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+from transformers import AutoConfig, AutoTokenizer
+
 from jaxseq.config import arg
-from jaxseq.errors import JaxseqError
+from jaxseq.errors import JaxseqError, first_line
+from jaxseq.models.hub import apply_overrides, from_config, load_config, load_pretrained, parse_overrides, resolve
+from jaxseq.models.registry import families_with
 
 
 @dataclasses.dataclass
-class ModelSource:
+class PretrainedModel:
+    """A trained checkpoint to load (what generation needs)."""
+
+    model_name_or_path: str | None = arg(None, "Hub id or local folder of a checkpoint")
+    config_overrides: str | None = arg(
+        None, "config fields to change, comma-separated, e.g. 'n_layer=2,n_embd=128,n_head=4,resid_pdrop=0'"
+    )
+    tokenizer_name: str | None = arg(None, "tokenizer Hub id or folder (default: the one beside the model or config)")
+
+
+@dataclasses.dataclass
+class ModelSource(PretrainedModel):
+    """A checkpoint to start training from, or a config to train from scratch."""
+
     model_name_or_path: str | None = arg(
         None,
         "Hub id or local folder of a checkpoint to start from (omit to "
@@ -23,12 +40,6 @@ class ModelSource:
         None,
         "train from scratch from transformers' default config of this type "
         "(e.g. gpt2, gptj, t5) instead of --config_name",
-    )
-    config_overrides: str | None = arg(
-        None, "config fields to change, comma-separated, e.g. 'n_layer=2,n_embd=128,n_head=4,resid_pdrop=0'"
-    )
-    tokenizer_name: str | None = arg(
-        None, "tokenizer Hub id or folder (default: the one beside the model or config); it must be a fast tokenizer"
     )
 
 
@@ -50,11 +61,6 @@ def check(source: ModelSource, default_model: str | None = None) -> None:
 def model_config(source: ModelSource, task: str):
     """(HF config with the overrides applied, the folder it came from or None, the overrides), after
     checking that jaxseq has a ``task`` model for its type."""
-    from transformers import AutoConfig
-
-    from jaxseq.models import FAMILIES
-    from jaxseq.models.hub import apply_overrides, load_config, parse_overrides, resolve
-
     folder = None
     if source.model_type:
         try:
@@ -64,10 +70,13 @@ def model_config(source: ModelSource, task: str):
     else:
         folder = resolve(source.model_name_or_path or source.config_name, weights=bool(source.model_name_or_path))
         config = load_config(folder)
-    supported = sorted(name for name, family in FAMILIES.items() if task in family.tasks)
+    supported = families_with(task)
     model_type = source.model_type if config is None else config.model_type
     if model_type not in supported:
-        raise JaxseqError(f"model_type {model_type!r} has no {task} model in jaxseq; use one of {', '.join(supported)}")
+        raise JaxseqError(
+            f"model_type {model_type!r} is not supported for this job ({model_type!r} has no {task} model in "
+            f"jaxseq); use one of {', '.join(supported)}"
+        )
     overrides = parse_overrides(source.config_overrides, config)
     return apply_overrides(config, **overrides), folder, overrides
 
@@ -75,14 +84,12 @@ def model_config(source: ModelSource, task: str):
 def load_tokenizer(name: str | Path | None, *, fast: bool = True):
     """A tokenizer (a fast one, if ``fast``) from a folder or Hub id, or a one-line error. Remote code is
     never run (transformers' ``trust_remote_code`` stays off)."""
-    from transformers import AutoTokenizer
-
     if name is None:
         raise JaxseqError("--model_type gives no tokenizer: pass --tokenizer_name")
     try:
         tokenizer = AutoTokenizer.from_pretrained(name)
     except (OSError, ValueError, TypeError, KeyError, AttributeError) as e:
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:150]
+        first = first_line(e, 150)
         raise JaxseqError(
             f"cannot load a tokenizer from {name} ({first}); pass --tokenizer_name with a tokenizer folder or Hub id"
         ) from None
@@ -93,8 +100,6 @@ def load_tokenizer(name: str | Path | None, *, fast: bool = True):
 
 def build_model(source: ModelSource, task: str, config, folder, overrides, *, mesh, dtype, seed: int):
     """The pretrained checkpoint (with ``overrides``) or a fresh model of ``config``, placed on ``mesh``."""
-    from jaxseq.models import from_config, load_pretrained
-
     if source.model_name_or_path:
         return load_pretrained(folder, task, mesh=mesh, dtype=dtype, seed=seed, **overrides)
     return from_config(config, task, mesh=mesh, dtype=dtype, seed=seed)

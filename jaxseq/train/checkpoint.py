@@ -15,7 +15,7 @@ import jax
 import orbax.checkpoint as ocp
 from orbax.checkpoint import checkpoint_managers as policies
 
-from jaxseq.errors import JaxseqError
+from jaxseq.errors import JaxseqError, first_line
 
 
 class Checkpointer:
@@ -56,9 +56,6 @@ class Checkpointer:
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
 
-    def best_step(self) -> int | None:
-        return self.manager.best_step()
-
     def restore(self, step: int, abstract_state) -> tuple[object, dict]:
         """``abstract_state``: the state's tree of ``jax.ShapeDtypeStruct`` with the target shardings."""
         try:
@@ -69,7 +66,7 @@ class Checkpointer:
         except (ValueError, KeyError, FileNotFoundError) as e:
             raise JaxseqError(
                 f"the checkpoint in {self.directory / str(step)} was written for a different model or optimizer "
-                f"({str(e).splitlines()[0][:200]}); use a fresh --output_dir, or the settings that wrote it"
+                f"({first_line(e)}); use a fresh --output_dir, or the settings that wrote it"
             ) from None
         return restored.state, dict(restored.record)
 
@@ -120,7 +117,7 @@ class Checkpointer:
         """The one line for a save that could not be written; the previous checkpoint is untouched."""
         if self._failed is None:
             code = re.search(r"os_error_code='?(\d+)", str(e))
-            first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+            first = first_line(e)
             why = os.strerror(int(code.group(1))) if code else first
             last = max((s for s in self.manager.all_steps() if step is None or s < step), default=None)
             kept = (

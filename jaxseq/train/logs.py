@@ -11,6 +11,8 @@ from pathlib import Path
 import jax
 from tqdm.auto import tqdm
 
+from jaxseq.files import atomic_write
+
 
 class RunLogger:
     def __init__(self, output_dir: Path, total_steps: int, initial_step: int = 0, enabled: bool | None = None):
@@ -67,9 +69,7 @@ class RunLogger:
                 continue
             if record.get("step", step + 1) <= step:
                 kept.append(record)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")
-        tmp.replace(path)
+        atomic_write(path, "".join(json.dumps(r) + "\n" for r in kept))
         self.records = kept + self.records
         self._jsonl = open(path, "a", encoding="utf-8")  # noqa: SIM115 (open for the run)
         from tensorboardX import SummaryWriter

@@ -21,7 +21,6 @@ import dataclasses
 import json
 import os
 import re
-import tempfile
 from pathlib import Path
 
 import jax
@@ -32,7 +31,10 @@ from jax.sharding import PartitionSpec as P
 
 from jaxseq.config import arg
 from jaxseq.errors import JaxseqError
+from jaxseq.files import atomic_folder
 from jaxseq.models.layers import Conv1D, dropout_with_key
+from jaxseq.models.registry import family_for
+from jaxseq.models.weights import torch_layout
 from jaxseq.partition import gather, path_string
 
 EXPORTS = ("merged", "adapter")
@@ -98,8 +100,6 @@ class Lora:
 
     def __init__(self, config: LoraConfig, model: nnx.Module, param_specs):
         """``param_specs``: PartitionSpecs of the model's parameters (``nnx.split(model)[1]``'s structure)."""
-        from jaxseq.models.hub import family_for, torch_layout
-
         self.config, self.rank = config, config.lora_rank
         self.scale = config.lora_alpha / config.lora_rank
         family = family_for(model.config.model_type)
@@ -238,14 +238,11 @@ class Lora:
             "init_lora_weights": True,
             "inference_mode": True,
         }
-        out.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=out, prefix=".saving-") as tmp:
-            save_file(tensors, os.path.join(tmp, "adapter_model.safetensors"), metadata={"format": "pt"})
-            Path(tmp, "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
+        with atomic_folder(out) as tmp:
+            save_file(tensors, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
+            (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
             if tokenizer is not None:
                 tokenizer.save_pretrained(tmp)
-            for name in os.listdir(tmp):
-                os.replace(os.path.join(tmp, name), out / name)
         return out
 
 
@@ -268,15 +265,3 @@ class _AdapterDot:
 def _tree(flat: dict) -> dict:
     """Nested dicts with string keys (what orbax and ``path_string`` read back the same) from path tuples."""
     return traverse_util.unflatten_dict({_keys(path): value for path, value in flat.items()})
-
-
-def export_model(trainer, output_dir: str | os.PathLike, tokenizer=None, *, base_model: str | None = None) -> Path:
-    """The trained model into ``output_dir``: a Hugging Face folder (LoRA adapters merged into the weights),
-    or with ``--lora_export adapter`` the adapter alone in PEFT's format. Evaluated parameters are exported
-    (the moving average with ``--ema_decay`` and ``--eval_with_ema``)."""
-    from jaxseq.models import save_pretrained
-
-    lora = trainer.lora
-    if lora is not None and lora.config.lora_export == "adapter":
-        return lora.save_adapter(trainer.eval_params(), output_dir, base_model=base_model, tokenizer=tokenizer)
-    return save_pretrained(trainer.model(), output_dir, tokenizer=tokenizer)

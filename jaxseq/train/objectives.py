@@ -10,7 +10,9 @@ import numpy as np
 import optax
 
 from jaxseq.data.glue import GlueTask, compute_metrics
+from jaxseq.generation import greedy_tokens
 from jaxseq.metrics import perplexity
+from jaxseq.models.t5 import shift_right
 
 
 class SequenceClassification:
@@ -91,8 +93,6 @@ class Seq2SeqLM(TokenLoss):
         self.tokenizer, self.max_new_tokens = tokenizer, max_new_tokens
 
     def _token_losses(self, model, batch, rngs=None) -> tuple[jax.Array, jax.Array]:
-        from jaxseq.models.t5 import shift_right
-
         config, labels = model.config, batch["labels"]
         decoder_input_ids = shift_right(labels, config.decoder_start_token_id, config.pad_token_id)
         logits = model(batch["input_ids"], batch["attention_mask"], decoder_input_ids, rngs=rngs).logits
@@ -102,8 +102,6 @@ class Seq2SeqLM(TokenLoss):
     def predict(self, model, batch: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
         outputs = super().predict(model, batch)
         if self.tokenizer is not None and self.max_new_tokens > 0:
-            from jaxseq.generation import greedy_tokens
-
             outputs["generated"] = greedy_tokens(
                 model,
                 batch["input_ids"],

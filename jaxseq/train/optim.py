@@ -11,6 +11,7 @@ import optax
 
 from jaxseq.config import arg
 from jaxseq.errors import JaxseqError
+from jaxseq.sharding import path_string
 
 OPTIMIZERS = ("adamw", "adafactor", "lion", "sgd", "muon", "lbfgs")
 # Distributed Shampoo is left out: optax-shampoo 0.0.6 (the newest on PyPI) calls jax.tree_map, which
@@ -103,8 +104,6 @@ def parse_lr_groups(text: str | None) -> list[tuple[str, float]]:
 def lr_group_labels(groups: list[tuple[str, float]], params):
     """Each parameter's group: the index of the first regex its path matches, or ``"rest"``. A regex that
     matches nothing is an error (a typo would otherwise silently train at the base rate)."""
-    from jaxseq.partition import path_string
-
     compiled = [re.compile(pattern) for pattern, _ in groups]
     used = set()
 

@@ -5,36 +5,32 @@ orbax checkpoints and exact resume (the data order is a function of seed and ste
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 import signal
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from flax import nnx
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.experimental import multihost_utils
 
 from jaxseq import partition
 from jaxseq.config import arg
-from jaxseq.data import packing
-from jaxseq.data.batches import eval_indices, steps_per_epoch, train_indices
-from jaxseq.data.rows import Rows, as_rows
+from jaxseq.data.rows import Rows
 from jaxseq.errors import Interrupted, JaxseqError
-from jaxseq.mesh import batch_spec, data_parallel_size
+from jaxseq.models.layers import enable_remat
 from jaxseq.train.checkpoint import Checkpointer, abstract_like
+from jaxseq.train.feeding import Feeder
 from jaxseq.train.logs import RunLogger
 from jaxseq.train.lora import Lora, LoraConfig
-from jaxseq.train.optim import OptimizerConfig, ema_update, make_optimizer, needs_value_fn
-from jaxseq.train.precision import LossScale, all_finite, select
+from jaxseq.train.optim import OptimizerConfig, make_optimizer, needs_value_fn
+from jaxseq.train.precision import LossScale
+from jaxseq.train.step import Task, TrainState, abstract_state, jit_train_step, state_specs, train_step_fn
 from jaxseq.train.throughput import Throughput
 
 
@@ -52,6 +48,7 @@ class TrainerConfig:
     save_total_limit: int = arg(2, "keep this many latest checkpoints (plus the best one)")
     metric_for_best_model: str | None = arg(None, "eval metric that picks the best checkpoint, e.g. accuracy")
     greater_is_better: bool = arg(True, "whether a larger --metric_for_best_model is better")
+    remat: bool = arg(False, "recompute each block's activations in the backward pass (less memory, more compute)")
     seed: int = arg(42, "seed of initialisation, data order and dropout")
     resume_from_checkpoint: str | None = arg(
         None, "checkpoint folder to resume from (a run also resumes from --output_dir/checkpoints by itself)"
@@ -90,40 +87,6 @@ def check_writable_dir(path: str | os.PathLike, flag: str) -> None:
         raise JaxseqError(f"{flag} {path} is not writable (no write permission in {existing}); pick another {flag}")
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
-class TrainState:
-    step: jax.Array
-    params: Any  # what trains: every parameter, or with LoRA the adapters and the task head
-    opt_state: Any
-    loss_scale: LossScale | None = None  # float16 compute only
-    ema: Any = None  # moving average of params (--ema_decay), sharded like them
-
-
-class Task(Protocol):
-    """What a job (GLUE, causal LM, seq2seq) tells the trainer."""
-
-    def loss(self, model, batch: Mapping[str, jax.Array], rngs: nnx.Rngs | None) -> jax.Array: ...
-
-    def predict(self, model, batch: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
-        """Per-example outputs (leading batch dimension) that ``metrics`` turns into numbers; they carry what
-        the metrics compare against (labels), so the host needs no copy of the eval data."""
-
-    def metrics(self, outputs: dict[str, np.ndarray]) -> dict[str, float]: ...
-
-
-def state_specs(param_specs, state: TrainState) -> TrainState:
-    """The parameters' specs as given; the optimizer state and the moving average follow their parameters;
-    scalars are replicated."""
-    return TrainState(
-        P(),
-        param_specs,
-        partition.follow_params(state.params, param_specs, state.opt_state),
-        jax.tree.map(lambda _: P(), state.loss_scale),
-        None if state.ema is None else param_specs,
-    )
-
-
 class Trainer:
     def __init__(
         self,
@@ -153,33 +116,25 @@ class Trainer:
         ``peak_flops`` (FLOP/s of all devices): when given, the training log adds tokens/s, model FLOP/s and
         MFU (see ``jaxseq.train.throughput``)."""
         self.task, self.config, self.mesh = task, config, mesh
-        self.train_data = as_rows(train_data)
-        self.eval_sets = {name: as_rows(data) for name, data in eval_sets.items()}
         self.output_dir = Path(config.output_dir)
-        dp = data_parallel_size(mesh)
-        self.micro_batch = config.per_device_train_batch_size * dp
-        self.global_batch = self.micro_batch * config.gradient_accumulation_steps
-        self.eval_batch = config.per_device_eval_batch_size * dp
+        self.feed = Feeder(
+            mesh,
+            train_data,
+            eval_sets,
+            per_device_train_batch_size=config.per_device_train_batch_size,
+            per_device_eval_batch_size=config.per_device_eval_batch_size,
+            gradient_accumulation_steps=config.gradient_accumulation_steps,
+            seed=config.seed,
+            pack=pack,
+        )
+        self.global_batch, self.steps_per_epoch = self.feed.global_batch, self.feed.steps_per_epoch
         self.throughput = Throughput(self.global_batch, tokens_per_example, flops_per_example, peak_flops)
-        self._mine = self._local_slice(self.micro_batch)  # this process's examples of every micro-batch
-        self._eval_mine = self._local_slice(self.eval_batch)
-        # how many distinct slices the processes take of a batch (1 with one process)
-        self._groups = self.micro_batch // (self._mine.stop - self._mine.start)
-        n = len(self.train_data)
-        self.steps_per_epoch = steps_per_epoch(n, self.global_batch)
-        if self.steps_per_epoch == 0:
-            raise JaxseqError(
-                f"{n} training examples do not fill one global batch of {self.global_batch}; lower "
-                "--per_device_train_batch_size or --gradient_accumulation_steps"
-            )
         if config.max_steps > 0:
             self.total_steps = config.max_steps
         else:
             self.total_steps = max(1, math.ceil(config.num_train_epochs * self.steps_per_epoch))
-
-        self.pack = pack
-        if pack:
-            self._size_packed_batches(dp)
+        self.feed.size_packing(self.total_steps)
+        enable_remat(model, config.remat)
         self.graphdef, params = nnx.split(model)
         rules = rules if rules is not None else partition.get_partition_rules(model.config.model_type)
         param_specs = partition.match_partition_rules(rules, params)
@@ -209,13 +164,7 @@ class Trainer:
         else:
             loss_scale = None
         self.skips_nonfinite = loss_scale is not None  # else a NaN/inf loss or gradient stops the run
-        abstract = TrainState(
-            jax.ShapeDtypeStruct((), jnp.int32),
-            params,
-            jax.eval_shape(self.tx.init, params),
-            jax.eval_shape(lambda: loss_scale),
-            params if self.ema_decay else None,
-        )
+        abstract = abstract_state(params, self.tx, loss_scale, ema=bool(self.ema_decay))
         specs = state_specs(param_specs, abstract)
         partition.check_divisible(abstract, specs, mesh)
         self._param_specs = specs.params
@@ -232,7 +181,22 @@ class Trainer:
             in_shardings=(self.state_shardings.params,),
             out_shardings=self.state_shardings,
         )(params)
-        self._train_step = self._compile_train_step()
+        step = jit_train_step(
+            train_step_fn(
+                self.graphdef,
+                task,
+                self.tx,
+                self.schedule,
+                seed=config.seed,
+                accumulate=config.gradient_accumulation_steps,
+                lora=self.lora,
+                line_search=self.line_search,
+                ema_decay=self.ema_decay,
+            ),
+            self.state_shardings,
+            self._frozen_shardings,
+        )
+        self._train_step = lambda state, batch: step(state, self.frozen, batch)
         self._eval_step = jax.jit(
             self._predict, in_shardings=(self.state_shardings.params, self._frozen_shardings, None)
         )
@@ -244,148 +208,6 @@ class Trainer:
         )
         self._check_resume_source()  # before the logger writes anything into output_dir
         self.logger = logger or RunLogger(self.output_dir, self.total_steps)
-
-    # ------------------------------------------------------------------ steps
-
-    def _compile_train_step(self):
-        accumulate = self.config.gradient_accumulation_steps
-        base_key = jax.random.key(self.config.seed)
-
-        def loss_of(params, frozen, batch, key, scale=None):
-            if self.lora is None:
-                model = nnx.merge(self.graphdef, params)
-            else:
-                key, adapter_key = jax.random.split(key)
-                model = self.lora.training_model(self.graphdef, params, frozen, adapter_key)
-            loss = self.task.loss(model, batch, nnx.Rngs(dropout=key))
-            return loss if scale is None else loss * scale
-
-        def train_step(state: TrainState, frozen, batch):
-            key = jax.random.fold_in(base_key, state.step)
-            scale = None if state.loss_scale is None else state.loss_scale.scale
-            if accumulate == 1:
-                loss, grads = jax.value_and_grad(loss_of)(state.params, frozen, batch, key, scale)
-            else:
-                micro = batch  # [accumulate, micro-batch, ...]: see _device_batch
-
-                def body(carry, xs):
-                    i, mb = xs
-                    loss, grads = jax.value_and_grad(loss_of)(
-                        state.params, frozen, mb, jax.random.fold_in(key, i), scale
-                    )
-                    return jax.tree.map(jnp.add, carry, (loss, grads)), None
-
-                zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, state.params))
-                (loss, grads), _ = jax.lax.scan(body, zeros, (jnp.arange(accumulate), micro))
-                loss, grads = jax.tree.map(lambda x: x / accumulate, (loss, grads))
-            if scale is not None:
-                loss, grads = jax.tree.map(lambda x: x / scale, (loss, grads))
-            if self.line_search:
-                updates, opt_state = self.tx.update(
-                    grads,
-                    state.opt_state,
-                    state.params,
-                    value=loss,
-                    grad=grads,
-                    value_fn=lambda p: loss_of(p, frozen, batch, key),
-                )
-            else:
-                updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
-            params = optax.apply_updates(state.params, updates)
-            ema = None if state.ema is None else ema_update(state.ema, params, self.ema_decay)
-            metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "learning_rate": self.schedule(state.step)}
-            loss_scale = state.loss_scale
-            if loss_scale is not None:  # an overflowing step changes nothing but the scale
-                finite = all_finite(grads) & jnp.isfinite(loss)
-                params, opt_state, ema = select(
-                    finite, (params, opt_state, ema), (state.params, state.opt_state, state.ema)
-                )
-                loss_scale = loss_scale.adjust(finite)
-                metrics["skipped_updates"] = loss_scale.skipped
-                if loss_scale.factor != 1.0:
-                    metrics["loss_scale"] = loss_scale.scale
-            return TrainState(state.step + 1, params, opt_state, loss_scale, ema), metrics
-
-        step = jax.jit(
-            train_step,
-            in_shardings=(self.state_shardings, self._frozen_shardings, None),
-            out_shardings=(self.state_shardings, None),
-            donate_argnums=(0,),
-        )
-        return lambda state, batch: step(state, self.frozen, batch)
-
-    def _size_packed_batches(self, dp: int) -> None:
-        """Packed rows per micro-batch (the most any micro-batch of the run needs) and per eval batch. Every
-        data-parallel shard packs its own examples into its own rows, so the layout depends on the mesh,
-        not on how many processes share it; each process sizes only its shards (tokenizing only those)
-        and the processes agree on the largest."""
-        micro = self.config.gradient_accumulation_steps
-        indices = train_indices(len(self.train_data), self.global_batch, self.config.seed)
-        run = (next(indices).reshape(micro, -1)[:, self._mine] for _ in range(self.total_steps))
-        self.packed_rows = self._rows_for((self.train_data.take(m) for b in run for m in b), dp)
-        self.eval_packed_rows = {
-            name: self._rows_for(
-                (data.take(index[self._eval_mine]) for index, _ in eval_indices(len(data), self.eval_batch)), dp
-            )
-            for name, data in self.eval_sets.items()
-        }
-
-    def _rows_for(self, batches, dp: int) -> int:
-        """Packed rows of a whole batch: ``dp`` times the most any shard of this process's ``batches`` (or of
-        any other process's) needs."""
-        needed = packing.rows_needed(shard for batch in batches for shard in self._shards(batch))
-        if jax.process_count() > 1:
-            from jax.experimental import multihost_utils
-
-            needed = int(np.max(multihost_utils.process_allgather(np.int32(needed))))
-        return dp * needed
-
-    def _shards(self, local: Mapping[str, np.ndarray]) -> list[dict[str, np.ndarray]]:
-        """This process's examples of a batch, split into its data-parallel shards."""
-        shards = data_parallel_size(self.mesh) // self._groups
-        return [{k: v[i] for k, v in local.items()} for i in np.split(np.arange(len(local["input_ids"])), shards)]
-
-    def _local_slice(self, rows: int) -> slice:
-        """The rows of a batch of ``rows`` (split over the batch axes) that this process's devices hold."""
-        return local_rows(NamedSharding(self.mesh, batch_spec(1)), (rows,))
-
-    def batches(self, start_step: int = 0) -> Iterator[dict[str, jax.Array]]:
-        """The training batches from ``start_step`` on, on the devices. The global order is a function of
-        the seed and the step alone; this process takes (tokenizes, packs) only its own examples of each."""
-        micro = self.config.gradient_accumulation_steps
-        for index in train_indices(len(self.train_data), self.global_batch, self.config.seed, start_step):
-            parts = [
-                self._local(self.train_data, m[self._mine], self.pack and self.packed_rows)
-                for m in index.reshape(micro, -1)
-            ]
-            yield self._device_batch(
-                parts[0] if micro == 1 else {k: np.stack([p[k] for p in parts]) for k in parts[0]}, stacked=micro > 1
-            )
-
-    def _local(self, data: Rows, index: np.ndarray, packed_rows: int | None) -> dict[str, np.ndarray]:
-        """This process's examples ``index`` of one batch; if ``packed_rows`` is given, each data-parallel
-        shard packed into its share of them."""
-        local = data.take(index)
-        if not packed_rows:
-            return local
-        per_shard = packed_rows // data_parallel_size(self.mesh)
-        first = self._local_slice(packed_rows).start
-        parts = [
-            packing.pack(shard, per_shard, self.pack, first_row=first + i * per_shard)
-            for i, shard in enumerate(self._shards(local))
-        ]
-        return {k: np.concatenate([part[k] for part in parts]) for k in parts[0]}
-
-    def _device_batch(self, local: Mapping[str, np.ndarray], stacked: bool = False) -> dict[str, jax.Array]:
-        """This process's rows -> global arrays split over the batch axes. ``stacked``: arrays are
-        ``[micro-batches, rows, ...]`` and each micro-batch is split on its own."""
-        out = {}
-        for name, value in local.items():
-            lead = value.shape[:2] if stacked else value.shape[:1]
-            spec = P(None, *batch_spec(value.ndim - 1)) if stacked else batch_spec(value.ndim)
-            shape = (*lead[:-1], lead[-1] * self._groups, *value.shape[len(lead) :])
-            out[name] = jax.make_array_from_process_local_data(NamedSharding(self.mesh, spec), value, shape)
-        return out
 
     def _predict(self, params, frozen, batch):
         return self.task.predict(self._model(params, frozen), batch)
@@ -422,7 +244,11 @@ class Trainer:
             return 0
         state, record = checkpointer.restore(step, self._abstract_state)
         # the data order is a function of these and the step: a resumed run must see the same ones
-        now = {"global batch": self.global_batch, "seed": self.config.seed, "training examples": len(self.train_data)}
+        now = {
+            "global batch": self.global_batch,
+            "seed": self.config.seed,
+            "training examples": len(self.feed.train_data),
+        }
         saved = {
             "global batch": record.get("global_batch"),
             "seed": record.get("seed"),
@@ -469,7 +295,7 @@ class Trainer:
         config = self.config
         start = self.restore_if_any()
         eval_every = config.eval_steps or self.steps_per_epoch
-        batches = self.batches(start)
+        batches = self.feed.batches(start)
         pending: list[dict] = []
         eval_metrics: dict[str, float] = {}
         started = time.perf_counter()
@@ -522,15 +348,9 @@ class Trainer:
         }
 
     def _report_tokenized(self) -> None:
-        """Multi-host runs: how many training examples each process tokenized (each only what it took)."""
-        if jax.process_count() == 1 or not hasattr(self.train_data, "encoded"):
-            return
-        from jax.experimental import multihost_utils
-
-        counts = multihost_utils.process_allgather(np.int32(self.train_data.encoded))
-        self.logger.write(
-            f"training examples tokenized by each process: {np.asarray(counts).tolist()} of {len(self.train_data)}"
-        )
+        counts = self.feed.tokenized_counts()
+        if counts is not None:
+            self.logger.write(f"training examples tokenized by each process: {counts} of {len(self.feed.train_data)}")
 
     def _check_finite(self, step: int, host: list[dict]) -> None:
         """Stop at the first of the steps ending at ``step`` (their metrics ``host``) whose loss or gradient
@@ -561,7 +381,6 @@ class Trainer:
             return self._signal
         if not logged:
             return None
-        from jax.experimental import multihost_utils
 
         return int(np.max(multihost_utils.process_allgather(np.int32(self._signal or 0)))) or None
 
@@ -596,7 +415,7 @@ class Trainer:
             "step": step,
             "global_batch": self.global_batch,
             "seed": self.config.seed,
-            "train_examples": len(self.train_data),
+            "train_examples": len(self.feed.train_data),
             "epoch": step / self.steps_per_epoch,
         }
         metrics = {f"eval/{k}": v for k, v in eval_metrics.items()} if eval_metrics else None
@@ -605,11 +424,9 @@ class Trainer:
     def evaluate(self) -> dict[str, float]:
         """Metrics over every example of every eval set (keys suffixed by set, as the task names them)."""
         results = {}
-        for name, data in self.eval_sets.items():
+        for name in self.feed.eval_sets:
             outputs: dict[str, list] = {}
-            packed_rows = self.pack and self.eval_packed_rows[name]
-            for index, valid in eval_indices(len(data), self.eval_batch):
-                batch = self._device_batch(self._local(data, index[self._eval_mine], packed_rows))
+            for batch, valid in self.feed.eval_batches(name):
                 predicted = partition.gather(self._eval_step(self.eval_params(), self.frozen, batch))
                 for key, value in predicted.items():
                     outputs.setdefault(key, []).append(np.asarray(value)[valid])
@@ -650,37 +467,3 @@ class Trainer:
 
 def _count(tree) -> int:
     return sum(math.prod(np.shape(x)) for x in jax.tree.leaves(tree))
-
-
-def local_rows(sharding: NamedSharding, shape: tuple[int, ...]) -> slice:
-    """The rows of a global array of ``shape`` that this process's devices hold under ``sharding``."""
-    if jax.process_count() == 1:
-        return slice(0, shape[0])
-    spans = [index[0] for index in sharding.addressable_devices_indices_map(shape).values()]
-    return slice(min(s.start or 0 for s in spans), max(shape[0] if s.stop is None else s.stop for s in spans))
-
-
-def write_results(
-    output_dir: Path, results: dict, *, train_samples: int, eval_samples: int, extra_eval: dict | None = None
-) -> dict:
-    """``eval_results.json`` (the ``eval_*`` entries of ``Trainer.train``'s results, plus ``extra_eval``)
-    and ``all_results.json`` (everything), as transformers' scripts write them; the eval figures are
-    printed on one line. Returns the eval entries."""
-    eval_results = {
-        **{k: v for k, v in results.items() if k.startswith("eval_")},
-        **(extra_eval or {}),
-        "eval_samples": eval_samples,
-    }
-    write_json(output_dir / "eval_results.json", eval_results)
-    write_json(output_dir / "all_results.json", {**results, **eval_results, "train_samples": train_samples})
-    if jax.process_index() == 0:
-        print(" ".join(f"{k}={v:.4g}" for k, v in sorted(eval_results.items()) if isinstance(v, float)))
-    return eval_results
-
-
-def write_json(path: Path, values: dict) -> None:
-    if jax.process_index() != 0:
-        return
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(values, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, path)

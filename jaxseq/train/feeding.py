@@ -1,0 +1,148 @@
+"""Feeding a run's batches to the mesh: the global order is a function of the seed and the step alone; each
+process takes (tokenizes, packs) only the examples its devices hold, and builds global arrays from them."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxseq.data import packing
+from jaxseq.data.batches import eval_indices, steps_per_epoch, train_indices
+from jaxseq.data.rows import Rows, as_rows
+from jaxseq.errors import JaxseqError
+from jaxseq.mesh import batch_spec, data_parallel_size
+
+
+class Feeder:
+    """The training and evaluation batches of one run on ``mesh``. ``pack``: pack short examples into shared
+    rows (``jaxseq.data.packing``), pooling each example's ``"first"`` or ``"last"`` token; the row counts are
+    sized once for the whole run (``size_packing``), so shapes stay static."""
+
+    def __init__(
+        self,
+        mesh: jax.sharding.Mesh,
+        train_data: Rows | Mapping[str, np.ndarray],
+        eval_sets: Mapping[str, Rows | Mapping[str, np.ndarray]],
+        *,
+        per_device_train_batch_size: int,
+        per_device_eval_batch_size: int,
+        gradient_accumulation_steps: int,
+        seed: int,
+        pack: str | None = None,
+    ):
+        self.mesh, self.seed, self.pack = mesh, seed, pack
+        self.train_data = as_rows(train_data)
+        self.eval_sets = {name: as_rows(data) for name, data in eval_sets.items()}
+        self.accumulate = gradient_accumulation_steps
+        self.dp = data_parallel_size(mesh)
+        self.micro_batch = per_device_train_batch_size * self.dp
+        self.global_batch = self.micro_batch * gradient_accumulation_steps
+        self.eval_batch = per_device_eval_batch_size * self.dp
+        self._mine = self._local_slice(self.micro_batch)  # this process's examples of every micro-batch
+        self._eval_mine = self._local_slice(self.eval_batch)
+        # how many distinct slices the processes take of a batch (1 with one process)
+        self._groups = self.micro_batch // (self._mine.stop - self._mine.start)
+        n = len(self.train_data)
+        self.steps_per_epoch = steps_per_epoch(n, self.global_batch)
+        if self.steps_per_epoch == 0:
+            raise JaxseqError(
+                f"{n} training examples do not fill one global batch of {self.global_batch}; lower "
+                "--per_device_train_batch_size or --gradient_accumulation_steps"
+            )
+        self.packed_rows: int | None = None
+        self.eval_packed_rows: dict[str, int | None] = dict.fromkeys(self.eval_sets)
+
+    def size_packing(self, total_steps: int) -> None:
+        """Packed rows per micro-batch (the most any micro-batch of the run needs) and per eval batch. Every
+        data-parallel shard packs its own examples into its own rows, so the layout depends on the mesh,
+        not on how many processes share it; each process sizes only its shards (tokenizing only those)
+        and the processes agree on the largest."""
+        if not self.pack:
+            return
+        indices = train_indices(len(self.train_data), self.global_batch, self.seed)
+        run = (next(indices).reshape(self.accumulate, -1)[:, self._mine] for _ in range(total_steps))
+        self.packed_rows = self._rows_for(self.train_data.take(m) for b in run for m in b)
+        self.eval_packed_rows = {
+            name: self._rows_for(
+                data.take(index[self._eval_mine]) for index, _ in eval_indices(len(data), self.eval_batch)
+            )
+            for name, data in self.eval_sets.items()
+        }
+
+    def _rows_for(self, batches) -> int:
+        """Packed rows of a whole batch: ``dp`` times the most any shard of this process's ``batches`` (or of
+        any other process's) needs."""
+        needed = packing.rows_needed(shard for batch in batches for shard in self._shards(batch))
+        if jax.process_count() > 1:
+            needed = int(np.max(multihost_utils.process_allgather(np.int32(needed))))
+        return self.dp * needed
+
+    def _shards(self, local: Mapping[str, np.ndarray]) -> list[dict[str, np.ndarray]]:
+        """This process's examples of a batch, split into its data-parallel shards."""
+        shards = self.dp // self._groups
+        return [{k: v[i] for k, v in local.items()} for i in np.split(np.arange(len(local["input_ids"])), shards)]
+
+    def _local_slice(self, rows: int) -> slice:
+        """The rows of a batch of ``rows`` (split over the batch axes) that this process's devices hold."""
+        return local_rows(NamedSharding(self.mesh, batch_spec(1)), (rows,))
+
+    def batches(self, start_step: int = 0) -> Iterator[dict[str, jax.Array]]:
+        """The training batches from ``start_step`` on, on the devices: ``[rows, ...]`` arrays, or
+        ``[micro-batches, rows, ...]`` with gradient accumulation."""
+        micro = self.accumulate
+        for index in train_indices(len(self.train_data), self.global_batch, self.seed, start_step):
+            parts = [self._local(self.train_data, m[self._mine], self.packed_rows) for m in index.reshape(micro, -1)]
+            yield self.device_batch(
+                parts[0] if micro == 1 else {k: np.stack([p[k] for p in parts]) for k in parts[0]}, stacked=micro > 1
+            )
+
+    def eval_batches(self, name: str) -> Iterator[tuple[dict[str, jax.Array], np.ndarray]]:
+        """``(batch, valid)`` over every example of eval set ``name``; the last batch is padded and ``valid``
+        marks its real rows."""
+        data = self.eval_sets[name]
+        for index, valid in eval_indices(len(data), self.eval_batch):
+            yield self.device_batch(self._local(data, index[self._eval_mine], self.eval_packed_rows[name])), valid
+
+    def _local(self, data: Rows, index: np.ndarray, packed_rows: int | None) -> dict[str, np.ndarray]:
+        """This process's examples ``index`` of one batch; if ``packed_rows`` is given, each data-parallel
+        shard packed into its share of them."""
+        local = data.take(index)
+        if not packed_rows:
+            return local
+        per_shard = packed_rows // self.dp
+        first = self._local_slice(packed_rows).start
+        parts = [
+            packing.pack(shard, per_shard, self.pack, first_row=first + i * per_shard)
+            for i, shard in enumerate(self._shards(local))
+        ]
+        return {k: np.concatenate([part[k] for part in parts]) for k in parts[0]}
+
+    def device_batch(self, local: Mapping[str, np.ndarray], stacked: bool = False) -> dict[str, jax.Array]:
+        """This process's rows -> global arrays split over the batch axes. ``stacked``: arrays are
+        ``[micro-batches, rows, ...]`` and each micro-batch is split on its own."""
+        out = {}
+        for name, value in local.items():
+            lead = value.shape[:2] if stacked else value.shape[:1]
+            spec = P(None, *batch_spec(value.ndim - 1)) if stacked else batch_spec(value.ndim)
+            shape = (*lead[:-1], lead[-1] * self._groups, *value.shape[len(lead) :])
+            out[name] = jax.make_array_from_process_local_data(NamedSharding(self.mesh, spec), value, shape)
+        return out
+
+    def tokenized_counts(self) -> list[int] | None:
+        """Multi-host runs: how many training examples each process tokenized (each only what it took)."""
+        if jax.process_count() == 1 or not hasattr(self.train_data, "encoded"):
+            return None
+        return np.asarray(multihost_utils.process_allgather(np.int32(self.train_data.encoded))).tolist()
+
+
+def local_rows(sharding: NamedSharding, shape: tuple[int, ...]) -> slice:
+    """The rows of a global array of ``shape`` that this process's devices hold under ``sharding``."""
+    if jax.process_count() == 1:
+        return slice(0, shape[0])
+    spans = [index[0] for index in sharding.addressable_devices_indices_map(shape).values()]
+    return slice(min(s.start or 0 for s in spans), max(shape[0] if s.stop is None else s.stop for s in spans))

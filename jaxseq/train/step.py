@@ -1,0 +1,148 @@
+"""The train step of a run as one pure function of its state (forward, backward, gradient accumulation, loss
+scaling, the optimizer update, the moving average), and the shardings it is jitted with. The Trainer runs it;
+a plan (``jaxseq.plan``) compiles the same function for a TPU topology without any weights."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from jaxseq import partition
+from jaxseq.train.optim import ema_update
+from jaxseq.train.precision import LossScale, all_finite, select
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class TrainState:
+    step: jax.Array
+    params: Any  # what trains: every parameter, or with LoRA the adapters and the task head
+    opt_state: Any
+    loss_scale: LossScale | None = None  # float16 compute only
+    ema: Any = None  # moving average of params (--ema_decay), sharded like them
+
+
+class Task(Protocol):
+    """What a job (GLUE, causal LM, seq2seq) tells the trainer."""
+
+    def loss(self, model, batch: Mapping[str, jax.Array], rngs: nnx.Rngs | None) -> jax.Array: ...
+
+    def predict(self, model, batch: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
+        """Per-example outputs (leading batch dimension) that ``metrics`` turns into numbers; they carry what
+        the metrics compare against (labels), so the host needs no copy of the eval data."""
+
+    def metrics(self, outputs: dict[str, np.ndarray]) -> dict[str, float]: ...
+
+
+def state_specs(param_specs, state: TrainState) -> TrainState:
+    """The parameters' specs as given; the optimizer state and the moving average follow their parameters;
+    scalars are replicated."""
+    return TrainState(
+        P(),
+        param_specs,
+        partition.follow_params(state.params, param_specs, state.opt_state),
+        jax.tree.map(lambda _: P(), state.loss_scale),
+        None if state.ema is None else param_specs,
+    )
+
+
+def abstract_state(params, tx: optax.GradientTransformation, loss_scale: LossScale | None, ema: bool) -> TrainState:
+    """The shapes and dtypes of the state that trains ``params`` (arrays or ShapeDtypeStructs)."""
+    return TrainState(
+        jax.ShapeDtypeStruct((), jnp.int32),
+        jax.eval_shape(lambda p: p, params),
+        jax.eval_shape(tx.init, params),
+        jax.eval_shape(lambda: loss_scale),
+        jax.eval_shape(lambda p: p, params) if ema else None,
+    )
+
+
+def train_step_fn(
+    graphdef,
+    task: Task,
+    tx: optax.GradientTransformation,
+    schedule: Callable,
+    *,
+    seed: int,
+    accumulate: int = 1,
+    lora=None,
+    line_search: bool = False,
+    ema_decay: float = 0.0,
+) -> Callable:
+    """``train_step(state, frozen, batch) -> (state, metrics)``. ``frozen``: the model's own weights when
+    ``lora`` (a ``jaxseq.train.lora.Lora``) trains adapters, else None. With ``accumulate`` > 1 the batch is
+    ``[accumulate, micro-batch, ...]`` and the gradients of the micro-batches are averaged. The dropout key
+    of a step is a function of the seed and the step alone (exact resume)."""
+    base_key = jax.random.key(seed)
+
+    def loss_of(params, frozen, batch, key, scale=None):
+        if lora is None:
+            model = nnx.merge(graphdef, params)
+        else:
+            key, adapter_key = jax.random.split(key)
+            model = lora.training_model(graphdef, params, frozen, adapter_key)
+        loss = task.loss(model, batch, nnx.Rngs(dropout=key))
+        return loss if scale is None else loss * scale
+
+    def train_step(state: TrainState, frozen, batch):
+        key = jax.random.fold_in(base_key, state.step)
+        scale = None if state.loss_scale is None else state.loss_scale.scale
+        if accumulate == 1:
+            loss, grads = jax.value_and_grad(loss_of)(state.params, frozen, batch, key, scale)
+        else:
+
+            def body(carry, xs):
+                i, mb = xs
+                loss, grads = jax.value_and_grad(loss_of)(state.params, frozen, mb, jax.random.fold_in(key, i), scale)
+                return jax.tree.map(jnp.add, carry, (loss, grads)), None
+
+            zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, state.params))
+            (loss, grads), _ = jax.lax.scan(body, zeros, (jnp.arange(accumulate), batch))
+            loss, grads = jax.tree.map(lambda x: x / accumulate, (loss, grads))
+        if scale is not None:
+            loss, grads = jax.tree.map(lambda x: x / scale, (loss, grads))
+        if line_search:
+            updates, opt_state = tx.update(
+                grads,
+                state.opt_state,
+                state.params,
+                value=loss,
+                grad=grads,
+                value_fn=lambda p: loss_of(p, frozen, batch, key),
+            )
+        else:
+            updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        ema = None if state.ema is None else ema_update(state.ema, params, ema_decay)
+        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "learning_rate": schedule(state.step)}
+        loss_scale = state.loss_scale
+        if loss_scale is not None:  # an overflowing step changes nothing but the scale
+            finite = all_finite(grads) & jnp.isfinite(loss)
+            params, opt_state, ema = select(
+                finite, (params, opt_state, ema), (state.params, state.opt_state, state.ema)
+            )
+            loss_scale = loss_scale.adjust(finite)
+            metrics["skipped_updates"] = loss_scale.skipped
+            if loss_scale.factor != 1.0:
+                metrics["loss_scale"] = loss_scale.scale
+        return TrainState(state.step + 1, params, opt_state, loss_scale, ema), metrics
+
+    return train_step
+
+
+def jit_train_step(train_step: Callable, state_shardings: TrainState, frozen_shardings=None):
+    """The train step jitted as a run executes it: state in and out on its shardings, the state donated."""
+    return jax.jit(
+        train_step,
+        in_shardings=(state_shardings, frozen_shardings, None),
+        out_shardings=(state_shardings, None),
+        donate_argnums=(0,),
+    )
