@@ -18,9 +18,10 @@ from jaxseq.data.glue import get_task  # noqa: E402
 from jaxseq.errors import JaxseqError  # noqa: E402
 from jaxseq.mesh import make_mesh  # noqa: E402
 from jaxseq.models import from_config, load_pretrained, save_pretrained  # noqa: E402
-from jaxseq.train.lora import LoraConfig, export_model  # noqa: E402
+from jaxseq.train.lora import LoraConfig  # noqa: E402
 from jaxseq.train.objectives import CausalLM, SequenceClassification  # noqa: E402
 from jaxseq.train.optim import OptimizerConfig, ema_update  # noqa: E402
+from jaxseq.train.results import export_model  # noqa: E402
 from jaxseq.train.trainer import Trainer, TrainerConfig  # noqa: E402
 
 VOCAB, SEQ, HIDDEN, RANK = 128, 16, 64, 4
