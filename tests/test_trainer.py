@@ -184,8 +184,8 @@ def test_every_optimizer_lowers_the_loss(tmp_path, tokenizer, sst2, optimizer):
         lr_scheduler_type="constant",
     )
     # the same batch every step: the loss must go down
-    first = trainer.train_data.take(np.arange(16))
-    trainer.train_data = ArrayRows({k: np.tile(v, (8,) + (1,) * (v.ndim - 1)) for k, v in first.items()})
+    first = trainer.feed.train_data.take(np.arange(16))
+    trainer.feed.train_data = ArrayRows({k: np.tile(v, (8,) + (1,) * (v.ndim - 1)) for k, v in first.items()})
     losses = train_losses(trainer)
     assert losses[-1] < losses[0]
 
