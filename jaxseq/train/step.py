@@ -16,7 +16,10 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jaxseq import partition
-from jaxseq.train.optim import ema_update
+from jaxseq.errors import JaxseqError
+from jaxseq.train.checkpoint import abstract_like
+from jaxseq.train.lora import Lora, LoraConfig
+from jaxseq.train.optim import OptimizerConfig, ema_update, make_optimizer, needs_value_fn
 from jaxseq.train.precision import LossScale, all_finite, select
 
 
@@ -146,3 +149,94 @@ def jit_train_step(train_step: Callable, state_shardings: TrainState, frozen_sha
         out_shardings=(state_shardings, None),
         donate_argnums=(0,),
     )
+
+
+class TrainProgram:
+    """A run's train step and everything about it that needs no weights: the trained parameters (all, or
+    LoRA's adapters and head) and their specs, the optimizer, the state's shapes and shardings, and the jitted
+    step. ``model`` may be abstract (``nnx.eval_shape``): a plan compiles ``step`` for a topology from
+    ``abstract_state`` alone; the Trainer builds the real state with ``init_state``."""
+
+    def __init__(
+        self,
+        model: nnx.Module,
+        task: Task,
+        mesh: jax.sharding.Mesh,
+        optimizer: OptimizerConfig,
+        *,
+        total_steps: int,
+        seed: int,
+        accumulate: int = 1,
+        rules=None,
+        lora: LoraConfig | None = None,
+        loss_scaling: bool = False,
+        skip_nonfinite_updates: bool = False,
+    ):
+        self.mesh = mesh
+        self.graphdef, params = nnx.split(model)
+        rules = rules if rules is not None else partition.get_partition_rules(model.config.model_type)
+        param_specs = partition.match_partition_rules(rules, params)
+        self.lora = Lora(lora, model, param_specs) if lora is not None and lora.enabled else None
+        self.frozen_shardings = None
+        self.adapter_init = None
+        trained = params
+        if self.lora:  # the model's weights become a frozen input of the steps; the adapters train
+            partition.check_divisible(params, param_specs, mesh)
+            self.frozen_shardings = partition.make_shardings(mesh, param_specs)
+            self.adapter_init = jax.jit(
+                lambda p: self.lora.init(p, seed),
+                in_shardings=(self.frozen_shardings,),
+                out_shardings=partition.make_shardings(mesh, self.lora.specs),
+            )
+            trained = jax.eval_shape(self.adapter_init, params)
+            param_specs = self.lora.specs
+        self.ema_decay, self.eval_with_ema = optimizer.ema_decay, optimizer.eval_with_ema
+        self.tx, self.schedule = make_optimizer(optimizer, total_steps)
+        line_search = needs_value_fn(optimizer)
+        if line_search and accumulate > 1:
+            raise JaxseqError(
+                "--optimizer lbfgs re-evaluates the loss on the whole batch; drop --gradient_accumulation_steps"
+            )
+        if loss_scaling:
+            self.loss_scale = LossScale.create()
+        elif skip_nonfinite_updates:  # float16's skip-and-count without its scaling: a scale fixed at 1
+            self.loss_scale = LossScale.create(1.0, factor=1.0)
+        else:
+            self.loss_scale = None
+        abstract = abstract_state(trained, self.tx, self.loss_scale, ema=bool(self.ema_decay))
+        specs = state_specs(param_specs, abstract)
+        partition.check_divisible(abstract, specs, mesh)
+        self.param_specs = specs.params
+        self.state_shardings = partition.make_shardings(mesh, specs)
+        self.abstract_state = abstract_like(abstract, self.state_shardings)
+        self.abstract_frozen = None if self.lora is None else abstract_like(params, self.frozen_shardings)
+        self.step = jit_train_step(
+            train_step_fn(
+                self.graphdef,
+                task,
+                self.tx,
+                self.schedule,
+                seed=seed,
+                accumulate=accumulate,
+                lora=self.lora,
+                line_search=line_search,
+                ema_decay=self.ema_decay,
+            ),
+            self.state_shardings,
+            self.frozen_shardings,
+        )
+
+    def init_state(self, trained) -> TrainState:
+        """The first state, from the parameters that train; the moving average starts at them (a copy: the
+        state is donated)."""
+        return jax.jit(
+            lambda p: TrainState(
+                jnp.zeros((), jnp.int32),
+                p,
+                self.tx.init(p),
+                self.loss_scale,
+                jax.tree.map(jnp.copy, p) if self.ema_decay else None,
+            ),
+            in_shardings=(self.state_shardings.params,),
+            out_shardings=self.state_shardings,
+        )(trained)

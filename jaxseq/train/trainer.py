@@ -14,7 +14,6 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.experimental import multihost_utils
@@ -24,13 +23,12 @@ from jaxseq.config import arg
 from jaxseq.data.rows import Rows
 from jaxseq.errors import Interrupted, JaxseqError
 from jaxseq.models.layers import enable_remat
-from jaxseq.train.checkpoint import Checkpointer, abstract_like
+from jaxseq.train.checkpoint import Checkpointer
 from jaxseq.train.feeding import Feeder
 from jaxseq.train.logs import RunLogger
-from jaxseq.train.lora import Lora, LoraConfig
-from jaxseq.train.optim import OptimizerConfig, make_optimizer, needs_value_fn
-from jaxseq.train.precision import LossScale
-from jaxseq.train.step import Task, TrainState, abstract_state, jit_train_step, state_specs, train_step_fn
+from jaxseq.train.lora import LoraConfig
+from jaxseq.train.optim import OptimizerConfig
+from jaxseq.train.step import Task, TrainProgram
 from jaxseq.train.throughput import Throughput
 
 
@@ -135,70 +133,31 @@ class Trainer:
             self.total_steps = max(1, math.ceil(config.num_train_epochs * self.steps_per_epoch))
         self.feed.size_packing(self.total_steps)
         enable_remat(model, config.remat)
-        self.graphdef, params = nnx.split(model)
-        rules = rules if rules is not None else partition.get_partition_rules(model.config.model_type)
-        param_specs = partition.match_partition_rules(rules, params)
-        self.lora = Lora(lora, model, param_specs) if lora is not None and lora.enabled else None
-        self.frozen = self._frozen_shardings = None
-        if self.lora:  # the model's weights become a frozen input of the steps; the adapters train
-            partition.check_divisible(params, param_specs, mesh)
-            self._frozen_shardings = partition.make_shardings(mesh, param_specs)
-            self.frozen = partition.shard(params, self._frozen_shardings)
-            params = jax.jit(
-                lambda p: self.lora.init(p, config.seed),
-                in_shardings=(self._frozen_shardings,),
-                out_shardings=partition.make_shardings(mesh, self.lora.specs),
-            )(self.frozen)
-            param_specs = self.lora.specs
-        self.ema_decay, self.eval_with_ema = optimizer.ema_decay, optimizer.eval_with_ema
-        self.tx, self.schedule = make_optimizer(optimizer, self.total_steps)
-        self.line_search = needs_value_fn(optimizer)
-        if self.line_search and config.gradient_accumulation_steps > 1:
-            raise JaxseqError(
-                "--optimizer lbfgs re-evaluates the loss on the whole batch; drop --gradient_accumulation_steps"
-            )
-        if loss_scaling:
-            loss_scale = LossScale.create()
-        elif config.skip_nonfinite_updates:  # float16's skip-and-count without its scaling: a scale fixed at 1
-            loss_scale = LossScale.create(1.0, factor=1.0)
-        else:
-            loss_scale = None
-        self.skips_nonfinite = loss_scale is not None  # else a NaN/inf loss or gradient stops the run
-        abstract = abstract_state(params, self.tx, loss_scale, ema=bool(self.ema_decay))
-        specs = state_specs(param_specs, abstract)
-        partition.check_divisible(abstract, specs, mesh)
-        self._param_specs = specs.params
-        self.state_shardings = partition.make_shardings(mesh, specs)
-        self._abstract_state = abstract_like(abstract, self.state_shardings)
-        self.state = jax.jit(  # the average starts at the initial parameters (a copy: the state is donated)
-            lambda p: TrainState(
-                jnp.zeros((), jnp.int32),
-                p,
-                self.tx.init(p),
-                loss_scale,
-                jax.tree.map(jnp.copy, p) if self.ema_decay else None,
-            ),
-            in_shardings=(self.state_shardings.params,),
-            out_shardings=self.state_shardings,
-        )(params)
-        step = jit_train_step(
-            train_step_fn(
-                self.graphdef,
-                task,
-                self.tx,
-                self.schedule,
-                seed=config.seed,
-                accumulate=config.gradient_accumulation_steps,
-                lora=self.lora,
-                line_search=self.line_search,
-                ema_decay=self.ema_decay,
-            ),
-            self.state_shardings,
-            self._frozen_shardings,
+        self.program = program = TrainProgram(
+            model,
+            task,
+            mesh,
+            optimizer,
+            total_steps=self.total_steps,
+            seed=config.seed,
+            accumulate=config.gradient_accumulation_steps,
+            rules=rules,
+            lora=lora,
+            loss_scaling=loss_scaling,
+            skip_nonfinite_updates=config.skip_nonfinite_updates,
         )
-        self._train_step = lambda state, batch: step(state, self.frozen, batch)
+        self.graphdef, self.lora = program.graphdef, program.lora
+        self.ema_decay, self.eval_with_ema = program.ema_decay, program.eval_with_ema
+        self.skips_nonfinite = program.loss_scale is not None  # else a NaN/inf loss or gradient stops the run
+        params = nnx.state(model)
+        self.frozen = None
+        if self.lora:
+            self.frozen = partition.shard(params, program.frozen_shardings)
+            params = program.adapter_init(self.frozen)
+        self.state = program.init_state(params)
+        self._train_step = lambda state, batch: program.step(state, self.frozen, batch)
         self._eval_step = jax.jit(
-            self._predict, in_shardings=(self.state_shardings.params, self._frozen_shardings, None)
+            self._predict, in_shardings=(program.state_shardings.params, program.frozen_shardings, None)
         )
         self.checkpointer = Checkpointer(
             self.output_dir / "checkpoints",
@@ -229,7 +188,7 @@ class Trainer:
             checkpointer = Checkpointer(source)
         step = checkpointer.latest_step()
         if step is not None:
-            checkpointer.check_fits(step, self._abstract_state)
+            checkpointer.check_fits(step, self.program.abstract_state)
 
     def restore_if_any(self) -> int:
         """Resume from ``resume_from_checkpoint`` or the latest checkpoint in the output dir; returns the step."""
@@ -242,7 +201,7 @@ class Trainer:
             if source:
                 raise JaxseqError(f"no checkpoint in {source}; drop --resume_from_checkpoint to start afresh")
             return 0
-        state, record = checkpointer.restore(step, self._abstract_state)
+        state, record = checkpointer.restore(step, self.program.abstract_state)
         # the data order is a function of these and the step: a resumed run must see the same ones
         now = {
             "global batch": self.global_batch,
@@ -437,7 +396,7 @@ class Trainer:
 
     def describe(self) -> str:
         """Table of every trained parameter's shape, dtype, spec and bytes per device (printed at start)."""
-        table = partition.describe(self.state.params, self._param_specs, self.mesh)
+        table = partition.describe(self.state.params, self.program.param_specs, self.mesh)
         if self.lora is None:
             return table
         return f"{table}\n{self.lora.describe(_count(self.frozen), _count(self.state.params))}"
