@@ -1,0 +1,362 @@
+"""Ahead-of-time plans: TPU topologies, memory per device, the HLO roofline, refusals, attention kernel detection.
+
+Programs are compiled for an abstract v5e:2x4 slice through libtpu (no TPU needed). Without libtpu those tests
+skip, except under CI=true where they fail.
+"""
+
+import importlib.util
+import json
+import math
+import os
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxseq import plan as planlib
+from jaxseq.errors import JaxseqError
+from jaxseq.mesh import make_mesh
+
+GiB = 2**30
+PLAN_FIELDS = {
+    "topology", "accelerator", "devices", "mesh", "hbm_bytes_per_device", "bytes_per_device", "fits",
+    "model_flops_per_step", "compiled_flops_per_device", "estimated_step_seconds", "estimated_mfu",
+    "estimate_method", "attention_kernel", "compile_seconds", "jax_version", "libtpu_version",
+}  # fmt: skip
+
+
+def require_libtpu():
+    if importlib.util.find_spec("libtpu") is None:
+        if os.environ.get("CI") == "true":
+            pytest.fail("libtpu is missing under CI (pip install 'jaxseq[tpu]')")
+        pytest.skip("libtpu is not installed: no ahead-of-time TPU compilation")
+
+
+@pytest.fixture(scope="module")
+def v5e():
+    require_libtpu()
+    return planlib.topology("v5e-8")
+
+
+# ---------------------------------------------------------------------------------------------- topologies
+
+
+@pytest.mark.parametrize(
+    "name, libtpu_name, accelerator, chips, devices",
+    [
+        ("v5e-8", "v5e:2x4", "v5e-8", 8, 8),
+        ("v5litepod-8", "v5e:2x4", "v5e-8", 8, 8),
+        ("V5E-4", "v5e:2x2", "v5e-4", 4, 4),
+        ("v5e-1", "v5e:1x1", "v5e-1", 1, 1),
+        ("v5e-16", "v5e:4x4", "v5e-16", 16, 16),
+        ("v5e-256", "v5e:16x16", "v5e-256", 256, 256),
+        ("v6e-8", "v6e:2x4", "v6e-8", 8, 8),
+        ("v4-8", "v4:2x2x1", "v4-8", 4, 4),  # TensorCores: 4 megacore chips, one device each
+        ("v4-32", "v4:2x2x4", "v4-32", 16, 16),
+        ("v5p-8", "v5p:2x2x1", "v5p-8", 4, 4),
+        ("v5p-128", "v5p:4x4x4", "v5p-128", 64, 64),
+        ("v3-8", "v3:2x2", "v3-8", 4, 8),  # v3 devices are TensorCores
+        ("v3-32", "v3:4x4", "v3-32", 16, 32),
+        ("v5e:2x4", "v5e:2x4", "v5e-8", 8, 8),
+        ("v4:2x2x1", "v4:2x2x1", "v4-8", 4, 4),
+        ("v5p:2x2x2", "v5p:2x2x2", "v5p-16", 8, 8),
+    ],
+)
+def test_topology_names(name, libtpu_name, accelerator, chips, devices):
+    require_libtpu()
+    topo = planlib.topology(name)
+    assert (topo.name, topo.accelerator, topo.chips, len(topo.devices)) == (libtpu_name, accelerator, chips, devices)
+    assert topo.chip is planlib.CHIPS[accelerator.split("-")[0]]
+    # libtpu's budget per device is within 1% of the published HBM (v5p: 95.74 of '95 GiB')
+    assert 0.9 < topo.hbm_bytes_per_device / (topo.chip.hbm / topo.chip.devices_per_chip) < 1.01
+
+
+@pytest.mark.parametrize("name", ["v9-8", "tpu", "v5e", "v5e-3", "v4-6", "v5e:2x2x2", "v4:2x2", "v5e-512", "h100-8"])
+def test_unknown_topology_is_one_line(name):
+    with pytest.raises(JaxseqError) as error:
+        planlib.topology(name)
+    message = str(error.value)
+    assert "\n" not in message and ("v5e-8" in message or f"{name[:2]}" in message)
+
+
+def test_slice_shapes():
+    assert [planlib._slice_shape(n, 2) for n in (1, 4, 8, 16, 32, 64, 128, 256)] == [
+        [1, 1], [2, 2], [2, 4], [4, 4], [4, 8], [8, 8], [8, 16], [16, 16],
+    ]  # fmt: skip
+    assert [planlib._slice_shape(n, 3) for n in (4, 8, 16, 32, 64, 128, 256, 512)] == [
+        [2, 2, 1], [2, 2, 2], [2, 2, 4], [2, 4, 4], [4, 4, 4], [4, 4, 8], [4, 8, 8], [8, 8, 8],
+    ]  # fmt: skip
+    assert planlib._slice_shape(12, 2) is None and planlib._slice_shape(2, 3) is None
+
+
+def test_chip_table():
+    assert {g: c.peak_flops for g, c in planlib.CHIPS.items()} == {
+        "v3": 123e12, "v4": 275e12, "v5e": 197e12, "v5p": 459e12, "v6e": 918e12,
+    }  # fmt: skip
+    assert {g: c.hbm // GiB for g, c in planlib.CHIPS.items()} == {"v3": 32, "v4": 32, "v5e": 16, "v5p": 95, "v6e": 32}
+    assert planlib.CHIPS["v5e"].usable_hbm == int(15.75 * GiB)
+
+
+# ---------------------------------------------------------------------------------------------- model FLOPs
+
+
+def test_model_flops_follow_maxtext():
+    flops = planlib.model_flops_per_step(124_000_000, 8 * 1024, layers=12, attention_width=768, seq_len=1024)
+    assert flops == 6 * 124_000_000 * 8192 + 12 * 12 * 768 * 1024 * 8192 / 2
+    full = planlib.model_flops_per_step(10, 4, layers=1, attention_width=2, seq_len=4, causal=False, training=False)
+    assert full == 2 * 10 * 4 + 4 * 1 * 2 * 4 * 4
+
+
+# ---------------------------------------------------------------------------------------------- compiled plans
+
+L, D, H, B = 4, 1024, 2048, 64  # layers, width, hidden, global batch
+
+
+def mlp_step(mesh, layers=L, width=D, hidden=H, fsdp=True):
+    """An fsdp-sharded MLP train step (scan over layers, bf16 compute, AdamW), lowered for the mesh."""
+    spec1, spec2 = (P(None, "fsdp", None), P(None, None, "fsdp")) if fsdp else (P(), P())
+    shard = {"w1": NamedSharding(mesh, spec1), "w2": NamedSharding(mesh, spec2)}
+    shapes = {"w1": jax.ShapeDtypeStruct((layers, width, hidden), jnp.float32)}
+    shapes["w2"] = jax.ShapeDtypeStruct((layers, hidden, width), jnp.float32)
+    params = planlib.with_shardings(shapes, shard)
+    optimizer = optax.adamw(1e-3)
+    opt_shapes = jax.eval_shape(optimizer.init, shapes)
+    replicated = NamedSharding(mesh, P())
+    opt_shard = jax.tree_util.tree_map_with_path(
+        lambda path, _: shard[path[-1].key] if hasattr(path[-1], "key") else replicated, opt_shapes
+    )
+    opt_state = planlib.with_shardings(opt_shapes, opt_shard)
+    batch = jax.ShapeDtypeStruct((B, width), jnp.float32, sharding=NamedSharding(mesh, P(("dp", "fsdp"))))
+
+    def loss(p, x):
+        def layer(h, w):
+            return jnp.tanh(h @ w[0].astype(jnp.bfloat16)) @ w[1].astype(jnp.bfloat16), None
+
+        h, _ = jax.lax.scan(layer, x.astype(jnp.bfloat16), (p["w1"], p["w2"]))
+        return jnp.mean(h.astype(jnp.float32) ** 2)
+
+    def step(p, o, x):
+        value, grads = jax.value_and_grad(loss)(p, x)
+        updates, o = optimizer.update(grads, o, p)
+        return optax.apply_updates(p, updates), o, value
+
+    jitted = jax.jit(step, out_shardings=(shard, opt_shard, replicated), donate_argnums=(0, 1))
+    return jitted.lower(params, opt_state, batch), params, opt_state, batch
+
+
+@pytest.fixture(scope="module")
+def mlp_plan(v5e):
+    mesh = make_mesh("fsdp=8", devices=v5e.devices)
+    lowered, params, opt_state, batch = mlp_step(mesh)
+    flops = planlib.model_flops_per_step(2 * L * D * H, B)
+    plan = planlib.compile_plan(
+        lowered, v5e, parameters=params, optimizer_state=opt_state, batch=batch, model_flops=flops
+    )
+    return plan, lowered
+
+
+def test_plan_fields(mlp_plan):
+    plan, _ = mlp_plan
+    assert set(plan) == PLAN_FIELDS
+    assert (plan["topology"], plan["accelerator"], plan["devices"]) == ("v5e:2x4", "v5e-8", 8)
+    assert plan["mesh"] == {"dp": 1, "fsdp": 8, "mp": 1}
+    assert plan["hbm_bytes_per_device"] == int(15.75 * GiB)
+    assert plan["fits"] is True
+    assert plan["attention_kernel"] == "xla"
+    assert plan["estimate_method"].startswith("roofline from compiled HLO") and "\n" not in plan["estimate_method"]
+    assert plan["compile_seconds"] > 0
+    assert plan["jax_version"] == jax.__version__ and plan["libtpu_version"]
+    json.dumps(plan)
+
+
+def test_plan_memory(mlp_plan):
+    memory = mlp_plan[0]["bytes_per_device"]
+    n_params = 2 * L * D * H
+    assert memory["parameters"] == n_params * 4 // 8  # f32 over fsdp=8, exactly
+    assert 2 * memory["parameters"] <= memory["optimizer_state"] <= 2 * memory["parameters"] + 64  # mu, nu, count
+    assert memory["batch"] == B * D * 4 // 8
+    arguments = memory["parameters"] + memory["optimizer_state"] + memory["batch"]
+    assert memory["temporaries"] > 0 and memory["total"] == arguments + memory["temporaries"]
+
+
+def test_plan_roofline(mlp_plan):
+    plan, lowered = mlp_plan
+    flops = plan["compiled_flops_per_device"]
+    assert flops == 3 * 2 * 2 * (B // 8) * D * H * L  # forward + backward matmuls of the local batch, L layers
+    assert plan["model_flops_per_step"] == 6 * 2 * L * D * H * B
+    assert plan["estimated_step_seconds"] > 0
+    assert 0 < plan["estimated_mfu"] <= 1
+    cost = planlib.hlo_cost(lowered.compile().as_text(), 8)
+    # fsdp: every layer's weights are all-gathered (forward and backward) and the gradients reduce-scattered
+    gathered = 2 * L * D * H * 2 * 7 / 8  # bf16 bytes of all layers' weights, (n-1)/n of them received
+    assert 2 * gathered < cost.collective_bytes < 5 * gathered
+    assert cost.hbm_bytes > 0 and cost.unknown_loops == 0
+
+
+def test_replicated_step_has_no_weight_collectives(v5e):
+    mesh = make_mesh("fsdp=8", devices=v5e.devices)
+    lowered, *_ = mlp_step(mesh, layers=2, width=256, hidden=512, fsdp=False)
+    cost = planlib.hlo_cost(lowered.compile().as_text(), 8)
+    sharded, *_ = mlp_step(mesh, layers=2, width=256, hidden=512)
+    assert cost.collective_bytes < planlib.hlo_cost(sharded.compile().as_text(), 8).collective_bytes
+
+
+def test_flops_match_cost_analysis_without_loops(v5e):
+    mesh = make_mesh("fsdp=8", devices=v5e.devices)
+    x = jax.ShapeDtypeStruct((256, 512), jnp.bfloat16, sharding=NamedSharding(mesh, P("fsdp")))
+    w = jax.ShapeDtypeStruct((512, 512), jnp.bfloat16, sharding=NamedSharding(mesh, P()))
+    compiled = jax.jit(lambda x, a, b: jnp.tanh(x @ a) @ b).lower(x, w, w).compile()
+    flops = planlib.hlo_cost(compiled.as_text(), 8).flops
+    assert flops == 2 * 2 * 32 * 512 * 512
+    assert flops == pytest.approx(compiled.cost_analysis()["flops"], rel=0.01)
+
+
+@pytest.mark.parametrize("steps", [2, 6])
+def test_scan_counts_every_step(v5e, steps):
+    mesh = make_mesh("fsdp=8", devices=v5e.devices)
+    x = jax.ShapeDtypeStruct((256, 512), jnp.bfloat16, sharding=NamedSharding(mesh, P("fsdp")))
+    ws = jax.ShapeDtypeStruct((steps, 512, 512), jnp.bfloat16, sharding=NamedSharding(mesh, P()))
+    scan = lambda x, ws: jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, ws)[0]
+    compiled = jax.jit(scan).lower(x, ws).compile()
+    cost = planlib.hlo_cost(compiled.as_text(), 8)
+    assert cost.flops == steps * 2 * 32 * 512 * 512 and cost.unknown_loops == 0
+    assert compiled.cost_analysis()["flops"] < cost.flops  # XLA's own analysis counts a loop body once
+
+
+def test_trip_count_on_cpu_hlo():
+    """XLA:CPU writes known_trip_count on the while; the reader takes it from there."""
+    x, ws = jax.ShapeDtypeStruct((8, 64), jnp.float32), jax.ShapeDtypeStruct((5, 64, 64), jnp.float32)
+    scan = lambda x, ws: jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, ws)[0]
+    text = jax.jit(scan).lower(x, ws).compile().as_text()
+    assert planlib.hlo_cost(text, 1).flops == 5 * 2 * 8 * 64 * 64
+
+
+def test_over_budget_is_refused(v5e):
+    mesh = make_mesh("fsdp=8", devices=v5e.devices)
+    lowered, params, opt_state, batch = mlp_step(mesh, layers=2, width=16384, hidden=32768, fsdp=False)
+    plan = planlib.compile_plan(lowered, v5e, parameters=params, optimizer_state=opt_state, batch=batch)
+    assert set(plan) == PLAN_FIELDS and plan["fits"] is False
+    memory = plan["bytes_per_device"]
+    assert memory["parameters"] == 2 * 2 * 16384 * 32768 * 4  # replicated: whole on every device
+    assert memory["total"] > plan["hbm_bytes_per_device"]
+    assert memory["total"] == sum(memory[k] for k in ("parameters", "optimizer_state", "batch", "temporaries"))
+    assert plan["estimated_step_seconds"] is None and plan["attention_kernel"] == "xla"
+    line = planlib.refusal(plan)
+    assert "\n" not in line and line.startswith(f"needs {memory['total'] / GiB:.2f} GiB per chip of 15.75 GiB on v5e-8")
+    assert "LoRA" in line and line.count(",") <= 2  # the training state, not activations, is what is too big
+    assert planlib.refusal(plan, ["--remat full"]).endswith("; try: --remat full")
+
+
+def test_total_is_the_compilers_peak(v5e):
+    """Arguments + outputs - aliased + temp counts a donated state twice: by that sum this step needs 15.77 GiB of
+    15.75 and yet it compiles. The plan's total is the compiler's peak, the figure libtpu holds to the budget."""
+    mesh = make_mesh("fsdp=8", devices=v5e.devices)
+    lowered, params, opt_state, batch = mlp_step(mesh, layers=42, width=4096, hidden=16384)
+    plan = planlib.compile_plan(lowered, v5e, parameters=params, optimizer_state=opt_state, batch=batch)
+    stats = lowered.compile().memory_analysis()
+    naive = stats.argument_size_in_bytes + stats.output_size_in_bytes - stats.alias_size_in_bytes
+    assert naive + stats.temp_size_in_bytes > plan["hbm_bytes_per_device"]
+    assert plan["fits"] and plan["bytes_per_device"]["total"] == stats.peak_memory_in_bytes
+
+
+def test_other_compile_errors_propagate():
+    class Broken:
+        def compile(self):
+            raise ValueError("INVALID_ARGUMENT: something else")
+
+    with pytest.raises(ValueError, match="something else"):
+        planlib.compile_plan(Broken(), None, parameters={})
+
+
+def test_out_of_memory_messages():
+    parse = planlib._out_of_memory
+    needed = parse("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO temporaries "
+                   "(18.00G) exceeds available HBM (15.75G).")  # fmt: skip
+    assert needed == 18 * GiB
+    assert parse("RESOURCE_EXHAUSTED: Ran out of memory in memory space hbm. Used 20.50G of 15.75G hbm.") == int(
+        20.5 * GiB
+    )
+    assert parse("INVALID_ARGUMENT: bad") is None
+
+
+# ---------------------------------------------------------------------------------------------- attention kernels
+
+
+def test_splash_kernel_is_found(v5e):
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
+
+    heads, length, head_dim = 2, 256, 128
+    mask = masks.MultiHeadMask([masks.CausalMask((length, length)) for _ in range(heads)])
+    kernel = splash.make_splash_mha(mask, head_shards=1, q_seq_shards=1)
+    mesh = make_mesh("dp=1", devices=v5e.devices[:1])
+    q = jax.ShapeDtypeStruct((heads, length, head_dim), jnp.bfloat16, sharding=NamedSharding(mesh, P()))
+    lowered = jax.jit(kernel).lower(q, q, q)
+    plan = planlib.compile_plan(lowered, v5e, parameters=q)
+    assert plan["attention_kernel"] == "splash"
+    assert "Pallas" in plan["estimate_method"]
+    assert planlib.attention_kernel(lowered.as_text()) == "splash"  # kernel_name in StableHLO, for refused plans
+
+
+def test_plain_attention_is_xla(v5e):
+    mesh = make_mesh("dp=1", devices=v5e.devices[:1])
+    q = jax.ShapeDtypeStruct((2, 256, 128), jnp.bfloat16, sharding=NamedSharding(mesh, P()))
+
+    def attention(q, k, v):
+        weights = jax.nn.softmax(jnp.einsum("hqd,hkd->hqk", q, k) / math.sqrt(q.shape[-1]), axis=-1)
+        return jnp.einsum("hqk,hkd->hqd", weights, v)
+
+    compiled = jax.jit(attention).lower(q, q, q).compile()
+    assert planlib.attention_kernel(compiled.as_text()) == "xla"
+
+
+def test_cudnn_attention_is_named():
+    text = 'custom-call(%q, %k, %v), custom_call_target="__cudnn$fmhaSoftmax"'
+    assert planlib.attention_kernel(text) == "cudnn"
+
+
+# ---------------------------------------------------------------------------------------------- output
+
+
+def fake_plan(**overrides):
+    plan = {
+        "topology": "v5e:2x4", "accelerator": "v5e-8", "devices": 8, "mesh": {"dp": 1, "fsdp": 8, "mp": 1},
+        "hbm_bytes_per_device": int(15.75 * GiB),
+        "bytes_per_device": {"parameters": 2 * GiB, "optimizer_state": 4 * GiB, "batch": GiB // 2,
+                             "temporaries": 3 * GiB, "total": 9.5 * GiB},
+        "fits": True, "model_flops_per_step": 1e15, "compiled_flops_per_device": 1.3e14,
+        "estimated_step_seconds": 1.0, "estimated_mfu": 0.63, "estimate_method": "roofline from compiled HLO: x",
+        "attention_kernel": "splash", "compile_seconds": 12.0, "jax_version": "0.10.2", "libtpu_version": "0.0.42",
+    }  # fmt: skip
+    plan.update(overrides)
+    return plan
+
+
+def test_format_table():
+    table = planlib.format_table(fake_plan())
+    assert "v5e-8" in table and "9.50 GiB of 15.75 GiB" in table and "fits" in table
+    assert "1000.00 ms" in table and "63.0 %" in table and "splash" in table
+    refused = planlib.format_table(fake_plan(fits=False, estimated_step_seconds=None, estimated_mfu=None))
+    assert "DOES NOT FIT" in refused
+
+
+def test_write_plan_is_atomic_json(tmp_path):
+    path = tmp_path / "out" / "plan.json"
+    planlib.write_plan(path, fake_plan())
+    assert json.loads(path.read_text())["accelerator"] == "v5e-8"
+    assert [p.name for p in path.parent.iterdir()] == ["plan.json"]
+
+
+def test_derived_suggestions():
+    memory = {"parameters": 8 * GiB, "optimizer_state": 16 * GiB, "batch": GiB, "temporaries": 4 * GiB}
+    state_bound = fake_plan(mesh={"dp": 8, "fsdp": 1, "mp": 1}, bytes_per_device={**memory, "total": 29 * GiB})
+    expected = "needs 29.00 GiB per chip of 15.75 GiB on v5e-8; try: more fsdp (fsdp=8), LoRA, Adafactor"
+    assert planlib.refusal(state_bound) == expected
+    memory = {"parameters": GiB, "optimizer_state": 2 * GiB, "batch": GiB, "temporaries": 20 * GiB, "total": 24 * GiB}
+    activation_bound = fake_plan(bytes_per_device=memory)
+    assert planlib.refusal(activation_bound).endswith("try: --remat full, a smaller batch, a bigger topology (v5e-16)")
+    no_optimizer = {**memory, "parameters": 22 * GiB, "optimizer_state": 0, "temporaries": GiB}
+    assert planlib._suggestions(fake_plan(bytes_per_device=no_optimizer)) == ["LoRA", "a bigger topology (v5e-16)"]
