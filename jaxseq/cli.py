@@ -16,8 +16,14 @@ from jaxseq.config import arg, build_parser, parse_args
 from jaxseq.distributed import DistributedConfig, initialize
 from jaxseq.errors import JaxseqError, first_line
 from jaxseq.hub_push import HubConfig, push_run
-from jaxseq.mesh import make_mesh
+from jaxseq.mesh import data_parallel_size, make_mesh
+from jaxseq.models.hub import abstract_model
+from jaxseq.models.layers import enable_remat
+from jaxseq.plan import compile_plan, format_table, model_flops_per_step, refusal, topology, write_plan
+from jaxseq.train.feeding import abstract_batch
 from jaxseq.train.results import export_model, write_results
+from jaxseq.train.step import TrainProgram
+from jaxseq.train.throughput import matmul_parameters
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -33,6 +39,19 @@ class RuntimeConfig:
     compilation_cache_dir: str | None = arg(None, "persistent XLA cache (default ~/.cache/jaxseq/xla; '' disables)")
 
 
+@dataclasses.dataclass
+class PlanConfig:
+    """Plan a run before renting the chips."""
+
+    compile_topology: str | None = arg(
+        None,
+        "plan instead of training: compile this run's exact train step for a Cloud TPU slice (v5e-8, v5e-4, "
+        "v6e-8, v4-8, v5p-8, v3-8, ... or a libtpu topology like v5e:2x4) on this machine, print memory per "
+        "chip, estimated step time and MFU, write OUTPUT_DIR/plan.json; no weights are read, nothing trains; "
+        "exits 1 with one line if the run does not fit",
+    )
+
+
 def parse(description: str, sections: tuple[type, ...], argv) -> tuple:
     """One instance of each section (a config dataclass), from ``--config FILE.yaml`` and then the flags."""
     return parse_args(build_parser(description, *sections), sections, argv)[1]
@@ -45,6 +64,70 @@ def start(runtime: RuntimeConfig, distributed: DistributedConfig | None = None):
         initialize(distributed)
     setup_compilation_cache(runtime.compilation_cache_dir)
     return make_mesh(runtime.mesh or None)
+
+
+def plan_run(
+    plan: PlanConfig,
+    runtime: RuntimeConfig,
+    trainer_config,
+    optimizer,
+    lora,
+    *,
+    config,
+    task: str,
+    objective,
+    row: dict,
+    seq_len: int,
+    causal: bool,
+) -> dict:
+    """Compile the train step a run would use (its mesh, optimizer, dtype, remat, LoRA, accumulation) for
+    ``plan.compile_topology`` with abstract weights of ``config``, print the plan and write
+    ``output_dir/plan.json``. ``row``: name -> (shape of one example, dtype) of a training batch. A plan that
+    does not fit ends in one line (a JaxseqError) naming what is needed, of how much, and what to change."""
+    topo = topology(plan.compile_topology)
+    mesh = make_mesh(runtime.mesh or None, devices=topo.devices)
+    model = abstract_model(config, task, dtype=jax.numpy.dtype(runtime.dtype))
+    enable_remat(model, trainer_config.remat)
+    accumulate = trainer_config.gradient_accumulation_steps
+    program = TrainProgram(
+        model,
+        objective,
+        mesh,
+        optimizer,
+        total_steps=max(trainer_config.max_steps, 1),
+        seed=trainer_config.seed,
+        accumulate=accumulate,
+        lora=lora,
+        loss_scaling=runtime.dtype == "float16",
+        skip_nonfinite_updates=trainer_config.skip_nonfinite_updates,
+    )
+    rows = trainer_config.per_device_train_batch_size * data_parallel_size(mesh)
+    batch = abstract_batch(mesh, rows, row, accumulate)
+    flops = model_flops_per_step(
+        matmul_parameters(model),
+        rows * accumulate * seq_len,
+        layers=config.num_hidden_layers,
+        attention_width=config.hidden_size,
+        seq_len=seq_len,
+        causal=causal,
+    )
+    lowered = program.step.lower(program.abstract_state, program.abstract_frozen, batch)
+    state = program.abstract_state
+    result = compile_plan(
+        lowered,
+        topo,
+        parameters=(state.params, program.abstract_frozen, state.ema),
+        optimizer_state=state.opt_state,
+        batch=batch,
+        model_flops=flops,
+    )
+    output_dir = Path(trainer_config.output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    write_plan(output_dir / "plan.json", result)
+    print(format_table(result))
+    if not result["fits"]:
+        raise JaxseqError(refusal(result))
+    return result
 
 
 def finish(

@@ -20,12 +20,12 @@ import json
 import math
 import os
 import re
-import tempfile
 import time
 
 import jax
 
-from jaxseq.errors import JaxseqError
+from jaxseq.errors import JaxseqError, first_line
+from jaxseq.files import atomic_write
 
 GiB = 2**30
 
@@ -161,7 +161,7 @@ def _abstract_devices(libtpu_name: str, shape: list[int], options: dict) -> list
     try:
         return list(topologies.get_topology_desc(topology_name=libtpu_name, platform="tpu", **options).devices)
     except Exception as error:  # libtpu's own message (e.g. a shape it does not support), as one line
-        raise JaxseqError(f"libtpu cannot make topology {libtpu_name}: {str(error).splitlines()[0]}") from error
+        raise JaxseqError(f"libtpu cannot make topology {libtpu_name}: {first_line(error)}") from error
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -775,18 +775,8 @@ def format_table(plan: dict) -> str:
 
 
 def write_plan(path, plan: dict) -> None:
-    """``plan`` as JSON at ``path``, written to a temporary file first so readers never see half of it."""
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".plan-", suffix=".json")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(plan, f, indent=2)
-            f.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+    """``plan`` as JSON at ``path``, written whole or not at all."""
+    atomic_write(path, json.dumps(plan, indent=2) + "\n")
 
 
 def refusal(plan: dict, suggestions: list[str] | None = None) -> str:

@@ -17,8 +17,9 @@ import sys
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from jaxseq.cli import RuntimeConfig, finish, parse, script, start
+from jaxseq.cli import PlanConfig, RuntimeConfig, finish, parse, plan_run, script, start
 from jaxseq.config import arg, save_config
 from jaxseq.data.glue import SPLIT_SUFFIX, TASKS, encode, get_task, load_split
 from jaxseq.data.rows import EncodedRows
@@ -60,6 +61,7 @@ SECTIONS = (
     ModelSource,
     GlueConfig,
     RuntimeConfig,
+    PlanConfig,
     TrainerConfig,
     OptimizerConfig,
     LoraConfig,
@@ -107,10 +109,32 @@ def max_positions(config) -> int | None:
 
 @script
 def main(argv) -> int:
-    source, glue, runtime, trainer_config, optimizer_config, lora_config, hub, distributed = parse(
+    source, glue, runtime, plan, trainer_config, optimizer_config, lora_config, hub, distributed = parse(
         __doc__, SECTIONS, argv
     )
     check(source, default_model=DEFAULT_MODEL)
+    if plan.compile_topology:
+        task = get_task(glue.task_name)
+        config, _, _ = model_config(source, "sequence-classification", weights=False)
+        config = apply_overrides(config, num_labels=task.num_labels)
+        row = dict.fromkeys(("input_ids", "attention_mask"), ((glue.max_seq_length,), np.int32))
+        if config.model_type == "bert":
+            row["token_type_ids"] = ((glue.max_seq_length,), np.int32)
+        row["labels"] = ((), np.float32 if task.is_regression else np.int32)
+        plan_run(
+            plan,
+            runtime,
+            trainer_config,
+            optimizer_config,
+            lora_config,
+            config=config,
+            task="sequence-classification",
+            objective=SequenceClassification(task),
+            row=row,
+            seq_len=glue.max_seq_length,
+            causal=config.model_type != "bert",
+        )
+        return 0
     mesh = start(runtime, distributed)
     task, train_examples, eval_examples = load_examples(glue)
     config, folder, overrides = glue_model_config(source)

@@ -21,8 +21,9 @@ import sys
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from jaxseq.cli import RuntimeConfig, finish, parse, script, start
+from jaxseq.cli import PlanConfig, RuntimeConfig, finish, parse, plan_run, script, start
 from jaxseq.config import arg, save_config
 from jaxseq.data.rows import EncodedRows
 from jaxseq.data.seq2seq import encode_pairs, load_pairs
@@ -57,6 +58,7 @@ SECTIONS = (
     ModelSource,
     Seq2SeqDataConfig,
     RuntimeConfig,
+    PlanConfig,
     TrainerConfig,
     OptimizerConfig,
     LoraConfig,
@@ -81,10 +83,32 @@ def load_data(data: Seq2SeqDataConfig):
 
 @script
 def main(argv) -> int:
-    source, data, runtime, trainer_config, optimizer_config, lora_config, hub, distributed = parse(
+    source, data, runtime, plan, trainer_config, optimizer_config, lora_config, hub, distributed = parse(
         __doc__, SECTIONS, argv
     )
     check(source, default_model=DEFAULT_MODEL)
+    if plan.compile_topology:
+        config, _, _ = model_config(source, "seq2seq-lm", weights=False)
+        source_row, target_row = ((data.max_source_length,), np.int32), ((data.max_target_length,), np.int32)
+        plan_run(
+            plan,
+            runtime,
+            trainer_config,
+            optimizer_config,
+            lora_config,
+            config=config,
+            task="seq2seq-lm",
+            objective=Seq2SeqLM(),
+            row={
+                "input_ids": source_row,
+                "attention_mask": source_row,
+                "labels": target_row,
+                "decoder_attention_mask": target_row,
+            },
+            seq_len=data.max_source_length,
+            causal=False,
+        )
+        return 0
     train_pairs, eval_pairs = load_data(data)
 
     mesh = start(runtime, distributed)

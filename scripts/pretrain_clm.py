@@ -19,8 +19,9 @@ import sys
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from jaxseq.cli import RuntimeConfig, finish, parse, script, start
+from jaxseq.cli import PlanConfig, RuntimeConfig, finish, parse, plan_run, script, start
 from jaxseq.config import arg, save_config
 from jaxseq.data.text import TextDataConfig, check_sources, load_blocks
 from jaxseq.distributed import DistributedConfig
@@ -47,6 +48,7 @@ SECTIONS = (
     ModelSource,
     TextDataConfig,
     RuntimeConfig,
+    PlanConfig,
     TrainerConfig,
     OptimizerConfig,
     LoraConfig,
@@ -68,10 +70,27 @@ def choose_block_size(requested: int | None, config) -> int:
 
 @script
 def main(argv) -> int:
-    source, data, runtime, trainer_config, optimizer_config, lora_config, speed, hub, distributed = parse(
+    source, data, runtime, plan, trainer_config, optimizer_config, lora_config, speed, hub, distributed = parse(
         __doc__, SECTIONS, argv
     )
     check(source)
+    if plan.compile_topology:
+        config, _, _ = model_config(source, "causal-lm", weights=False)
+        block_size = choose_block_size(data.block_size, config)
+        plan_run(
+            plan,
+            runtime,
+            trainer_config,
+            optimizer_config,
+            lora_config,
+            config=config,
+            task="causal-lm",
+            objective=CausalLM(),
+            row={"input_ids": ((block_size,), np.int32)},
+            seq_len=block_size,
+            causal=True,
+        )
+        return 0
     check_sources(data)
 
     mesh = start(runtime, distributed)

@@ -153,6 +153,11 @@ def _placement(mesh, rules, abstract_state, model_type):
     return make_shardings(mesh, specs)
 
 
+def abstract_model(config, task: str, *, dtype=jnp.float32, param_dtype=jnp.float32) -> nnx.Module:
+    """The model of ``config`` for ``task`` with shapes and dtypes only: no weight is read or allocated."""
+    return nnx.eval_shape(_constructor(config, task, dtype, param_dtype, 0))
+
+
 def from_config(config, task: str, *, dtype=jnp.float32, param_dtype=jnp.float32, mesh=None, rules=None, seed: int = 0):
     """A randomly initialised model (for pretraining from scratch), built under ``jit`` straight onto its
     shardings, so no device ever holds the whole model when a mesh is given."""

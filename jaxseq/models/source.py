@@ -58,9 +58,10 @@ def check(source: ModelSource, default_model: str | None = None) -> None:
         raise JaxseqError("pass either --config_name or --model_type, not both")
 
 
-def model_config(source: ModelSource, task: str):
+def model_config(source: ModelSource, task: str, *, weights: bool = True):
     """(HF config with the overrides applied, the folder it came from or None, the overrides), after
-    checking that jaxseq has a ``task`` model for its type."""
+    checking that jaxseq has a ``task`` model for its type. ``weights=False`` fetches only the config and
+    tokenizer files of a Hub checkpoint (for a plan)."""
     folder = None
     if source.model_type:
         try:
@@ -68,7 +69,9 @@ def model_config(source: ModelSource, task: str):
         except ValueError:
             config = None
     else:
-        folder = resolve(source.model_name_or_path or source.config_name, weights=bool(source.model_name_or_path))
+        folder = resolve(
+            source.model_name_or_path or source.config_name, weights=weights and bool(source.model_name_or_path)
+        )
         config = load_config(folder)
     supported = families_with(task)
     model_type = source.model_type if config is None else config.model_type

@@ -128,9 +128,10 @@ class Feeder:
         out = {}
         for name, value in local.items():
             lead = value.shape[:2] if stacked else value.shape[:1]
-            spec = P(None, *batch_spec(value.ndim - 1)) if stacked else batch_spec(value.ndim)
             shape = (*lead[:-1], lead[-1] * self._groups, *value.shape[len(lead) :])
-            out[name] = jax.make_array_from_process_local_data(NamedSharding(self.mesh, spec), value, shape)
+            out[name] = jax.make_array_from_process_local_data(
+                batch_sharding(self.mesh, value.ndim, stacked), value, shape
+            )
         return out
 
     def tokenized_counts(self) -> list[int] | None:
@@ -138,6 +139,26 @@ class Feeder:
         if jax.process_count() == 1 or not hasattr(self.train_data, "encoded"):
             return None
         return np.asarray(multihost_utils.process_allgather(np.int32(self.train_data.encoded))).tolist()
+
+
+def batch_sharding(mesh: jax.sharding.Mesh, ndim: int, stacked: bool = False) -> NamedSharding:
+    """How a batch array is laid out: rows split over the batch axes (each micro-batch's, when ``stacked``)."""
+    return NamedSharding(mesh, P(None, *batch_spec(ndim - 1)) if stacked else batch_spec(ndim))
+
+
+def abstract_batch(
+    mesh: jax.sharding.Mesh, rows: int, arrays: Mapping[str, tuple[tuple[int, ...], np.dtype]], accumulate: int = 1
+) -> dict[str, jax.ShapeDtypeStruct]:
+    """The shapes, dtypes and shardings of a training batch of ``rows`` rows per micro-batch, as ``batches``
+    yields it: ``arrays`` maps a name to the shape of one row and its dtype."""
+    stacked = accumulate > 1
+    lead = (accumulate, rows) if stacked else (rows,)
+    return {
+        name: jax.ShapeDtypeStruct(
+            (*lead, *shape), dtype, sharding=batch_sharding(mesh, len(lead) + len(shape), stacked)
+        )
+        for name, (shape, dtype) in arrays.items()
+    }
 
 
 def local_rows(sharding: NamedSharding, shape: tuple[int, ...]) -> slice:
