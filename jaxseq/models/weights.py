@@ -9,6 +9,7 @@ kernels; see ``torch_layout``. Nothing here unpickles: ``.bin`` files load with 
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -37,23 +38,28 @@ _ST_DTYPES = {
 
 
 def _read_safetensors(path: Path) -> dict[str, Callable[[], np.ndarray]]:
-    """Lazy, zero-copy tensors of a safetensors file. (The ``safetensors`` package's numpy reader
-    cannot return bfloat16, so the few lines of its documented format are read here with a memmap.)"""
+    """Tensors of a safetensors file, each read from disk only when called, into its own array: a load holds
+    at most the tensor being placed on the host, never the whole file (no memory map stays resident). (The
+    ``safetensors`` package's numpy reader cannot return bfloat16, so its documented format is read here.)"""
     corrupt = JaxseqError(f"{path} is truncated or corrupt (not a valid safetensors file); download it again")
     try:
+        size = os.path.getsize(path)
         with open(path, "rb") as f:
             n = int.from_bytes(f.read(8), "little")
             header = json.loads(f.read(n))
         header.pop("__metadata__", None)
-        data = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + n)
     except (ValueError, OSError, UnicodeDecodeError):
         raise corrupt from None
+    if any(8 + n + info["data_offsets"][1] > size or info["dtype"] not in _ST_DTYPES for info in header.values()):
+        raise corrupt
 
     def tensor(info):
         start, end = info["data_offsets"]
-        if end > data.size or info["dtype"] not in _ST_DTYPES:
-            raise corrupt
-        return data[start:end].view(_ST_DTYPES[info["dtype"]]).reshape(info["shape"])
+        dtype = np.dtype(_ST_DTYPES[info["dtype"]])
+        with open(path, "rb") as f:
+            f.seek(8 + n + start)
+            array = np.fromfile(f, dtype=dtype, count=(end - start) // dtype.itemsize)
+        return array.reshape(info["shape"])
 
     return {name: (lambda info=info: tensor(info)) for name, info in header.items()}
 
