@@ -12,6 +12,8 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxseq.plan import CHIPS
+
 
 def matmul_parameters(model: nnx.Module) -> int:
     """Parameters a token meets in matrix products: all but the embedding tables (a lookup costs nothing),
@@ -35,6 +37,47 @@ def flops_per_token(model: nnx.Module, seq_len: int) -> float:
     the attention term counts the full (not causally halved) score matrix."""
     config = model.config
     return 6.0 * matmul_parameters(model) + 12.0 * config.num_hidden_layers * config.hidden_size * seq_len
+
+
+# Published dense bf16 peaks of one JAX device, by ``device_kind`` (TPU figures from ``jaxseq.plan.CHIPS``;
+# NVIDIA's H100/H200 SXM datasheets give 989 TFLOP/s dense bf16, A100 312).
+_TPU_KINDS = {
+    "TPU v3": "v3",
+    "TPU v4": "v4",
+    "TPU v5 lite": "v5e",
+    "TPU v5e": "v5e",
+    "TPU v5p": "v5p",
+    "TPU v5": "v5p",
+    "TPU v6 lite": "v6e",
+    "TPU v6e": "v6e",
+}
+_GPU_PEAKS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
+
+
+def published_peak_flops(devices) -> float | None:
+    """The chips' published bf16 peak FLOP/s, all ``devices`` together, or None where jaxseq knows none (CPU)."""
+    total = 0.0
+    for device in devices:
+        kind = getattr(device, "device_kind", "")
+        if kind in _TPU_KINDS:
+            chip = CHIPS[_TPU_KINDS[kind]]
+            total += chip.peak_flops / chip.devices_per_chip
+        elif (gpu := next((p for name, p in _GPU_PEAKS.items() if name in kind), None)) is not None:
+            total += gpu
+        else:
+            return None
+    return total
+
+
+def peak_flops(devices, dtype, given: float = 0.0) -> tuple[float, str]:
+    """What MFU is measured against, and a label saying which: ``given`` (--peak_flops), else the chips'
+    published bf16 peak (TPU, GPU), else a jitted matmul measured here (CPU: "of measured matmul")."""
+    if given:
+        return given, "given --peak_flops"
+    published = published_peak_flops(devices)
+    if published:
+        return published, "published bf16 peak"
+    return measure_peak_flops(devices, dtype), "measured matmul"
 
 
 def measure_peak_flops(devices=None, dtype=jnp.float32, size: int = 1024, repeats: int = 5) -> float:
