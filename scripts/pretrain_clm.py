@@ -143,7 +143,7 @@ def main(argv) -> int:
         f"{config.model_type}: {len(train_blocks):,} training / {len(valid_blocks):,} validation blocks of "
         f"{block_size} tokens; {trainer.total_steps} steps of global batch {trainer.global_batch} on "
         f"{jax.device_count()} devices (mesh {dict(mesh.shape)}); {flops / 1e9:.3g} GFLOP per token, peak "
-        f"{peak / 1e9:.4g} GFLOP/s ({peak_source}; MFU is against it)"
+        f"{peak / 1e9:.4g} GFLOP/s: MFU is of {peak_source}"
     )
     try:
         results = trainer.train()
