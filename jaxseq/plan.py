@@ -252,9 +252,10 @@ def hlo_cost(hlo_text: str, num_devices: int) -> HloCost:
 
 
 def _parse_module(text: str) -> dict:
-    """{computation: {instruction name: _Instr}} in order, plus ``"__entry__"``; an instruction may span lines."""
+    """{computation: {instruction name: _Instr}}, ROOT last, plus ``"__entry__"``; an instruction may span lines."""
     text = re.sub(r"/\*.*?\*/", "", text)
     computations: dict[str, dict[str, _Instr]] = {}
+    roots: dict[int, _Instr] = {}
     current: dict[str, _Instr] | None = None
     lines: list[str] = []
     entry = None
@@ -264,6 +265,8 @@ def _parse_module(text: str) -> dict:
             instr = _parse_instr(" ".join(lines))
             if instr:
                 current[instr.name] = instr
+                if lines[0].startswith("ROOT"):
+                    roots[id(current)] = instr
         lines.clear()
 
     for line in text.splitlines():
@@ -279,6 +282,10 @@ def _parse_module(text: str) -> dict:
             if re.match(r"^\s+(ROOT\s+)?%?[\w.\-]+\s*=", line):
                 flush()
             lines.append(line.strip())
+    for instrs in computations.values():  # the ROOT last, wherever the text put it
+        root = roots.get(id(instrs))
+        if root is not None:
+            instrs[root.name] = instrs.pop(root.name)
     computations["__entry__"] = entry
     return computations
 
@@ -396,11 +403,9 @@ def _traffic(module: dict, instr: _Instr, instrs: dict) -> float:
         result = _elements(instr.shape)[1] if op.endswith("-start") else instr.shape
         size = _bytes(result)
         return sum(min(_bytes(shape, hbm_only=True), size) for shape in operands) + _bytes(result, hbm_only=True)
-    if op == "dynamic-update-slice":  # in place: reads and writes the update
-        update = _bytes(operands[1]) if len(operands) > 1 else 0.0
-        return (_bytes(operands[1], hbm_only=True) if len(operands) > 1 else 0.0) + update * (
-            _bytes(instr.shape, hbm_only=True) > 0
-        )
+    if op == "dynamic-update-slice":  # in place: reads the update and writes it into the buffer
+        update = operands[1] if len(operands) > 1 else ""
+        return _bytes(update, hbm_only=True) + (_bytes(update) if _bytes(instr.shape, hbm_only=True) else 0.0)
     if op == "fusion":
         return _fusion_traffic(module, instr, instrs)
     return sum(_bytes(shape, hbm_only=True) for shape in operands) + _bytes(instr.shape, hbm_only=True)
