@@ -23,6 +23,7 @@ import re
 import time
 
 import jax
+import numpy as np
 
 from jaxseq.errors import JaxseqError, first_line
 from jaxseq.files import atomic_write
@@ -219,7 +220,7 @@ class HloCost:
     flops: float = 0.0  # dot and convolution FLOPs (2 x multiply-adds)
     hbm_bytes: float = 0.0  # bytes read and written in HBM by the top-level instructions (fusions, not their insides)
     collective_bytes: float = 0.0  # bytes each device receives in all-gather/reduce-scatter/all-reduce/...
-    custom_kernels: int = 0  # Pallas/Mosaic kernels, whose FLOPs the HLO does not show
+    custom_kernels: int = 0  # Mosaic kernels (Pallas, or XLA:TPU's own online softmax): FLOPs the HLO does not show
     unknown_loops: int = 0  # while loops whose trip count could not be read (counted once)
     attention_kernel: str = "xla"
 
@@ -251,9 +252,10 @@ def hlo_cost(hlo_text: str, num_devices: int) -> HloCost:
 
 
 def _parse_module(text: str) -> dict:
-    """{computation: {instruction name: _Instr}} in order, plus ``"__entry__"``; an instruction may span lines."""
+    """{computation: {instruction name: _Instr}}, ROOT last, plus ``"__entry__"``; an instruction may span lines."""
     text = re.sub(r"/\*.*?\*/", "", text)
     computations: dict[str, dict[str, _Instr]] = {}
+    roots: dict[int, _Instr] = {}
     current: dict[str, _Instr] | None = None
     lines: list[str] = []
     entry = None
@@ -263,6 +265,8 @@ def _parse_module(text: str) -> dict:
             instr = _parse_instr(" ".join(lines))
             if instr:
                 current[instr.name] = instr
+                if lines[0].startswith("ROOT"):
+                    roots[id(current)] = instr
         lines.clear()
 
     for line in text.splitlines():
@@ -278,6 +282,10 @@ def _parse_module(text: str) -> dict:
             if re.match(r"^\s+(ROOT\s+)?%?[\w.\-]+\s*=", line):
                 flush()
             lines.append(line.strip())
+    for instrs in computations.values():  # the ROOT last, wherever the text put it
+        root = roots.get(id(instrs))
+        if root is not None:
+            instrs[root.name] = instrs.pop(root.name)
     computations["__entry__"] = entry
     return computations
 
@@ -395,45 +403,53 @@ def _traffic(module: dict, instr: _Instr, instrs: dict) -> float:
         result = _elements(instr.shape)[1] if op.endswith("-start") else instr.shape
         size = _bytes(result)
         return sum(min(_bytes(shape, hbm_only=True), size) for shape in operands) + _bytes(result, hbm_only=True)
-    if op == "dynamic-update-slice":  # in place: reads and writes the update
-        update = _bytes(operands[1]) if len(operands) > 1 else 0.0
-        return (_bytes(operands[1], hbm_only=True) if len(operands) > 1 else 0.0) + update * (
-            _bytes(instr.shape, hbm_only=True) > 0
-        )
+    if op == "dynamic-update-slice":  # in place: reads the update and writes it into the buffer
+        update = operands[1] if len(operands) > 1 else ""
+        return _bytes(update, hbm_only=True) + (_bytes(update) if _bytes(instr.shape, hbm_only=True) else 0.0)
     if op == "fusion":
         return _fusion_traffic(module, instr, instrs)
     return sum(_bytes(shape, hbm_only=True) for shape in operands) + _bytes(instr.shape, hbm_only=True)
 
 
 def _fusion_traffic(module: dict, instr: _Instr, instrs: dict) -> float:
-    """A fusion reads its operands and writes its outputs, except a stacked buffer it only slices (a scan's
-    per-layer weights) or updates in place (a scan's stacked outputs): that costs the slice."""
+    """A fusion reads its operands and writes its outputs, except: a stacked buffer it only slices (a scan's
+    per-layer weights) or updates in place (a scan's stacked outputs) costs the slice; buffers it hands through
+    untouched, or that belong to an async collective (its ICI time is counted apart), cost nothing."""
     inner = module.get((_called(instr, "calls") or [""])[0], {})
+    root = list(inner.values())[-1] if inner else None
     parameters = {int(i.args): i.name for i in inner.values() if i.opcode == "parameter" and i.args.isdigit()}
     uses: dict[str, list[tuple[_Instr, int]]] = {}
     for sub in inner.values():
-        for position, name in enumerate(sub.operands):
-            uses.setdefault(name, []).append((sub, position))
+        if sub is not root or sub.opcode != "tuple":  # handing a buffer to the output is not a read
+            for position, name in enumerate(sub.operands):
+                uses.setdefault(name, []).append((sub, position))
     total = 0.0
     for k, name in enumerate(instr.operands):
         full = _bytes(instrs[name].shape, hbm_only=True) if name in instrs else 0.0
-        users = uses.get(parameters.get(k, ""), [])
-        sliced = users and all(
-            position == 0 and sub.opcode in ("dynamic-slice", "slice", "dynamic-update-slice")
-            for sub, position in users
+        users = [(sub, pos) for sub, pos in uses.get(parameters.get(k, ""), []) if not _collective_part(sub)]
+        sliced = all(
+            pos == 0 and sub.opcode in ("dynamic-slice", "slice", "dynamic-update-slice") for sub, pos in users
         )
         read = sum(_bytes(sub.shape) for sub, _ in users if sub.opcode != "dynamic-update-slice")
         total += min(full, read) if sliced else full
-    root = list(inner.values())[-1] if inner else None
     results = root.operands if root is not None and root.opcode == "tuple" else [root.name] if root else []
-    elements = _elements(instr.shape)
-    for j, element in enumerate(elements):
+    for j, element in enumerate(_elements(instr.shape)):
         produced = _source(inner, results[j]) if j < len(results) else None
+        if produced is not None and (produced.opcode == "parameter" or _collective_part(produced)):
+            continue
         in_place = produced is not None and produced.opcode == "dynamic-update-slice" and len(produced.operands) > 1
         written = _bytes(inner[produced.operands[1]].shape) if in_place and produced.operands[1] in inner else None
         hbm = _bytes(element, hbm_only=True)
         total += min(hbm, written) if written is not None else hbm
     return total
+
+
+def _collective_part(instr: _Instr) -> bool:
+    """A collective or the custom call that starts or finishes one asynchronously (XLA:TPU)."""
+    target = re.search(r'custom_call_target="([^"]+)"', instr.attrs)
+    return instr.opcode.removesuffix("-start").removesuffix("-done") in _COLLECTIVES or bool(
+        target and target.group(1).startswith("AsyncCollective")
+    )
 
 
 def _elements(shape: str) -> list[str]:
@@ -452,19 +468,38 @@ def _elements(shape: str) -> list[str]:
 
 
 def _dot_flops(instr: _Instr, instrs: dict) -> float:
-    out = _arrays(instr.shape)
+    """2 x multiply-adds. A convolution counts only the window taps that land on real (undilated, unpadded)
+    input: XLA:TPU writes batched matmuls as convolutions whose batch dims are dilated spatial dims."""
     shapes = [_dims(instrs[o].shape) for o in instr.operands[:2] if o in instrs]
-    if not out or len(shapes) < 2:
+    if len(shapes) < 2:
         return 0.0
-    out_elems = math.prod(_dims(instr.shape))
+    out = _dims(instr.shape)
     if instr.opcode == "dot":
         contracting = re.search(r"lhs_contracting_dims=\{([0-9,]*)\}", instr.attrs)
         dims = [int(d) for d in contracting.group(1).split(",") if d] if contracting else []
-        return 2.0 * out_elems * math.prod(shapes[0][d] for d in dims)
-    labels = re.search(r"dim_labels=\w+_(\w+)->", instr.attrs)
-    kernel = shapes[1]
-    out_features = kernel[labels.group(1).index("o")] if labels and "o" in labels.group(1) else 1
-    return 2.0 * out_elems * math.prod(kernel) / max(out_features, 1)
+        return 2.0 * math.prod(out) * math.prod(shapes[0][d] for d in dims)
+    labels = re.search(r"dim_labels=(\w+)_(\w+)->(\w+)", instr.attrs)
+    if not labels:
+        return 0.0
+    lhs_labels, rhs_labels, out_labels = labels.groups()
+    window = dict(re.findall(r"(\w+)=([\d_x-]+)", (re.search(r"window=\{([^}]*)\}", instr.attrs) or [""])[0]))
+    macs = math.prod(out) * shapes[1][rhs_labels.index("i")]
+    for d in range(sum(c.isdigit() for c in rhs_labels)):
+        size, outputs = shapes[0][lhs_labels.index(str(d))], out[out_labels.index(str(d))]
+        taps = shapes[1][rhs_labels.index(str(d))]
+        stride, lhs_dilate, rhs_dilate = (_window(window, key, d, 1) for key in ("stride", "lhs_dilate", "rhs_dilate"))
+        low = int(_window(window, "pad", d, "0_0").split("_")[0])
+        position = np.arange(outputs)[:, None] * stride + np.arange(taps)[None, :] * rhs_dilate - low
+        valid = (position >= 0) & (position <= (size - 1) * lhs_dilate) & (position % lhs_dilate == 0)
+        macs *= int(valid.sum()) / outputs
+    return 2.0 * macs
+
+
+def _window(window: dict, key: str, d: int, default):
+    if key not in window:
+        return default
+    value = window[key].split("x")[d]
+    return value if key == "pad" else int(value)
 
 
 def _dims(shape: str) -> list[int]:
@@ -713,7 +748,7 @@ def _plan(topo: Topology, mesh: dict, memory: dict, model_flops: float | None, c
     hbm = cost.hbm_bytes / (chip.hbm_bandwidth / share)
     ici = cost.collective_bytes / (chip.ici_bandwidth / 2 / share)  # one direction: what a chip can receive
     step = max(compute, hbm) + ici
-    notes = [f"{cost.custom_kernels} Pallas kernels' FLOPs unseen"] if cost.custom_kernels else []
+    notes = [f"{cost.custom_kernels} custom kernels' FLOPs unseen"] if cost.custom_kernels else []
     notes += [f"{cost.unknown_loops} loops of unknown trip count counted once"] if cost.unknown_loops else []
     plan.update(
         compiled_flops_per_device=cost.flops,
