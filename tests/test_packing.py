@@ -75,7 +75,7 @@ def test_packed_training_follows_unpacked_on_a_mesh(tmp_path, tokenizer, sst2): 
     kw = dict(per_device_train_batch_size=4, gradient_accumulation_steps=2, max_steps=4, dropout=0.0)
     plain = make_trainer(tmp_path / "plain", tokenizer, sst2, "dp=2,mp=4", **kw)
     packed = make_trainer(tmp_path / "packed", tokenizer, sst2, "dp=2,mp=4", pack="last", **kw)
-    assert packed.packed_rows % 2 == 0 and packed.packed_rows < plain.micro_batch
+    assert packed.feed.packed_rows % 2 == 0 and packed.feed.packed_rows < plain.feed.micro_batch
     np.testing.assert_allclose(train_losses(packed), train_losses(plain), atol=1e-5)
     a, b = plain.logger.records[-1], packed.logger.records[-1]
     assert a.keys() == b.keys() and "eval/accuracy" in a
