@@ -811,6 +811,7 @@ def format_table(plan: dict) -> str:
 
 def write_plan(path, plan: dict) -> None:
     """``plan`` as JSON at ``path``, written whole or not at all."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     atomic_write(path, json.dumps(plan, indent=2) + "\n")
 
 
