@@ -84,6 +84,7 @@ def plan_run(
     ``plan.compile_topology`` with abstract weights of ``config``, print the plan and write
     ``output_dir/plan.json``. ``row``: name -> (shape of one example, dtype) of a training batch. A plan that
     does not fit ends in one line (a JaxseqError) naming what is needed, of how much, and what to change."""
+    jax.config.update("jax_platforms", "cpu")  # compiling for the slice needs no accelerator of this machine
     topo = topology(plan.compile_topology)
     mesh = make_mesh(runtime.mesh or None, devices=topo.devices)
     model = abstract_model(config, task, dtype=jax.numpy.dtype(runtime.dtype))

@@ -37,6 +37,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxseq.errors import JaxseqError
 from jaxseq.mesh import BATCH_AXES, batch_sharding, data_parallel_size
+from jaxseq.models.t5 import decoder_start_id
 
 PROMPT_BUCKET = 32
 
@@ -293,7 +294,7 @@ def generate(
     pad = pad_token_id if pad_token_id is not None else (eos[0] if eos else 0)
     decoder_start = None
     if hasattr(model, "encode"):
-        decoder_start = model.config.decoder_start_token_id
+        decoder_start = decoder_start_id(model.config)
         if decoder_start is None:
             raise JaxseqError("the model's config has no decoder_start_token_id; set it (T5 uses the pad id, 0)")
 
@@ -333,7 +334,7 @@ def greedy_tokens(
     """Greedy ``sequences`` of ``generate`` as plain traced JAX, for use inside another jitted function
     (an evaluation step): no host-side checks, bucketing or program cache; the caller's jit compiles it."""
     graphdef, state = nnx.split(model)
-    decoder_start = model.config.decoder_start_token_id if hasattr(model, "encode") else None
+    decoder_start = decoder_start_id(model.config) if hasattr(model, "encode") else None
     settings = Settings(
         max_new_tokens=max_new_tokens,
         do_sample=False,

@@ -153,8 +153,11 @@ def _slice_shape(chips: int, dims: int) -> list[int] | None:
 def _abstract_devices(libtpu_name: str, shape: list[int], options: dict) -> list:
     if importlib.util.find_spec("libtpu") is None:
         raise JaxseqError("compiling for a TPU topology needs libtpu: pip install 'jaxseq[tpu]'")
-    # Compile-only use: a training job holding this machine's TPU must not block planning.
+    # Compile-only use: a training job holding this machine's TPU must not block planning; on a machine without
+    # a TPU, naming one keeps libtpu's start-up from printing warnings about the TPU it cannot find.
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v5litepod-8")
+    os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
     from jax.experimental import topologies
 
     if math.prod(shape) < 4:  # smaller than libtpu's default host of 2x2x1 chips

@@ -78,6 +78,13 @@ def relative_position_bucket(relative_position, *, bidirectional: bool, num_buck
     return buckets + jnp.where(distance < max_exact, distance, large)
 
 
+def decoder_start_id(config) -> int | None:
+    """The token a T5 decoder starts from: the config's ``decoder_start_token_id``, else the pad id (T5's
+    convention; transformers' default ``T5Config`` leaves the field unset)."""
+    start = getattr(config, "decoder_start_token_id", None)
+    return config.pad_token_id if start is None else start
+
+
 def shift_right(labels, decoder_start_token_id: int, pad_token_id: int):
     """Decoder inputs for teacher forcing, as transformers builds them from ``labels``: shifted one to
     the right behind ``decoder_start_token_id``, with the ignored label ``-100`` replaced by padding."""

@@ -12,7 +12,7 @@ import optax
 from jaxseq.data.glue import GlueTask, compute_metrics
 from jaxseq.generation import greedy_tokens
 from jaxseq.metrics import perplexity
-from jaxseq.models.t5 import shift_right
+from jaxseq.models.t5 import decoder_start_id, shift_right
 
 
 class SequenceClassification:
@@ -94,7 +94,7 @@ class Seq2SeqLM(TokenLoss):
 
     def _token_losses(self, model, batch, rngs=None) -> tuple[jax.Array, jax.Array]:
         config, labels = model.config, batch["labels"]
-        decoder_input_ids = shift_right(labels, config.decoder_start_token_id, config.pad_token_id)
+        decoder_input_ids = shift_right(labels, decoder_start_id(config), config.pad_token_id)
         logits = model(batch["input_ids"], batch["attention_mask"], decoder_input_ids, rngs=rngs).logits
         weights = batch["decoder_attention_mask"].astype(jnp.float32)
         return optax.softmax_cross_entropy_with_integer_labels(logits, labels) * weights, weights

@@ -1,0 +1,131 @@
+"""``--compile_topology``: each training script compiles the exact train step of its run for a TPU slice with
+real libtpu on this CPU, from config.json alone, prints a plan and writes plan.json; a run that cannot fit
+ends in one line naming what it needs, of how much, and what to change."""
+
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import pytest
+import transformers
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxseq import partition
+from jaxseq.mesh import make_mesh
+from jaxseq.models.hub import abstract_model
+from tests.conftest import shared_asset
+
+ROOT = Path(__file__).resolve().parents[1]
+FIELDS = {
+    "topology", "accelerator", "devices", "mesh", "hbm_bytes_per_device", "bytes_per_device", "fits",
+    "model_flops_per_step", "compiled_flops_per_device", "estimated_step_seconds", "estimated_mfu",
+    "estimate_method", "attention_kernel", "compile_seconds", "jax_version", "libtpu_version",
+}  # fmt: skip
+
+if importlib.util.find_spec("libtpu") is None:
+    if os.environ.get("CI") == "true":
+        pytest.fail("libtpu is missing under CI: install jaxseq[tpu]", pytrace=False)
+    pytestmark = pytest.mark.skip(reason="libtpu is not installed (pip install 'jaxseq[tpu]')")
+
+
+T5_TINY = "num_layers=2,num_decoder_layers=2,d_model=64,d_ff=128,num_heads=2,d_kv=32,vocab_size=512"
+
+
+def plan(script: str, output_dir: Path, *args) -> tuple[subprocess.CompletedProcess, dict | None]:
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "ALLOW_MULTIPLE_LIBTPU_LOAD": "1", "HF_HUB_OFFLINE": "1"}
+    env.pop("XLA_FLAGS", None)  # the plan's devices are the topology's, not this machine's
+    cmd = [sys.executable, str(ROOT / "scripts" / script), "--output_dir", str(output_dir), *map(str, args)]
+    result = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+    path = output_dir / "plan.json"
+    return result, json.loads(path.read_text()) if path.is_file() else None
+
+
+def check_fields(plan: dict, accelerator: str, devices: int) -> None:
+    assert set(plan) == FIELDS
+    assert plan["accelerator"] == accelerator and plan["devices"] == devices
+    memory = plan["bytes_per_device"]
+    assert set(memory) == {"parameters", "optimizer_state", "batch", "temporaries", "total"}
+    parts = memory["parameters"] + memory["optimizer_state"] + memory["batch"] + memory["temporaries"]
+    assert memory["total"] == parts and memory["total"] > 0
+    assert plan["hbm_bytes_per_device"] == int(15.75 * 2**30)
+    assert plan["jax_version"] and plan["libtpu_version"]
+    assert plan["attention_kernel"] in ("splash", "cudnn", "xla")
+
+
+def test_clm_plan_on_v5e_8(tmp_path):
+    n_layer, n_embd, vocab = 2, 128, 1024
+    result, found = plan(
+        "pretrain_clm.py", tmp_path,
+        "--model_type", "gpt2", "--config_overrides", f"n_layer={n_layer},n_embd={n_embd},n_head=4,vocab_size={vocab}",
+        "--block_size", 256, "--per_device_train_batch_size", 2, "--mesh", "dp=2,fsdp=4", "--dtype", "bfloat16",
+        "--compile_topology", "v5e-8",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    plan_ = found
+    check_fields(plan_, "v5e-8", 8)
+    assert plan_["fits"] and plan_["mesh"] == {"dp": 2, "fsdp": 4, "mp": 1}
+    assert "plan for v5e-8" in result.stdout and "fits" in result.stdout
+    # float32 master weights, each device holding its shard under GPT-2's rules on this mesh (here, on CPU
+    # devices); AdamW's two moments twice that, plus its step counter
+    config = transformers.GPT2Config(n_layer=n_layer, n_embd=n_embd, n_head=4, vocab_size=vocab)
+    state = nnx.state(abstract_model(config, "causal-lm"), nnx.Param)
+    mesh = make_mesh("dp=2,fsdp=4")
+    specs = partition.match_partition_rules(partition.get_partition_rules("gpt2"), state)
+    shards = [
+        NamedSharding(mesh, s).shard_shape(x.shape)
+        for x, s in zip(jax.tree.leaves(state), jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P)))
+    ]
+    params = sum(math.prod(shape) for shape in shards)
+    assert plan_["bytes_per_device"]["parameters"] == params * 4
+    assert plan_["bytes_per_device"]["optimizer_state"] == pytest.approx(2 * params * 4, abs=64)
+    assert plan_["bytes_per_device"]["batch"] == 2 * 256 * 4  # int32 tokens of this device's rows
+    assert plan_["model_flops_per_step"] > 6 * params * 4 * 16 * 256 * 0.5
+    assert plan_["estimated_step_seconds"] > 0 and 0 < plan_["estimated_mfu"] <= 1
+    assert plan_["compiled_flops_per_device"] > 0 and plan_["compile_seconds"] > 0
+
+
+def test_glue_and_seq2seq_plans(tmp_path):
+    minilm = shared_asset("models/all-MiniLM-L6-v2")
+    result, plan_ = plan(
+        "finetune_glue.py", tmp_path / "glue", "--model_name_or_path", minilm, "--task_name", "stsb",
+        "--max_seq_length", 64, "--per_device_train_batch_size", 4, "--compile_topology", "v4-8",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert set(plan_) == FIELDS and plan_["accelerator"] == "v4-8" and plan_["devices"] == 4 and plan_["fits"]
+    result, plan_ = plan(
+        "finetune_seq2seq.py", tmp_path / "t5", "--model_type", "t5",
+        "--config_overrides", T5_TINY,
+        "--max_source_length", 64, "--max_target_length", 16, "--per_device_train_batch_size", 2,
+        "--optimizer", "adafactor", "--compile_topology", "v5e:2x4",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    check_fields(plan_, "v5e-8", 8)
+    assert plan_["fits"]
+
+
+def test_a_run_that_cannot_fit_refuses_in_one_line(tmp_path):
+    result, plan_ = plan(
+        "pretrain_clm.py", tmp_path, "--model_type", "gpt2",
+        "--config_overrides", "n_layer=2,n_embd=256,n_head=4", "--block_size", 1024,
+        "--per_device_train_batch_size", 256, "--compile_topology", "v5e-4",
+    )  # fmt: skip
+    assert result.returncode == 1
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: needs "), result.stderr[-2000:]
+    assert "GiB per chip of 15.75 GiB on v5e-4; try: " in lines[0]
+    assert "Traceback" not in result.stderr
+    assert plan_ is not None and not plan_["fits"] and plan_["devices"] == 4
+
+
+def test_an_unknown_topology_is_one_line(tmp_path):
+    result, _ = plan("pretrain_clm.py", tmp_path, "--model_type", "gpt2", "--compile_topology", "v9x-8")
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines() == [result.stderr.strip()]
+    assert "unknown TPU topology 'v9x-8'" in result.stderr
