@@ -121,7 +121,7 @@ class GPTJModel(nnx.Module):
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.wte = nnx.Embed(config.vocab_size, config.n_embd, embedding_init=normal(config.initializer_range), **kw)
         self.h = nnx.List([GPTJBlock(config, **kw) for _ in range(config.n_layer)])
-        self.remat = False  # see layers.enable_remat
+        self.remat = "none"  # see layers.enable_remat
         self.ln_f = nnx.LayerNorm(config.n_embd, epsilon=config.layer_norm_epsilon, **kw)
 
     def __call__(self, input_ids, attention_mask=None, position_ids=None, *, cache=None, rngs=None):
