@@ -57,6 +57,14 @@ class Conv1D(Linear):
     when converted (an ordinary ``nnx.Linear`` is, since PyTorch's Linear stores (out, in))."""
 
 
+def tied_logits(h: jax.Array, embedding: jax.Array, dtype) -> jax.Array:
+    """float32 logits ``h @ embedding.T`` of an LM head tied to the ``[vocab, hidden]`` token embeddings,
+    multiplied in ``dtype`` (the compute dtype; None: as stored) and accumulated in float32."""
+    dtype = dtype or embedding.dtype
+    dims = (((h.ndim - 1,), (1,)), ((), ()))
+    return jax.lax.dot_general(h.astype(dtype), embedding.astype(dtype), dims, preferred_element_type=jnp.float32)
+
+
 def dropout(x: jax.Array, rate: float, rngs: nnx.Rngs | None) -> jax.Array:
     """Inverted dropout, active only when the caller passes ``rngs`` (training); ``rngs=None`` is eval."""
     if rngs is None or rate == 0.0:
