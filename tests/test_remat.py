@@ -1,4 +1,4 @@
-"""Rematerialised blocks give the same loss and gradients as stored activations, for every family."""
+"""Rematerialised blocks give the same loss and gradients as stored activations, for every family and policy."""
 
 import jax
 import jax.numpy as jnp
@@ -9,8 +9,9 @@ from flax import nnx
 
 transformers = pytest.importorskip("transformers")
 
+from jaxseq.errors import JaxseqError  # noqa: E402
 from jaxseq.models import from_config  # noqa: E402
-from jaxseq.models.layers import enable_remat  # noqa: E402
+from jaxseq.models.layers import REMAT_POLICIES, enable_remat  # noqa: E402
 from tests.reference import padded_batch  # noqa: E402
 
 CONFIGS = {
@@ -35,27 +36,47 @@ CONFIGS = {
 }
 
 
-@pytest.mark.parametrize("family", list(CONFIGS))
-def test_remat_gives_the_same_gradients(family):
-    config, task = CONFIGS[family]()
+def loss_and_grads(model, task):
     ids, mask = (jnp.asarray(a) for a in padded_batch(64, lengths=(10, 7)))
+    graphdef, params = nnx.split(model)
 
-    def loss_and_grads(model):
-        graphdef, params = nnx.split(model)
+    def loss(params):
+        m = nnx.merge(graphdef, params)
+        args = (ids, mask, ids) if task == "seq2seq-lm" else (ids, mask)
+        out = m(*args, rngs=nnx.Rngs(dropout=0))
+        logits = out if isinstance(out, jax.Array) else out.logits
+        return optax.softmax_cross_entropy_with_integer_labels(logits, ids).mean()
 
-        def loss(params):
-            m = nnx.merge(graphdef, params)
-            args = (ids, mask, ids) if task == "seq2seq-lm" else (ids, mask)
-            out = m(*args, rngs=nnx.Rngs(dropout=0))
-            logits = out if isinstance(out, jax.Array) else out.logits
-            return optax.softmax_cross_entropy_with_integer_labels(logits, ids).mean()
+    return jax.jit(jax.value_and_grad(loss))(params)
 
-        return jax.jit(jax.value_and_grad(loss))(params)
 
-    plain = loss_and_grads(from_config(config, task, seed=0))
-    remat_model = enable_remat(from_config(config, task, seed=0))
-    assert any(getattr(m, "remat", False) for _, m in nnx.iter_modules(remat_model))
-    remat = loss_and_grads(remat_model)
-    np.testing.assert_allclose(remat[0], plain[0], rtol=1e-6)
-    for a, b in zip(jax.tree.leaves(remat[1]), jax.tree.leaves(plain[1])):
+def assert_same(got, want):
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(got[1]), jax.tree.leaves(want[1])):
         np.testing.assert_allclose(a, b, atol=1e-6)
+
+
+def remat_policies(model) -> set[str]:
+    return {m.remat for _, m in nnx.iter_modules(model) if hasattr(m, "remat")}
+
+
+@pytest.mark.parametrize(
+    "family, policy", [(family, "full") for family in CONFIGS] + [("gptj", "dots"), ("gptj", "offload")]
+)
+def test_remat_gives_the_same_gradients(family, policy):
+    config, task = CONFIGS[family]()
+    plain = loss_and_grads(from_config(config, task, seed=0), task)
+    remat_model = enable_remat(from_config(config, task, seed=0), policy)
+    assert remat_policies(remat_model) == {policy}
+    assert_same(loss_and_grads(remat_model, task), plain)
+
+
+def test_remat_policy_names():
+    assert REMAT_POLICIES == ("none", "full", "dots", "offload")
+    config, task = CONFIGS["gpt2"]()
+    model = from_config(config, task)
+    assert remat_policies(model) == {"none"}
+    assert remat_policies(enable_remat(model)) == {"full"}  # True means full
+    assert remat_policies(enable_remat(model, False)) == {"none"}
+    with pytest.raises(JaxseqError, match="unknown remat policy 'some'; choose one of none, full, dots, offload"):
+        enable_remat(model, "some")

@@ -57,7 +57,7 @@ class Cache(NamedTuple):
         return cls(tuple(layer for _ in range(num_layers)), jnp.zeros((), jnp.int32))
 
 
-def run_blocks(blocks, remat: bool, x, mask, *args, cache: Cache | None, rngs):
+def run_blocks(blocks, remat: str, x, mask, *args, cache: Cache | None, rngs):
     """Run decoder blocks in order, each reading and writing its own layer of ``cache`` (if given) at the
     cache's index; returns the output and the cache advanced past ``x``'s positions."""
     index = 0 if cache is None else cache.index

@@ -108,7 +108,7 @@ class BertEncoder(nnx.Module):
     def __init__(self, config, *, dtype, param_dtype, rngs: nnx.Rngs):
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.layer = nnx.List([BertLayer(config, **kw) for _ in range(config.num_hidden_layers)])
-        self.remat = False  # see layers.enable_remat
+        self.remat = "none"  # see layers.enable_remat
 
     def __call__(self, x, mask, rngs=None):
         for layer in self.layer:

@@ -19,7 +19,7 @@ from jaxseq.models.attention import (
     update_kv,
 )
 from jaxseq.models.family import Family
-from jaxseq.models.layers import Conv1D, Linear, activation, dropout, normal
+from jaxseq.models.layers import Conv1D, Linear, activation, dropout, normal, tied_logits
 from jaxseq.models.outputs import BaseOutput, LMOutput
 
 
@@ -91,7 +91,7 @@ class GPT2Model(nnx.Module):
         self.wpe = nnx.Embed(config.n_positions, config.n_embd, embedding_init=normal(std), **kw)
         self.h = nnx.List([GPT2Block(config, **kw) for _ in range(config.n_layer)])
         self.ln_f = nnx.LayerNorm(config.n_embd, epsilon=config.layer_norm_epsilon, **kw)
-        self.remat = False  # see layers.enable_remat
+        self.remat = "none"  # see layers.enable_remat
 
     def __call__(self, input_ids, attention_mask=None, position_ids=None, *, cache=None, rngs=None):
         seq = input_ids.shape[1]
@@ -125,18 +125,26 @@ class GPT2LMHeadModel(nnx.Module):
                 use_bias=False,
                 dtype=dtype,
                 param_dtype=param_dtype,
+                preferred_element_type=jnp.float32,
                 kernel_init=normal(config.initializer_range),
                 rngs=rngs,
             )
 
     def __call__(self, input_ids, attention_mask=None, position_ids=None, *, cache=None, rngs=None):
-        out = self.transformer(input_ids, attention_mask, position_ids, cache=cache, rngs=rngs)
-        h, cache = out.last_hidden_state, out.cache
+        out = self.hidden_states(input_ids, attention_mask, position_ids, cache=cache, rngs=rngs)
+        return LMOutput(self.logits(out.last_hidden_state), out.cache)
+
+    def hidden_states(self, input_ids, attention_mask=None, position_ids=None, *, cache=None, rngs=None):
+        """The final hidden states (``BaseOutput``), before the head: the loss feeds them to ``logits``
+        a chunk of positions at a time (``jaxseq.train.objectives.CausalLM``)."""
+        return self.transformer(input_ids, attention_mask, position_ids, cache=cache, rngs=rngs)
+
+    def logits(self, h):
+        """float32 logits of hidden states ``[..., n_embd]``, multiplied in the compute dtype and accumulated
+        in float32."""
         if self.config.tie_word_embeddings:
-            logits = self.transformer.wte.attend(h)
-        else:
-            logits = self.lm_head(h)
-        return LMOutput(logits.astype(jnp.float32), cache)
+            return tied_logits(h, self.transformer.wte.embedding[...], self.transformer.dtype)
+        return self.lm_head(h)
 
     def init_cache(self, batch: int, max_len: int, dtype=None) -> Cache:
         return self.transformer.init_cache(batch, max_len, dtype)

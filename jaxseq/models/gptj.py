@@ -25,7 +25,7 @@ from jaxseq.models.attention import (
 )
 from jaxseq.models.family import Family
 from jaxseq.models.gpt2 import LastTokenClassifier
-from jaxseq.models.layers import Linear, activation, dropout, normal
+from jaxseq.models.layers import Linear, activation, dropout, normal, tied_logits
 from jaxseq.models.outputs import BaseOutput, LMOutput
 
 
@@ -121,7 +121,7 @@ class GPTJModel(nnx.Module):
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.wte = nnx.Embed(config.vocab_size, config.n_embd, embedding_init=normal(config.initializer_range), **kw)
         self.h = nnx.List([GPTJBlock(config, **kw) for _ in range(config.n_layer)])
-        self.remat = False  # see layers.enable_remat
+        self.remat = "none"  # see layers.enable_remat
         self.ln_f = nnx.LayerNorm(config.n_embd, epsilon=config.layer_norm_epsilon, **kw)
 
     def __call__(self, input_ids, attention_mask=None, position_ids=None, *, cache=None, rngs=None):
@@ -165,18 +165,27 @@ class GPTJForCausalLM(nnx.Module):
                 config.vocab_size,
                 dtype=dtype,
                 param_dtype=param_dtype,
+                preferred_element_type=jnp.float32,
                 kernel_init=normal(config.initializer_range),
                 rngs=rngs,
             )
 
     def __call__(self, input_ids, attention_mask=None, position_ids=None, *, cache=None, rngs=None):
-        out = self.transformer(input_ids, attention_mask, position_ids, cache=cache, rngs=rngs)
-        h, cache = out.last_hidden_state, out.cache
+        out = self.hidden_states(input_ids, attention_mask, position_ids, cache=cache, rngs=rngs)
+        return LMOutput(self.logits(out.last_hidden_state), out.cache)
+
+    def hidden_states(self, input_ids, attention_mask=None, position_ids=None, *, cache=None, rngs=None):
+        """The final hidden states (``BaseOutput``), before the head: the loss feeds them to ``logits``
+        a chunk of positions at a time (``jaxseq.train.objectives.CausalLM``)."""
+        return self.transformer(input_ids, attention_mask, position_ids, cache=cache, rngs=rngs)
+
+    def logits(self, h):
+        """float32 logits of hidden states ``[..., n_embd]``, multiplied in the compute dtype and accumulated
+        in float32."""
         if self.config.tie_word_embeddings:
-            logits = self.transformer.wte.attend(h) + self.lm_head.bias[...].astype(h.dtype)
-        else:
-            logits = self.lm_head(h)
-        return LMOutput(logits.astype(jnp.float32), cache)
+            logits = tied_logits(h, self.transformer.wte.embedding[...], self.transformer.dtype)
+            return logits + self.lm_head.bias[...].astype(jnp.float32)
+        return self.lm_head(h)
 
     def init_cache(self, batch: int, max_len: int, dtype=None) -> Cache:
         return self.transformer.init_cache(batch, max_len, dtype)

@@ -1,12 +1,20 @@
-"""Small pieces every family uses: activations, initialisers, dense layers (and GPT-2's Conv1D), dropout."""
+"""Small pieces every family uses: activations, initialisers, dense layers (and GPT-2's Conv1D), dropout,
+and how transformer blocks run: remat policies and per-block weight gathering."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxseq.errors import JaxseqError
+from jaxseq.mesh import batch_spec, data_parallel_size
+from jaxseq.sharding import match_partition_rules, named_leaves, path_string
 
 ACTIVATIONS = {
     "gelu": lambda x: jax.nn.gelu(x, approximate=False),
@@ -49,6 +57,14 @@ class Conv1D(Linear):
     when converted (an ordinary ``nnx.Linear`` is, since PyTorch's Linear stores (out, in))."""
 
 
+def tied_logits(h: jax.Array, embedding: jax.Array, dtype) -> jax.Array:
+    """float32 logits ``h @ embedding.T`` of an LM head tied to the ``[vocab, hidden]`` token embeddings,
+    multiplied in ``dtype`` (the compute dtype; None: as stored) and accumulated in float32."""
+    dtype = dtype or embedding.dtype
+    dims = (((h.ndim - 1,), (1,)), ((), ()))
+    return jax.lax.dot_general(h.astype(dtype), embedding.astype(dtype), dims, preferred_element_type=jnp.float32)
+
+
 def dropout(x: jax.Array, rate: float, rngs: nnx.Rngs | None) -> jax.Array:
     """Inverted dropout, active only when the caller passes ``rngs`` (training); ``rngs=None`` is eval."""
     if rngs is None or rate == 0.0:
@@ -61,22 +77,143 @@ def dropout_with_key(x: jax.Array, rate: float, key: jax.Array) -> jax.Array:
     return jnp.where(keep, x / (1.0 - rate), 0).astype(x.dtype)
 
 
-def call_block(block: nnx.Module, remat: bool, *args, **kwargs):
-    """``block(*args, **kwargs)``; with ``remat`` the block's activations are recomputed in the backward
-    pass instead of kept (memory for one more forward; see ``enable_remat``)."""
-    if not remat:
+REMAT_POLICIES = ("none", "full", "dots", "offload")
+"""What a transformer block keeps for the backward pass (``enable_remat``): ``none`` every activation (no
+remat); ``full`` nothing inside the block, only its input (one more forward per block); ``dots`` the
+outputs of the matmuls without batch dimensions (the dense layers', not attention's), recomputing the
+cheap elementwise work around them; ``offload`` the same matmul outputs, moved to pinned host memory."""
+
+
+def remat_policy(name: str):
+    """The ``jax.checkpoint`` policy of a ``REMAT_POLICIES`` name (None for ``none``: no checkpoint)."""
+    policies = jax.checkpoint_policies
+    if name == "none":
+        return None
+    if name == "full":
+        return policies.nothing_saveable
+    if name == "dots":
+        return policies.dots_with_no_batch_dims_saveable
+    if name == "offload":
+        return policies.offload_dot_with_no_batch_dims("device", "pinned_host")
+    raise JaxseqError(f"unknown remat policy {name!r}; choose one of {', '.join(REMAT_POLICIES)}")
+
+
+def call_block(block: nnx.Module, remat: str, *args, **kwargs):
+    """``block(*args, **kwargs)`` under the ``remat`` policy (``REMAT_POLICIES``; see ``enable_remat``).
+    If ``gather_layers`` gave the block a ``weight_gather``, its weights are cast and all-gathered inside
+    the (rematerialised) call, so only this block's weights are whole at a time."""
+    gather = getattr(block, "weight_gather", None)
+    if remat == "none" and gather is None:
         return block(*args, **kwargs)
     names = tuple(kwargs)
 
     def run(block, *values):
+        if gather is not None:
+            block, values = gather(block), (gather.split_batch(values[0]), *values[1:])
         return block(*values[: len(args)], **dict(zip(names, values[len(args) :])))
 
-    return nnx.remat(run)(block, *args, *kwargs.values())
+    values = (*args, *kwargs.values())
+    if remat == "none":
+        return run(block, *values)
+    return nnx.remat(run, policy=remat_policy(remat))(block, *values)
 
 
-def enable_remat(model: nnx.Module, enabled: bool = True) -> nnx.Module:
-    """Turn rematerialisation of every transformer block on (or off) in ``model``, in place."""
+def enable_remat(model: nnx.Module, policy: str | bool = True) -> nnx.Module:
+    """Set the remat policy (``REMAT_POLICIES``) of every transformer stack in ``model``, in place:
+    ``True`` is ``full``, ``False`` is ``none``."""
+    name = ("full" if policy else "none") if isinstance(policy, bool) else policy
+    remat_policy(name)  # an unknown name fails here
     for _, module in nnx.iter_modules(model):
         if hasattr(module, "remat"):
-            module.remat = enabled
+            module.remat = name
+    return model
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightGather:
+    """What a block does on entry (see ``gather_layers``): for each parameter sharded over the fsdp axis (its
+    path inside the block), the dtype its layer computes in and the sharding it is gathered to; and the mesh,
+    whose batch axes split the block's hidden states. Hashable, so it can be a static attribute of a module."""
+
+    weights: tuple[tuple[str, np.dtype | None, NamedSharding], ...]
+    mesh: Mesh
+
+    def __call__(self, block: nnx.Module) -> nnx.Module:
+        """A copy of ``block`` whose listed parameters are cast and constrained to their gathered shardings."""
+        table = {name: (dtype, sharding) for name, dtype, sharding in self.weights}
+
+        def leaf(path, x):
+            entry = table.get(path_string(path))
+            if entry is None:
+                return x
+            dtype, sharding = entry
+            if dtype is not None and jnp.issubdtype(x.dtype, jnp.floating):
+                x = x.astype(dtype)
+            return jax.lax.with_sharding_constraint(x, sharding)
+
+        graphdef, state = nnx.split(block)
+        return nnx.merge(graphdef, jax.tree_util.tree_map_with_path(leaf, state))
+
+    def split_batch(self, x: jax.Array) -> jax.Array:
+        """``x`` (``[batch, ...]``) constrained to be split over the batch axes (``jaxseq.mesh.batch_spec``),
+        when its batch divides. Without it, GSPMD may follow the embedding table's split of the hidden
+        dimension over fsdp and compute every block on the whole batch on every device."""
+        if x.shape[0] % data_parallel_size(self.mesh):
+            return x
+        return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, batch_spec(x.ndim)))
+
+
+def without_axis(spec: P, axis: str) -> P:
+    """``spec`` with mesh ``axis`` taken out of every dimension (that dimension whole along ``axis``)."""
+    out = []
+    for entry in spec:
+        if isinstance(entry, tuple):
+            entry = tuple(a for a in entry if a != axis) or None
+        elif entry == axis:
+            entry = None
+        out.append(entry)
+    return P(*out)
+
+
+def gather_layers(model: nnx.Module, mesh: Mesh | None, rules=(), axis: str = "fsdp") -> nnx.Module:
+    """Fully-sharded data parallelism one block at a time, in place: every block of every stack (the blocks
+    ``call_block`` runs) gets a ``WeightGather`` that, inside the block's (rematerialised) call, casts each
+    parameter sharded over ``axis`` to the dtype its layer computes in and constrains it to its partition
+    spec (``rules``: the model's partition rules) with ``axis`` removed, and keeps the block's input hidden states
+    split over the batch axes (dp, fsdp). XLA then all-gathers one block's compute-dtype weights at a time
+    (again in the backward pass under remat) instead of every weight at once, and each device computes on
+    its own examples; the numbers are unchanged. ``mesh=None`` turns it off."""
+    blocks = [
+        ((*path, name, i), block)
+        for path, stack in nnx.iter_modules(model)
+        if hasattr(stack, "remat")
+        for name, value in vars(stack).items()
+        if isinstance(value, nnx.List)
+        for i, block in enumerate(value)
+    ]
+    if mesh is None:
+        for _, block in blocks:
+            block.weight_gather = None
+        return model
+    params = nnx.state(model, nnx.Param)
+    specs = dict(
+        zip(
+            (name for name, _ in named_leaves(params)),
+            jax.tree.leaves(match_partition_rules(rules, params), is_leaf=lambda x: isinstance(x, P)),
+        )
+    )
+    for path, block in blocks:
+        prefix = "/".join(map(str, path)) + "/"
+        modules = {"/".join(map(str, p)): m for p, m in nnx.iter_modules(block)}
+        weights = []
+        for name, spec in specs.items():
+            if not name.startswith(prefix):
+                continue
+            gathered = without_axis(spec, axis)
+            if gathered == spec:
+                continue
+            inner = name[len(prefix) :]
+            dtype = getattr(modules.get(inner.rpartition("/")[0]), "dtype", None)
+            weights.append((inner, None if dtype is None else jnp.dtype(dtype), NamedSharding(mesh, gathered)))
+        block.weight_gather = WeightGather(tuple(weights), mesh)
     return model

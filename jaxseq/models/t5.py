@@ -279,7 +279,7 @@ class T5Stack(nnx.Module):
         self.final_layer_norm = nnx.RMSNorm(config.d_model, epsilon=config.layer_norm_epsilon, **kw)
         self.is_decoder = is_decoder
         self.dropout_rate = config.dropout_rate
-        self.remat = False  # see layers.enable_remat
+        self.remat = "none"  # see layers.enable_remat
 
     def __call__(
         self,

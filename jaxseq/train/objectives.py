@@ -10,6 +10,7 @@ import numpy as np
 import optax
 
 from jaxseq.data.glue import GlueTask, compute_metrics
+from jaxseq.errors import JaxseqError
 from jaxseq.generation import greedy_tokens
 from jaxseq.metrics import perplexity
 from jaxseq.models.t5 import decoder_start_id, shift_right
@@ -69,18 +70,57 @@ class TokenLoss:
 
 class CausalLM(TokenLoss):
     """Next-token cross-entropy: position t predicts token t+1 of ``input_ids`` (a target whose
-    ``attention_mask`` is 0, if the batch has one, is left out)."""
+    ``attention_mask`` is 0, if the batch has one, is left out).
+
+    With ``chunk_size`` (and a model that has ``hidden_states`` and ``logits``: GPT-2, GPT-J) the loss is
+    computed ``chunk_size`` positions at a time from the final hidden states, each chunk's logits made and
+    dropped inside a ``jax.checkpoint``: neither the forward nor the backward pass (nor evaluation) holds the
+    float32 ``[tokens, vocab]`` logits of the whole batch at once. ``None``: the plain full-logits loss."""
+
+    def __init__(self, chunk_size: int | None = 512):
+        if chunk_size is not None and chunk_size < 1:
+            raise JaxseqError(f"the loss chunk size must be at least 1 position, got {chunk_size}")
+        self.chunk_size = chunk_size
 
     def _token_losses(self, model, batch, rngs=None) -> tuple[jax.Array, jax.Array]:
         ids = batch["input_ids"].astype(jnp.int32)  # the data may be stored as uint16
         mask = batch.get("attention_mask")
-        logits = model(ids, mask, rngs=rngs).logits
         # the last position has no next token: it is scored against a wrapped-around target with weight 0,
         # which spares slicing the logits (a copy of the step's largest array, and a pad in the backward)
         targets = jnp.roll(ids, -1, axis=1)
         weights = jnp.ones(ids.shape, jnp.float32) if mask is None else jnp.roll(mask, -1, axis=1).astype(jnp.float32)
         weights = weights.at[:, -1].set(0.0)
-        return optax.softmax_cross_entropy_with_integer_labels(logits, targets) * weights, weights
+        if self.chunk_size and hasattr(model, "hidden_states"):
+            h = model.hidden_states(ids, mask, rngs=rngs).last_hidden_state
+            losses = chunked_cross_entropy(model.logits, h, targets, self.chunk_size)
+        else:
+            logits = model(ids, mask, rngs=rngs).logits
+            losses = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
+        return losses * weights, weights
+
+
+def chunked_cross_entropy(head, h: jax.Array, targets: jax.Array, chunk_size: int) -> jax.Array:
+    """``softmax_cross_entropy_with_integer_labels(head(h), targets)``, ``[batch, seq]``, computed
+    ``chunk_size`` positions at a time (the sequence padded up to whole chunks): ``head`` maps hidden states
+    ``[batch, chunk, hidden]`` to float32 logits. Each chunk is a ``jax.checkpoint``, so the backward pass
+    recomputes one chunk's logits at a time instead of keeping them all."""
+    batch, seq = targets.shape
+
+    @jax.checkpoint
+    def chunk_losses(h, targets):
+        return optax.softmax_cross_entropy_with_integer_labels(head(h), targets)
+
+    if seq <= chunk_size:
+        return chunk_losses(h, targets)
+    chunks = -(-seq // chunk_size)
+    pad = chunks * chunk_size - seq
+    h = jnp.pad(h, ((0, 0), (0, pad), (0, 0)))
+    targets = jnp.pad(targets, ((0, 0), (0, pad)))
+    # [chunks, batch, chunk_size, ...]: every chunk keeps the whole batch (and its sharding over devices)
+    h = h.reshape(batch, chunks, chunk_size, h.shape[-1]).swapaxes(0, 1)
+    targets = targets.reshape(batch, chunks, chunk_size).swapaxes(0, 1)
+    losses = jax.lax.map(lambda xs: chunk_losses(*xs), (h, targets))
+    return losses.swapaxes(0, 1).reshape(batch, chunks * chunk_size)[:, :seq]
 
 
 class Seq2SeqLM(TokenLoss):

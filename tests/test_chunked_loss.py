@@ -1,0 +1,98 @@
+"""The causal-LM loss computed a chunk of positions at a time equals the plain full-logits cross-entropy."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+transformers = pytest.importorskip("transformers")
+
+from jaxseq.models import from_config  # noqa: E402
+from jaxseq.train.objectives import CausalLM  # noqa: E402
+from tests.reference import padded_batch  # noqa: E402
+
+CONFIGS = {
+    "gpt2": lambda: transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=64, n_positions=32),
+    "gptj": lambda: transformers.GPTJConfig(
+        n_layer=2, n_embd=32, n_head=4, rotary_dim=4, vocab_size=64, n_positions=32
+    ),
+    "gptj-tied": lambda: transformers.GPTJConfig(
+        n_layer=2, n_embd=32, n_head=4, rotary_dim=4, vocab_size=64, n_positions=32, tie_word_embeddings=True
+    ),
+}
+
+
+def full_logits_loss(model, batch):
+    """The textbook loss: logits of every position but the last against the next token, padding left out."""
+    ids, mask = batch["input_ids"], batch.get("attention_mask")
+    logits = model(ids, mask).logits
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits[:, :-1], ids[:, 1:])
+    weights = jnp.ones_like(losses) if mask is None else mask[:, 1:].astype(jnp.float32)
+    return (losses * weights).sum() / weights.sum(), (losses * weights).sum(-1), weights.sum(-1)
+
+
+def value_and_grad(model, loss):
+    graphdef, params = nnx.split(model)
+    return jax.jit(jax.value_and_grad(lambda p: loss(nnx.merge(graphdef, p))))(params)
+
+
+def assert_close(got, want, rtol=1e-5):
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        a, b = np.asarray(a), np.asarray(b)
+        np.testing.assert_allclose(a, b, rtol=rtol, atol=rtol * max(np.abs(b).max(), 1e-30))
+
+
+@pytest.mark.parametrize(
+    "family, chunk_size, masked",
+    # 10 positions: chunks that do not divide them, and one chunk
+    [("gpt2", 4, True), ("gpt2", 3, False), ("gptj", 4, True), ("gptj", 16, True), ("gptj-tied", 3, True)],
+)
+def test_chunked_loss_and_gradients_equal_full_logits(family, chunk_size, masked):
+    model = from_config(CONFIGS[family](), "causal-lm", seed=0)
+    ids, mask = (jnp.asarray(a) for a in padded_batch(64, lengths=(10, 7, 9)))
+    batch = {"input_ids": ids, "attention_mask": mask} if masked else {"input_ids": ids}
+    task = CausalLM(chunk_size=chunk_size)
+    got = value_and_grad(model, lambda m: task.loss(m, batch, None))
+    want = value_and_grad(model, lambda m: full_logits_loss(m, batch)[0])
+    assert_close(got, want)
+
+    predicted = jax.jit(lambda p: task.predict(nnx.merge(nnx.graphdef(model), p), batch))(nnx.state(model))
+    _, loss_sum, tokens = full_logits_loss(model, batch)
+    assert_close(predicted["loss_sum"], loss_sum)
+    np.testing.assert_array_equal(predicted["tokens"], tokens)
+
+
+def test_chunked_loss_never_makes_the_whole_logits():
+    """Every array of the step (forward and backward) is smaller than the batch's float32 logits."""
+    config = CONFIGS["gptj"]()
+    config.vocab_size = 512  # the logits outgrow every other array
+    model = from_config(config, "causal-lm", seed=0)
+    ids = jnp.zeros((2, 24), jnp.int32)
+    graphdef, params = nnx.split(model)
+    task = CausalLM(chunk_size=8)
+    jaxpr = jax.make_jaxpr(jax.grad(lambda p: task.loss(nnx.merge(graphdef, p), {"input_ids": ids}, None)))(params)
+
+    def shapes(jaxpr):
+        for eqn in jaxpr.eqns:
+            yield from (v.aval.shape for v in eqn.outvars)
+            for value in eqn.params.values():
+                for sub in value if isinstance(value, tuple | list) else (value,):
+                    if isinstance(sub, jax.extend.core.ClosedJaxpr | jax.extend.core.Jaxpr):
+                        yield from shapes(getattr(sub, "jaxpr", sub))
+
+    full = 2 * 24 * config.vocab_size
+    assert max(np.prod(s) for s in shapes(jaxpr.jaxpr)) < full
+    assert CausalLM(chunk_size=None).chunk_size is None  # the plain path stays available
+
+
+def test_head_multiplies_in_the_compute_dtype_and_accumulates_in_float32():
+    for family in ("gpt2", "gptj"):
+        model = from_config(CONFIGS[family](), "causal-lm", dtype=jnp.bfloat16, seed=0)
+        h = jnp.ones((1, 3, 32), jnp.bfloat16)
+        jaxpr = jax.make_jaxpr(model.logits)(h)
+        dots = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "dot_general"]
+        assert dots and all(e.params["preferred_element_type"] == jnp.float32 for e in dots)
+        assert all(v.aval.dtype == jnp.bfloat16 for e in dots for v in e.invars)
+        assert model.logits(h).dtype == jnp.float32
