@@ -18,7 +18,8 @@ from jaxseq.errors import JaxseqError
 
 
 def arg(default: Any, help: str, **kw) -> Any:
-    """A config field with its help text (``choices=`` is passed to argparse)."""
+    """A config field with its help text (``choices=`` is passed to argparse; ``const=``: the value of the flag
+    given alone)."""
     return dataclasses.field(default=default, metadata={"help": help, **kw})
 
 
@@ -59,6 +60,8 @@ def build_parser(description: str, *sections: type) -> argparse.ArgumentParser:
             kwargs = {"help": field.metadata.get("help", ""), "default": field.default}
             if "choices" in field.metadata:
                 kwargs["choices"] = field.metadata["choices"]
+            if "const" in field.metadata:  # the flag alone means this value
+                kwargs.update(nargs="?", const=field.metadata["const"])
             if tp is bool:
                 kwargs.update(type=_str2bool, nargs="?", const=True, metavar="BOOL")
             elif typing.get_origin(tp) is list:  # repeatable flag: --prompt a --prompt b

@@ -17,6 +17,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxseq import partition
 from jaxseq.errors import JaxseqError
+from jaxseq.models.layers import gather_layers
 from jaxseq.train.checkpoint import abstract_like
 from jaxseq.train.lora import Lora, LoraConfig
 from jaxseq.train.optim import OptimizerConfig, ema_update, make_optimizer, needs_value_fn
@@ -154,8 +155,10 @@ def jit_train_step(train_step: Callable, state_shardings: TrainState, frozen_sha
 class TrainProgram:
     """A run's train step and everything about it that needs no weights: the trained parameters (all, or
     LoRA's adapters and head) and their specs, the optimizer, the state's shapes and shardings, and the jitted
-    step. ``model`` may be abstract (``nnx.eval_shape``): a plan compiles ``step`` for a topology from
-    ``abstract_state`` alone; the Trainer builds the real state with ``init_state``."""
+    step. With ``fsdp`` > 1 in the mesh each block of ``model`` gathers its own weights when it runs
+    (``jaxseq.models.layers.gather_layers``, set in place). ``model`` may be abstract (``nnx.eval_shape``): a
+    plan compiles ``step`` for a topology from ``abstract_state`` alone; the Trainer builds the real state with
+    ``init_state``."""
 
     def __init__(
         self,
@@ -173,8 +176,10 @@ class TrainProgram:
         skip_nonfinite_updates: bool = False,
     ):
         self.mesh = mesh
-        self.graphdef, params = nnx.split(model)
         rules = rules if rules is not None else partition.get_partition_rules(model.config.model_type)
+        # fully sharded weights are gathered one block at a time, inside the block (see gather_layers)
+        gather_layers(model, mesh if mesh.shape["fsdp"] > 1 else None, rules)
+        self.graphdef, params = nnx.split(model)
         param_specs = partition.match_partition_rules(rules, params)
         self.lora = Lora(lora, model, param_specs) if lora is not None and lora.enabled else None
         self.frozen_shardings = None

@@ -22,7 +22,7 @@ from jaxseq import partition
 from jaxseq.config import arg
 from jaxseq.data.rows import Rows
 from jaxseq.errors import Interrupted, JaxseqError
-from jaxseq.models.layers import enable_remat
+from jaxseq.models.layers import REMAT_POLICIES, enable_remat
 from jaxseq.train.checkpoint import Checkpointer
 from jaxseq.train.feeding import Feeder
 from jaxseq.train.logs import RunLogger
@@ -46,7 +46,13 @@ class TrainerConfig:
     save_total_limit: int = arg(2, "keep this many latest checkpoints (plus the best one)")
     metric_for_best_model: str | None = arg(None, "eval metric that picks the best checkpoint, e.g. accuracy")
     greater_is_better: bool = arg(True, "whether a larger --metric_for_best_model is better")
-    remat: bool = arg(False, "recompute each block's activations in the backward pass (less memory, more compute)")
+    remat: str = arg(
+        "none",
+        "what each transformer block keeps for the backward pass: none (everything), full (only its input: one "
+        "more forward per block; a bare --remat), dots (matmul outputs), offload (those in host memory)",
+        choices=REMAT_POLICIES,
+        const="full",
+    )
     seed: int = arg(42, "seed of initialisation, data order and dropout")
     resume_from_checkpoint: str | None = arg(
         None, "checkpoint folder to resume from (a run also resumes from --output_dir/checkpoints by itself)"
@@ -72,6 +78,10 @@ class TrainerConfig:
                 raise JaxseqError(f"--{name} must be at least {low}, got {getattr(self, name)}")
         if self.max_steps <= 0 and not self.num_train_epochs > 0:
             raise JaxseqError(f"--num_train_epochs must be above 0 (or set --max_steps), got {self.num_train_epochs}")
+        if isinstance(self.remat, bool):  # remat: true in a YAML file written before the policies
+            self.remat = "full" if self.remat else "none"
+        if self.remat not in REMAT_POLICIES:
+            raise JaxseqError(f"--remat {self.remat!r} is not one of {', '.join(REMAT_POLICIES)}")
         check_writable_dir(self.output_dir, "--output_dir")
 
 
