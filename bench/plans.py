@@ -1,0 +1,95 @@
+"""Will it fit? Plans (``--compile_topology``) for real model sizes on small TPU slices, compiled with real libtpu
+on this machine, no TPU needed: memory per chip, estimated step time and MFU (a roofline from the compiled
+program, not a measurement), the attention kernel found in the program. Writes bench/results/plans.json.
+
+    python bench/plans.py                       # every row (each compile takes minutes on a laptop CPU)
+    python bench/plans.py --only gptj-6b        # rows whose name starts with this
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+COMMON = ["--dtype", "bfloat16", "--remat", "full"]
+GPT2_XL = "n_layer=48,n_embd=1600,n_head=25"
+BERT_LARGE = "hidden_size=1024,num_hidden_layers=24,num_attention_heads=16,intermediate_size=4096"
+T5_XL = (
+    "d_model=2048,d_ff=5120,num_layers=24,num_decoder_layers=24,num_heads=32,d_kv=64,"
+    "feed_forward_proj=gated-gelu,tie_word_embeddings=false"
+)
+# name -> (script, flags): AdamW, float32 master weights and optimizer state, bf16 compute, full remat
+ROWS = {
+    "gptj-6b/v5e-8": ("pretrain_clm.py", ["--model_type", "gptj", "--block_size", 2048, "--mesh", "fsdp=8"]),
+    "gptj-6b/v5e-4": ("pretrain_clm.py", ["--model_type", "gptj", "--block_size", 2048, "--mesh", "fsdp=4"]),
+    "gptj-6b/v4-8": ("pretrain_clm.py", ["--model_type", "gptj", "--block_size", 2048, "--mesh", "fsdp=4"]),
+    "gpt2-xl/v5e-8": ("pretrain_clm.py", ["--model_type", "gpt2", "--config_overrides", GPT2_XL, "--mesh", "fsdp=8"]),
+    "bert-large/v5e-8": (
+        "finetune_glue.py",
+        ["--model_type", "bert", "--config_overrides", BERT_LARGE, "--max_seq_length", 512, "--mesh", "fsdp=8"],
+    ),
+    "t5-v1_1-xl/v5e-8": (
+        "finetune_seq2seq.py",
+        [
+            "--model_type",
+            "t5",
+            "--config_overrides",
+            T5_XL,
+            "--max_source_length",
+            512,
+            "--max_target_length",
+            128,
+            "--mesh",
+            "fsdp=8",
+        ],
+    ),
+}
+BATCH = {"gptj-6b": 1, "gpt2-xl": 4, "bert-large": 8, "t5-v1_1-xl": 2}
+
+
+def run(name: str, script: str, flags: list) -> dict:
+    topology = name.split("/")[1]
+    model = name.split("/")[0]
+    with tempfile.TemporaryDirectory() as out:
+        batch = ["--per_device_train_batch_size", str(BATCH[model])]
+        cmd = [sys.executable, str(ROOT / "scripts" / script), *map(str, flags), *COMMON, *batch]
+        cmd += ["--compile_topology", topology, "--output_dir", out]
+        if script == "finetune_glue.py":
+            cmd += ["--task_name", "mrpc"]
+        result = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+        plan_path = Path(out) / "plan.json"
+        plan = json.loads(plan_path.read_text()) if plan_path.is_file() else None
+    print(f"== {name}\n{result.stdout.strip()}\n{result.stderr.strip()}", flush=True)
+    return {"name": name, "command": " ".join(cmd[1:]).replace(out, "OUT"), "exit_code": result.returncode,
+            "message": result.stderr.strip().splitlines()[-1] if result.returncode else None, "plan": plan}  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--only", default="", help="run only the rows whose name starts with this")
+    parser.add_argument("--output", default=str(ROOT / "bench" / "results" / "plans.json"))
+    args = parser.parse_args()
+    path = Path(args.output)
+    previous = json.loads(path.read_text())["rows"] if path.is_file() else []
+    rows = {row["name"]: row for row in previous}
+    for name, (script, flags) in ROWS.items():
+        if name.startswith(args.only):
+            rows[name] = run(name, script, flags)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({
+        "date": datetime.date.today().isoformat(), "machine": f"{platform.machine()}, {os.cpu_count()} cores (no TPU)",
+        "settings": "AdamW, float32 parameters and optimizer state, bfloat16 compute, --remat full",
+        "rows": [rows[n] for n in ROWS if n in rows],
+    }, indent=2) + "\n")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
