@@ -20,7 +20,7 @@ from jaxseq.models.gptj import GPTJForCausalLM  # noqa: E402
 from jaxseq.models.layers import enable_remat, gather_layers  # noqa: E402
 from jaxseq.train.objectives import CausalLM  # noqa: E402
 from jaxseq.train.optim import OptimizerConfig, make_optimizer  # noqa: E402
-from jaxseq.train.trainer import TrainState, state_specs  # noqa: E402
+from jaxseq.train.step import TrainState, state_specs  # noqa: E402
 
 
 def tpu_devices(topology: str):
@@ -67,7 +67,7 @@ def test_gathering_one_block_at_a_time_lowers_the_memory_of_a_v5e_train_step():
         )
         enable_remat(model, "full")
         if gather:
-            gather_layers(model, mesh)
+            gather_layers(model, mesh, partition.get_partition_rules("gptj"))
         return compile_train_step(model, mesh, 512, CausalLM(chunk_size=256)).memory_analysis().temp_size_in_bytes
 
     plain, gathered = temp_bytes(False), temp_bytes(True)
