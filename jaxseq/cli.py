@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib.util
 import os
 import sys
 from pathlib import Path
@@ -60,6 +61,7 @@ def parse(description: str, sections: tuple[type, ...], argv) -> tuple:
 def start(runtime: RuntimeConfig, distributed: DistributedConfig | None = None):
     """Join a multi-host run if asked (before anything touches devices), turn on the compilation cache,
     and return the device mesh."""
+    skip_absent_tpu()
     if distributed is not None:
         initialize(distributed)
     setup_compilation_cache(runtime.compilation_cache_dir)
@@ -153,6 +155,20 @@ def finish(
     export_model(trainer, output_dir, tokenizer, base_model=base_model)  # every process gathers, process 0 writes
     push_run(hub, output_dir)
     return evaluated
+
+
+def skip_absent_tpu() -> None:
+    """With libtpu installed (``jaxseq[tpu]``, for plans) on a machine without a TPU, JAX would still start
+    libtpu, which prints a screen of warnings about the TPU it cannot find: leave the TPU out of JAX's
+    platforms there (unless JAX_PLATFORMS says otherwise). A Cloud TPU's chips are PCI devices of Google
+    (vendor 0x1ae0), as JAX's own check reads them; NVIDIA's (0x10de) keep CUDA in when its plugin is there."""
+    if os.environ.get("JAX_PLATFORMS") or importlib.util.find_spec("libtpu") is None:
+        return
+    vendors = {p.read_text().strip() for p in Path("/sys/bus/pci/devices").glob("*/vendor")}
+    if "0x1ae0" in vendors:
+        return
+    cuda = "0x10de" in vendors and any(importlib.util.find_spec(f"jax_cuda{v}_plugin") for v in (12, 13))
+    jax.config.update("jax_platforms", "cuda,cpu" if cuda else "cpu")
 
 
 def default_cache_dir() -> Path:

@@ -5,6 +5,7 @@ import os
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")  # the suite runs on CPU devices (TPU plans need no TPU backend)
 
 from pathlib import Path
 
