@@ -4,7 +4,6 @@ and how transformer blocks run: remat policies and per-block weight gathering.""
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -130,45 +129,27 @@ def enable_remat(model: nnx.Module, policy: str | bool = True) -> nnx.Module:
     return model
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
-def gather_weight(w: jax.Array, dtype, param_dtype, gathered: NamedSharding, sharded: NamedSharding) -> jax.Array:
-    """``w`` cast to ``dtype`` and constrained to ``gathered`` (an all-gather of the compute-dtype weight).
-    Its gradient goes straight back to ``w``'s own ``sharded`` layout, a reduce-scatter in ``dtype``, then to
-    ``param_dtype``; the plain transpose would constrain it to ``gathered`` first, an all-reduce of the
-    whole weight (twice the traffic, and the whole gradient on every device)."""
-    return jax.lax.with_sharding_constraint(w.astype(dtype), gathered)
-
-
-def _gather_weight_fwd(w, dtype, param_dtype, gathered, sharded):
-    return gather_weight(w, dtype, param_dtype, gathered, sharded), None
-
-
-def _gather_weight_bwd(dtype, param_dtype, gathered, sharded, _, grad):
-    return (jax.lax.with_sharding_constraint(grad, sharded).astype(param_dtype),)
-
-
-gather_weight.defvjp(_gather_weight_fwd, _gather_weight_bwd)
-
-
 @dataclasses.dataclass(frozen=True)
 class WeightGather:
     """What a block does on entry (see ``gather_layers``): for each parameter sharded over the fsdp axis (its
-    path inside the block), the dtype its layer computes in, the sharding it is gathered to and its own; and
-    the mesh, whose batch axes split the block's hidden states. Hashable: a static attribute of a module."""
+    path inside the block), the dtype its layer computes in and the sharding it is gathered to; and the mesh,
+    whose batch axes split the block's hidden states. Hashable, so it can be a static attribute of a module."""
 
-    weights: tuple[tuple[str, np.dtype, NamedSharding, NamedSharding], ...]
+    weights: tuple[tuple[str, np.dtype | None, NamedSharding], ...]
     mesh: Mesh
 
     def __call__(self, block: nnx.Module) -> nnx.Module:
-        """A copy of ``block`` whose listed parameters are cast and gathered (``gather_weight``)."""
-        table = {name: rest for name, *rest in self.weights}
+        """A copy of ``block`` whose listed parameters are cast and constrained to their gathered shardings."""
+        table = {name: (dtype, sharding) for name, dtype, sharding in self.weights}
 
         def leaf(path, x):
             entry = table.get(path_string(path))
             if entry is None:
                 return x
-            dtype, gathered, sharded = entry
-            return gather_weight(x, dtype, x.dtype, gathered, sharded)
+            dtype, sharding = entry
+            if dtype is not None and jnp.issubdtype(x.dtype, jnp.floating):
+                x = x.astype(dtype)
+            return jax.lax.with_sharding_constraint(x, sharding)
 
         graphdef, state = nnx.split(block)
         return nnx.merge(graphdef, jax.tree_util.tree_map_with_path(leaf, state))
@@ -201,8 +182,7 @@ def gather_layers(model: nnx.Module, mesh: Mesh | None, rules=(), axis: str = "f
     spec (``rules``: the model's partition rules) with ``axis`` removed, and keeps the block's input hidden states
     split over the batch axes (dp, fsdp). XLA then all-gathers one block's compute-dtype weights at a time
     (again in the backward pass under remat) instead of every weight at once, and each device computes on
-    its own examples; the gradients go back by reduce-scatter (``gather_weight``). The numbers are
-    unchanged. ``mesh=None`` turns it off."""
+    its own examples; the numbers are unchanged. ``mesh=None`` turns it off."""
     blocks = [
         ((*path, name, i), block)
         for path, stack in nnx.iter_modules(model)
@@ -216,20 +196,24 @@ def gather_layers(model: nnx.Module, mesh: Mesh | None, rules=(), axis: str = "f
             block.weight_gather = None
         return model
     params = nnx.state(model, nnx.Param)
-    specs = jax.tree.leaves(match_partition_rules(rules, params), is_leaf=lambda x: isinstance(x, P))
-    table = {name: (leaf, spec) for (name, leaf), spec in zip(named_leaves(params), specs)}
+    specs = dict(
+        zip(
+            (name for name, _ in named_leaves(params)),
+            jax.tree.leaves(match_partition_rules(rules, params), is_leaf=lambda x: isinstance(x, P)),
+        )
+    )
     for path, block in blocks:
         prefix = "/".join(map(str, path)) + "/"
         modules = {"/".join(map(str, p)): m for p, m in nnx.iter_modules(block)}
         weights = []
-        for name, (param, spec) in table.items():
+        for name, spec in specs.items():
             if not name.startswith(prefix):
                 continue
             gathered = without_axis(spec, axis)
             if gathered == spec:
                 continue
             inner = name[len(prefix) :]
-            dtype = getattr(modules.get(inner.rpartition("/")[0]), "dtype", None) or param.dtype
-            weights.append((inner, jnp.dtype(dtype), NamedSharding(mesh, gathered), NamedSharding(mesh, spec)))
+            dtype = getattr(modules.get(inner.rpartition("/")[0]), "dtype", None)
+            weights.append((inner, None if dtype is None else jnp.dtype(dtype), NamedSharding(mesh, gathered)))
         block.weight_gather = WeightGather(tuple(weights), mesh)
     return model
