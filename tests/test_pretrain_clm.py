@@ -177,7 +177,7 @@ def test_pretraining_lowers_validation_perplexity_and_exports_a_model_transforme
     assert all_results["train_samples"] > 9000
     for name in ("config.yaml", "training_curves.png", "model.safetensors", "config.json", "tokenizer.json"):
         assert (out / name).is_file(), name
-    assert "GFLOP/s (measured)" in result.stdout + result.stderr
+    assert "GFLOP/s: MFU is of measured matmul" in result.stdout + result.stderr  # CPU: no published peak
 
     # transformers' GPT-2 loads the export and gives the eval loss over the same 60 validation blocks
     model, info = transformers.GPT2LMHeadModel.from_pretrained(out, output_loading_info=True)
