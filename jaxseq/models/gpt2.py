@@ -110,7 +110,24 @@ class GPT2Model(nnx.Module):
         return Cache.zeros(c.n_layer, batch, max_len, c.n_head, c.n_embd // c.n_head, dtype or self.dtype)
 
 
-class GPT2LMHeadModel(nnx.Module):
+class DecoderLM(nnx.Module):
+    """What a decoder with a language-model head does with its ``transformer`` and ``logits``: the forward
+    pass, its final hidden states (the chunked loss feeds them to ``logits`` a chunk of positions at a time,
+    ``jaxseq.train.objectives.CausalLM``) and its KV cache."""
+
+    def __call__(self, input_ids, attention_mask=None, position_ids=None, *, cache=None, rngs=None):
+        out = self.hidden_states(input_ids, attention_mask, position_ids, cache=cache, rngs=rngs)
+        return LMOutput(self.logits(out.last_hidden_state), out.cache)
+
+    def hidden_states(self, input_ids, attention_mask=None, position_ids=None, *, cache=None, rngs=None):
+        """The final hidden states (``BaseOutput``), before the head."""
+        return self.transformer(input_ids, attention_mask, position_ids, cache=cache, rngs=rngs)
+
+    def init_cache(self, batch: int, max_len: int, dtype=None) -> Cache:
+        return self.transformer.init_cache(batch, max_len, dtype)
+
+
+class GPT2LMHeadModel(DecoderLM):
     """GPT-2 with its language-model head (tied to the token embeddings unless the config unties it)."""
 
     hf_architecture = "GPT2LMHeadModel"
@@ -130,24 +147,12 @@ class GPT2LMHeadModel(nnx.Module):
                 rngs=rngs,
             )
 
-    def __call__(self, input_ids, attention_mask=None, position_ids=None, *, cache=None, rngs=None):
-        out = self.hidden_states(input_ids, attention_mask, position_ids, cache=cache, rngs=rngs)
-        return LMOutput(self.logits(out.last_hidden_state), out.cache)
-
-    def hidden_states(self, input_ids, attention_mask=None, position_ids=None, *, cache=None, rngs=None):
-        """The final hidden states (``BaseOutput``), before the head: the loss feeds them to ``logits``
-        a chunk of positions at a time (``jaxseq.train.objectives.CausalLM``)."""
-        return self.transformer(input_ids, attention_mask, position_ids, cache=cache, rngs=rngs)
-
     def logits(self, h):
         """float32 logits of hidden states ``[..., n_embd]``, multiplied in the compute dtype and accumulated
         in float32."""
         if self.config.tie_word_embeddings:
             return tied_logits(h, self.transformer.wte.embedding[...], self.transformer.dtype)
         return self.lm_head(h)
-
-    def init_cache(self, batch: int, max_len: int, dtype=None) -> Cache:
-        return self.transformer.init_cache(batch, max_len, dtype)
 
 
 def last_token_index(input_ids, pad_token_id):

@@ -24,9 +24,9 @@ from jaxseq.models.attention import (
     update_kv,
 )
 from jaxseq.models.family import Family
-from jaxseq.models.gpt2 import LastTokenClassifier
+from jaxseq.models.gpt2 import DecoderLM, LastTokenClassifier
 from jaxseq.models.layers import Linear, activation, dropout, normal, tied_logits
-from jaxseq.models.outputs import BaseOutput, LMOutput
+from jaxseq.models.outputs import BaseOutput
 
 
 def rotary_dim(config) -> int:
@@ -148,7 +148,7 @@ class TiedHeadBias(nnx.Module):
         self.bias = nnx.Param(jnp.zeros((features,), param_dtype))
 
 
-class GPTJForCausalLM(nnx.Module):
+class GPTJForCausalLM(DecoderLM):
     """GPT-J with its language-model head, which (unlike GPT-2's) has a bias; its weight is a separate
     parameter unless the config ties it to the token embeddings."""
 
@@ -170,15 +170,6 @@ class GPTJForCausalLM(nnx.Module):
                 rngs=rngs,
             )
 
-    def __call__(self, input_ids, attention_mask=None, position_ids=None, *, cache=None, rngs=None):
-        out = self.hidden_states(input_ids, attention_mask, position_ids, cache=cache, rngs=rngs)
-        return LMOutput(self.logits(out.last_hidden_state), out.cache)
-
-    def hidden_states(self, input_ids, attention_mask=None, position_ids=None, *, cache=None, rngs=None):
-        """The final hidden states (``BaseOutput``), before the head: the loss feeds them to ``logits``
-        a chunk of positions at a time (``jaxseq.train.objectives.CausalLM``)."""
-        return self.transformer(input_ids, attention_mask, position_ids, cache=cache, rngs=rngs)
-
     def logits(self, h):
         """float32 logits of hidden states ``[..., n_embd]``, multiplied in the compute dtype and accumulated
         in float32."""
@@ -186,9 +177,6 @@ class GPTJForCausalLM(nnx.Module):
             logits = tied_logits(h, self.transformer.wte.embedding[...], self.transformer.dtype)
             return logits + self.lm_head.bias[...].astype(jnp.float32)
         return self.lm_head(h)
-
-    def init_cache(self, batch: int, max_len: int, dtype=None) -> Cache:
-        return self.transformer.init_cache(batch, max_len, dtype)
 
 
 class GPTJForSequenceClassification(LastTokenClassifier):
