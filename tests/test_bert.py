@@ -260,6 +260,11 @@ def test_partition_rules_cover_every_task_and_place_minilm(minilm):
     query = model.encoder.layer[0].attention.self.query.kernel[...]
     assert query.sharding.spec == P("fsdp", "mp")
     assert {s.data.shape for s in query.addressable_shards} == {(192, 96)}
-    assert model.embeddings.word_embeddings.embedding[...].sharding.spec == P(None, "fsdp")
+    # MiniLM's 30522 tokens are padded to 30592 rows (a multiple of 128), which split over mp=4
+    words = model.embeddings.word_embeddings.embedding[...]
+    assert words.sharding.spec == P("mp", "fsdp")
+    assert {s.data.shape for s in words.addressable_shards} == {(30592 // 4, 192)}
+    np.testing.assert_array_equal(np.asarray(words)[30522:], 0.0)
+    np.testing.assert_array_equal(np.asarray(words), np.asarray(single.embeddings.word_embeddings.embedding[...]))
     want = single.encoder.layer[0].attention.self.query.kernel[...]
     np.testing.assert_array_equal(np.asarray(query), np.asarray(want))

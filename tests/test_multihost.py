@@ -35,7 +35,7 @@ def tiny_gpt2(tmp_path_factory):
         n_embd=64,
         n_head=4,
         n_positions=64,
-        vocab_size=50264,
+        vocab_size=50257,  # GPT-2's own: padded to 50304 rows, it splits over mp
         pad_token_id=tokenizer.pad_token_id,
         num_labels=2,
     )

@@ -192,8 +192,9 @@ def test_mesh_forms():
 
 
 def test_indivisible_dimension_is_reported():
-    config = transformers.GPT2Config(n_layer=1, n_embd=64, n_head=4, vocab_size=101, n_positions=64)
-    with pytest.raises(JaxseqError, match=r"transformer/wte/embedding shape \(101, 64\) spec P\('mp', 'fsdp'\)"):
+    config = transformers.GPT2Config(n_layer=1, n_embd=64, n_head=4, n_inner=102, vocab_size=101, n_positions=64)
+    match = r"transformer/h/0/mlp/c_fc/kernel shape \(64, 102\) spec P\('fsdp', 'mp'\)"
+    with pytest.raises(JaxseqError, match=match):
         from_config(config, "causal-lm", mesh=make_mesh("dp=2,mp=4"))
 
 

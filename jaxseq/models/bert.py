@@ -9,7 +9,7 @@ from jax.sharding import PartitionSpec as P
 from jaxseq.errors import JaxseqError
 from jaxseq.models.attention import attend, make_mask, merge_heads, split_heads
 from jaxseq.models.family import Family
-from jaxseq.models.layers import Linear, activation, call_block, dropout, normal
+from jaxseq.models.layers import Linear, activation, call_block, dropout, normal, padded_vocab_size
 from jaxseq.models.outputs import BaseOutput
 
 
@@ -17,7 +17,7 @@ class BertEmbeddings(nnx.Module):
     def __init__(self, config, *, dtype, param_dtype, rngs: nnx.Rngs):
         d, std = config.hidden_size, config.initializer_range
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-        self.word_embeddings = nnx.Embed(config.vocab_size, d, embedding_init=normal(std), **kw)
+        self.word_embeddings = nnx.Embed(padded_vocab_size(config.vocab_size), d, embedding_init=normal(std), **kw)
         self.position_embeddings = nnx.Embed(config.max_position_embeddings, d, embedding_init=normal(std), **kw)
         self.token_type_embeddings = nnx.Embed(config.type_vocab_size, d, embedding_init=normal(std), **kw)
         self.LayerNorm = nnx.LayerNorm(d, epsilon=config.layer_norm_eps, **kw)
@@ -231,11 +231,11 @@ class BertLMPredictionHead(nnx.Module):
 
     def __init__(self, config, *, dtype, param_dtype, rngs: nnx.Rngs):
         self.transform = BertPredictionHeadTransform(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-        self.bias = nnx.Param(jnp.zeros((config.vocab_size,), param_dtype))
+        self.bias = nnx.Param(jnp.zeros((padded_vocab_size(config.vocab_size),), param_dtype))
         if not config.tie_word_embeddings:
             self.decoder = Linear(
                 config.hidden_size,
-                config.vocab_size,
+                padded_vocab_size(config.vocab_size),
                 dtype=dtype,
                 param_dtype=param_dtype,
                 kernel_init=normal(config.initializer_range),
@@ -267,7 +267,7 @@ class BertForMaskedLM(nnx.Module):
             logits = self.bert.embeddings.word_embeddings.attend(h) + head.bias.astype(h.dtype)
         else:
             logits = head.decoder(h)
-        return logits.astype(jnp.float32)
+        return logits[..., : self.config.vocab_size].astype(jnp.float32)
 
 
 FAMILY = Family(
@@ -285,10 +285,12 @@ FAMILY = Family(
     },
     ignore=(r"(^|\.)position_ids$",),
     lora_targets=r"/(query|value)/kernel$",
+    vocab_params=((r"word_embeddings/embedding$", 0), (r"decoder/kernel$", 1), (r"(decoder|predictions)/bias$", 0)),
     # Megatron-style: q/k/v and the feed-forward input split by output column over mp, the attention and
-    # feed-forward outputs by input row; the other kernel dimension over fsdp. Embeddings are split along
-    # the hidden size, not the vocabulary: BERT's 30522 tokens divide by 2 but not by 4 or 8.
+    # feed-forward outputs by input row; the other kernel dimension over fsdp. Token embeddings and the
+    # MLM head are split by (padded) vocabulary over mp; position and token-type embeddings by hidden size.
     partition_rules=(
+        (r"word_embeddings/embedding$", P("mp", "fsdp")),
         (r"_embeddings/embedding$", P(None, "fsdp")),
         (r"(query|key|value)/kernel$", P("fsdp", "mp")),
         (r"(query|key|value)/bias$", P("mp")),
@@ -299,7 +301,9 @@ FAMILY = Family(
         (r"LayerNorm/(scale|bias)$", P()),
         (r"(pooler|transform)/dense/kernel$", P("fsdp", None)),
         (r"(pooler|transform)/dense/bias$", P()),
-        (r"(classifier|decoder)/kernel$", P("fsdp", None)),
-        (r"(classifier|decoder|predictions)/bias$", P()),
+        (r"classifier/kernel$", P("fsdp", None)),
+        (r"classifier/bias$", P()),
+        (r"decoder/kernel$", P("fsdp", "mp")),
+        (r"(decoder|predictions)/bias$", P("mp")),
     ),
 )

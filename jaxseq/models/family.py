@@ -25,6 +25,9 @@ class Family:
     - ``partition_rules``: ordered ``(regex, PartitionSpec)`` pairs over ``/``-joined parameter paths
       (see ``jaxseq.partition``).
     - ``lora_targets``: regex of the kernels LoRA adapts by default (PEFT's defaults for the family).
+    - ``vocab_params``: ``(regex, axis)`` pairs: the parameters (``/``-joined paths) whose ``axis`` runs
+      over the vocabulary, padded to ``layers.padded_vocab_size``; checkpoints are padded with zeros on load
+      and trimmed back to ``config.vocab_size`` on export.
     """
 
     model_type: str
@@ -36,9 +39,14 @@ class Family:
     ignore: tuple[str, ...] = ()
     partition_rules: tuple = ()
     lora_targets: str = ""
+    vocab_params: tuple[tuple[str, int], ...] = ()
 
     def is_head(self, name: str) -> bool:
         return any(re.search(p, name) for p in self.heads)
 
     def is_ignored(self, name: str) -> bool:
         return any(re.search(p, name) for p in self.ignore)
+
+    def vocab_axis(self, path: str) -> int | None:
+        """The vocabulary axis of the parameter at ``/``-joined ``path``, or None if it has none."""
+        return next((axis for pattern, axis in self.vocab_params if re.search(pattern, path)), None)

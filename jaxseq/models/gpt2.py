@@ -19,7 +19,16 @@ from jaxseq.models.attention import (
     update_kv,
 )
 from jaxseq.models.family import Family
-from jaxseq.models.layers import Conv1D, Linear, activation, dropout, normal, tied_logits
+from jaxseq.models.layers import (
+    Conv1D,
+    Linear,
+    activation,
+    dropout,
+    mask_padded_vocab,
+    normal,
+    padded_vocab_size,
+    tied_logits,
+)
 from jaxseq.models.outputs import BaseOutput, LMOutput
 
 
@@ -87,7 +96,7 @@ class GPT2Model(nnx.Module):
         self.dtype = dtype
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         std = config.initializer_range
-        self.wte = nnx.Embed(config.vocab_size, config.n_embd, embedding_init=normal(std), **kw)
+        self.wte = nnx.Embed(padded_vocab_size(config.vocab_size), config.n_embd, embedding_init=normal(std), **kw)
         self.wpe = nnx.Embed(config.n_positions, config.n_embd, embedding_init=normal(std), **kw)
         self.h = nnx.List([GPT2Block(config, **kw) for _ in range(config.n_layer)])
         self.ln_f = nnx.LayerNorm(config.n_embd, epsilon=config.layer_norm_epsilon, **kw)
@@ -111,13 +120,19 @@ class GPT2Model(nnx.Module):
 
 
 class DecoderLM(nnx.Module):
-    """What a decoder with a language-model head does with its ``transformer`` and ``logits``: the forward
-    pass, its final hidden states (the chunked loss feeds them to ``logits`` a chunk of positions at a time,
-    ``jaxseq.train.objectives.CausalLM``) and its KV cache."""
+    """What a decoder with a language-model head does with its ``transformer`` and ``head_logits``: the
+    forward pass, its final hidden states (the chunked loss feeds them to ``logits`` a chunk of positions at
+    a time, ``jaxseq.train.objectives.CausalLM``) and its KV cache."""
 
     def __call__(self, input_ids, attention_mask=None, position_ids=None, *, cache=None, rngs=None):
+        """Logits over the ``config.vocab_size`` tokens, as transformers returns them."""
         out = self.hidden_states(input_ids, attention_mask, position_ids, cache=cache, rngs=rngs)
-        return LMOutput(self.logits(out.last_hidden_state), out.cache)
+        return LMOutput(self.head_logits(out.last_hidden_state)[..., : self.config.vocab_size], out.cache)
+
+    def logits(self, h):
+        """float32 logits of hidden states ``[..., hidden]`` over the padded vocabulary
+        (``layers.padded_vocab_size``, which shards on any mesh), the padding entries at -inf."""
+        return mask_padded_vocab(self.head_logits(h), self.config.vocab_size)
 
     def hidden_states(self, input_ids, attention_mask=None, position_ids=None, *, cache=None, rngs=None):
         """The final hidden states (``BaseOutput``), before the head."""
@@ -138,7 +153,7 @@ class GPT2LMHeadModel(DecoderLM):
         if not config.tie_word_embeddings:
             self.lm_head = Linear(
                 config.n_embd,
-                config.vocab_size,
+                padded_vocab_size(config.vocab_size),
                 use_bias=False,
                 dtype=dtype,
                 param_dtype=param_dtype,
@@ -147,9 +162,9 @@ class GPT2LMHeadModel(DecoderLM):
                 rngs=rngs,
             )
 
-    def logits(self, h):
-        """float32 logits of hidden states ``[..., n_embd]``, multiplied in the compute dtype and accumulated
-        in float32."""
+    def head_logits(self, h):
+        """float32 logits of hidden states ``[..., n_embd]`` (padding entries included), multiplied in the
+        compute dtype and accumulated in float32."""
         if self.config.tie_word_embeddings:
             return tied_logits(h, self.transformer.wte.embedding[...], self.transformer.dtype)
         return self.lm_head(h)
@@ -210,6 +225,7 @@ FAMILY = Family(
     base_prefix="transformer",
     heads=(r"^lm_head\.", r"^score\."),
     lora_targets=r"/c_attn/kernel$",
+    vocab_params=((r"wte/embedding$", 0), (r"lm_head/kernel$", 1)),
     aliases={"lm_head.weight": "transformer.wte.weight"},
     ignore=(r"\.attn\.bias$", r"\.attn\.masked_bias$"),
     # Megatron-style: q/k/v and MLP-in split by output column over mp, attention-out and MLP-out by input

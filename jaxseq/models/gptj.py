@@ -25,7 +25,7 @@ from jaxseq.models.attention import (
 )
 from jaxseq.models.family import Family
 from jaxseq.models.gpt2 import DecoderLM, LastTokenClassifier
-from jaxseq.models.layers import Linear, activation, dropout, normal, tied_logits
+from jaxseq.models.layers import Linear, activation, dropout, normal, padded_vocab_size, tied_logits
 from jaxseq.models.outputs import BaseOutput
 
 
@@ -119,7 +119,9 @@ class GPTJModel(nnx.Module):
         self.config = config
         self.dtype = dtype
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-        self.wte = nnx.Embed(config.vocab_size, config.n_embd, embedding_init=normal(config.initializer_range), **kw)
+        self.wte = nnx.Embed(
+            padded_vocab_size(config.vocab_size), config.n_embd, embedding_init=normal(config.initializer_range), **kw
+        )
         self.h = nnx.List([GPTJBlock(config, **kw) for _ in range(config.n_layer)])
         self.remat = "none"  # see layers.enable_remat
         self.ln_f = nnx.LayerNorm(config.n_embd, epsilon=config.layer_norm_epsilon, **kw)
@@ -158,11 +160,11 @@ class GPTJForCausalLM(DecoderLM):
         self.config = config
         self.transformer = GPTJModel(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         if config.tie_word_embeddings:
-            self.lm_head = TiedHeadBias(config.vocab_size, param_dtype=param_dtype)
+            self.lm_head = TiedHeadBias(padded_vocab_size(config.vocab_size), param_dtype=param_dtype)
         else:
             self.lm_head = Linear(
                 config.n_embd,
-                config.vocab_size,
+                padded_vocab_size(config.vocab_size),
                 dtype=dtype,
                 param_dtype=param_dtype,
                 preferred_element_type=jnp.float32,
@@ -170,9 +172,9 @@ class GPTJForCausalLM(DecoderLM):
                 rngs=rngs,
             )
 
-    def logits(self, h):
-        """float32 logits of hidden states ``[..., n_embd]``, multiplied in the compute dtype and accumulated
-        in float32."""
+    def head_logits(self, h):
+        """float32 logits of hidden states ``[..., n_embd]`` (padding entries included), multiplied in the
+        compute dtype and accumulated in float32."""
         if self.config.tie_word_embeddings:
             logits = tied_logits(h, self.transformer.wte.embedding[...], self.transformer.dtype)
             return logits + self.lm_head.bias[...].astype(jnp.float32)
@@ -194,6 +196,7 @@ FAMILY = Family(
     base_prefix="transformer",
     heads=(r"^lm_head\.", r"^score\."),
     lora_targets=r"/(q_proj|v_proj)/kernel$",
+    vocab_params=((r"wte/embedding$", 0), (r"lm_head/kernel$", 1), (r"lm_head/bias$", 0)),
     aliases={"lm_head.weight": "transformer.wte.weight"},
     ignore=(r"\.attn\.bias$", r"\.attn\.masked_bias$"),
     # Megatron-style, as GPT-2: q/k/v and fc_in split by output column (whole heads) over mp, out_proj and

@@ -18,7 +18,7 @@ from flax import nnx
 from jaxseq.errors import JaxseqError, first_line
 from jaxseq.files import atomic_folder
 from jaxseq.models.registry import TASKS, family_for, model_class
-from jaxseq.models.weights import match_names, read_checkpoint, some, torch_layout
+from jaxseq.models.weights import match_names, read_checkpoint, resize_vocab, some, torch_layout
 from jaxseq.sharding import check_divisible, gather, make_shardings, match_partition_rules
 
 logger = logging.getLogger("jaxseq")
@@ -207,11 +207,17 @@ def load_pretrained(
         want = flat_abstract[path].get_value()
         array = tensors[name]()
         array = array.T if transpose else array
-        if array.shape != want.shape:
+        expected = list(want.shape)
+        vocab_axis = family.vocab_axis("/".join(map(str, path)))
+        if vocab_axis is not None:
+            expected[vocab_axis] = config.vocab_size
+        if array.shape != tuple(expected):
             raise JaxseqError(
-                f"weight {name} has shape {tuple(array.shape)} but the config gives {tuple(want.shape)}; "
+                f"weight {name} has shape {tuple(array.shape)} but the config gives {tuple(expected)}; "
                 "check that config.json matches the weights"
             )
+        if vocab_axis is not None:
+            array = resize_vocab(array, vocab_axis, want.shape[vocab_axis])
         values[path] = _put(np.asarray(array, dtype=want.dtype), flat_shardings[path].get_value())
     if new_heads:
         logger.warning("initialised weights that the checkpoint lacks: %s", ", ".join(new_heads))
@@ -247,9 +253,12 @@ def save_pretrained(model: nnx.Module, out_dir: str | os.PathLike, tokenizer=Non
     host = gather({path: v.get_value() for path, v in flat.items()})  # every process takes part
     if jax.process_index() != 0:
         return out
-    tensors = {}
+    family, tensors = family_for(model.config.model_type), {}
     for name, (path, transpose) in torch_layout(model).items():
         array = host[path]
+        vocab_axis = family.vocab_axis("/".join(map(str, path)))
+        if vocab_axis is not None:
+            array = resize_vocab(array, vocab_axis, model.config.vocab_size)
         tensors[name] = np.ascontiguousarray(array.T if transpose else array)
     config = copy.deepcopy(model.config)
     config.architectures = [type(model).hf_architecture]

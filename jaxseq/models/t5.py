@@ -33,7 +33,7 @@ from jaxseq.models.attention import (
     update_kv,
 )
 from jaxseq.models.family import Family
-from jaxseq.models.layers import Linear, activation, call_block, dropout, normal
+from jaxseq.models.layers import Linear, activation, call_block, dropout, normal, padded_vocab_size
 from jaxseq.models.outputs import BaseOutput, LMOutput
 
 
@@ -337,12 +337,14 @@ class T5ForConditionalGeneration(nnx.Module):
         self.dtype = dtype
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         f = config.initializer_factor
-        self.shared = nnx.Embed(config.vocab_size, config.d_model, embedding_init=normal(f), **kw)
+        self.shared = nnx.Embed(padded_vocab_size(config.vocab_size), config.d_model, embedding_init=normal(f), **kw)
         self.encoder = T5Stack(config, is_decoder=False, **kw)
         self.decoder = T5Stack(config, is_decoder=True, **kw)
         self.tied = uses_shared_lm_head(config)
         if not self.tied:
-            self.lm_head = Linear(config.d_model, config.vocab_size, use_bias=False, kernel_init=normal(f), **kw)
+            self.lm_head = Linear(
+                config.d_model, padded_vocab_size(config.vocab_size), use_bias=False, kernel_init=normal(f), **kw
+            )
 
     def encode(self, input_ids, attention_mask=None, *, rngs=None):
         """Encoder output ``[batch, source_len, d_model]`` (``attention_mask``: 1 = token, 0 = padding)."""
@@ -375,7 +377,7 @@ class T5ForConditionalGeneration(nnx.Module):
             logits = self.shared.attend(h * self.config.d_model**-0.5)
         else:
             logits = self.lm_head(h)
-        return LMOutput(logits.astype(jnp.float32), out.cache)
+        return LMOutput(logits[..., : self.config.vocab_size].astype(jnp.float32), out.cache)
 
     def __call__(
         self,
@@ -421,6 +423,7 @@ FAMILY = Family(
     base_prefix=None,
     heads=(r"^lm_head\.",),
     lora_targets=r"Attention/(q|v)/kernel$",
+    vocab_params=((r"shared/embedding$", 0), (r"lm_head/kernel$", 1)),
     aliases={
         "encoder.embed_tokens.weight": "shared.weight",
         "decoder.embed_tokens.weight": "shared.weight",

@@ -142,6 +142,17 @@ def torch_layout(model: nnx.Module) -> dict[str, tuple[tuple, bool]]:
     return layout
 
 
+def resize_vocab(array: np.ndarray, axis: int, size: int) -> np.ndarray:
+    """``array`` with its vocabulary ``axis`` padded with zeros or trimmed to ``size`` entries (see
+    ``Family.vocab_params``)."""
+    have = array.shape[axis]
+    if have >= size:
+        return array[(slice(None),) * axis + (slice(0, size),)]
+    pad = [(0, 0)] * array.ndim
+    pad[axis] = (0, size - have)
+    return np.pad(array, pad)
+
+
 def match_names(family: Family, expected: set[str], found: dict[str, Callable]):
     """Map checkpoint names onto ours. Returns (tensors by our name, missing heads, dropped heads)."""
     prefix = f"{family.base_prefix}." if family.base_prefix else None

@@ -34,7 +34,7 @@ from jaxseq.errors import JaxseqError
 from jaxseq.files import atomic_folder
 from jaxseq.models.layers import Conv1D, dropout_with_key
 from jaxseq.models.registry import family_for
-from jaxseq.models.weights import torch_layout
+from jaxseq.models.weights import resize_vocab, torch_layout
 from jaxseq.partition import gather, path_string
 
 EXPORTS = ("merged", "adapter")
@@ -136,6 +136,7 @@ class Lora:
         self.layout = {path: (name, transposed) for name, (path, transposed) in torch_layout(model).items()}
         self.fan_in_fan_out = any(isinstance(dense[p], Conv1D) for p in self.targets)
         self.architecture = type(model).hf_architecture
+        self.family, self.vocab_size = family, model.config.vocab_size
 
     # ------------------------------------------------------------------ the trainable tree
 
@@ -215,10 +216,12 @@ class Lora:
             targets.append(module)
             for part in ("lora_A", "lora_B"):
                 array = flat[(*_keys(path), part)]
+                if part == "lora_B":  # its columns are the kernel's: an LM head's run over the padded vocabulary
+                    array = self._unpadded((*path, "kernel"), array)
                 tensors[f"base_model.model.{module}.{part}.weight"] = np.ascontiguousarray(array.T)
         for path in self.full:
             name, transposed = self.layout[path]
-            array = flat[_keys(path)]
+            array = self._unpadded(path, flat[_keys(path)])
             tensors[f"base_model.model.{name}"] = np.ascontiguousarray(array.T if transposed else array)
             to_save.add(name.rsplit(".", 1)[0])
         task = next((t for suffix, t in _PEFT_TASKS.items() if self.architecture.endswith(suffix)), None)
@@ -244,6 +247,12 @@ class Lora:
             if tokenizer is not None:
                 tokenizer.save_pretrained(tmp)
         return out
+
+    def _unpadded(self, path, array: np.ndarray) -> np.ndarray:
+        """``array`` (shaped like the parameter at ``path`` along its vocabulary axis) trimmed to the real
+        vocabulary, if ``path`` runs over the padded one (``Family.vocab_params``)."""
+        axis = self.family.vocab_axis(_name(path))
+        return array if axis is None else resize_vocab(array, axis, self.vocab_size)
 
 
 class _AdapterDot:
