@@ -105,3 +105,47 @@ def test_dropout_is_driven_by_explicit_rngs(gpt2_lm):
     np.testing.assert_array_equal(train_a, train_b)
     assert np.abs(np.asarray(train_a - train_c)).max() > 1e-3
     assert np.abs(np.asarray(train_a - eval_a)).max() > 1e-3
+
+
+@pytest.mark.parametrize(
+    "variant",
+    [
+        dict(scale_attn_by_inverse_layer_idx=True),
+        dict(reorder_and_upcast_attn=True),
+        dict(scale_attn_by_inverse_layer_idx=True, reorder_and_upcast_attn=True),
+    ],
+)
+def test_stanford_crfm_attention_variants_match_pytorch(tmp_path, variant):
+    """Configs that scale attention by the inverse layer index and/or upcast it (Stanford CRFM's GPT-2s), with
+    perturbed weights and 4 layers so the per-layer scales differ: logits and greedy continuations (KV cache)
+    equal transformers' eager attention, the path that honours both flags."""
+    torch.manual_seed(0)
+    ref = transformers.GPT2LMHeadModel(tiny_config(n_layer=4, attn_implementation="eager", **variant))
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    ref.eval().save_pretrained(tmp_path)
+    ids, mask = padded_batch(101)
+    want = torch_forward(ref, input_ids=ids, attention_mask=mask).logits.numpy()
+    model = load_pretrained(tmp_path, "causal-lm")
+    got = model(jnp.asarray(ids), jnp.asarray(mask)).logits
+    assert max_diff_on(mask, got, want) <= 1e-5 * float(np.abs(want).max())
+    if variant.get("scale_attn_by_inverse_layer_idx"):  # without the flag the same weights give other logits
+        plain = transformers.GPT2LMHeadModel(tiny_config(n_layer=4, attn_implementation="eager"))
+        plain.load_state_dict(ref.state_dict())
+        assert max_diff_on(mask, torch_forward(plain, input_ids=ids, attention_mask=mask).logits.numpy(), want) > 1e-3
+    if variant.get("reorder_and_upcast_attn"):  # in float32 a no-op; under bfloat16 attention runs in float32
+        bf16 = load_pretrained(tmp_path, "causal-lm", dtype=jnp.bfloat16)
+        lower = load_pretrained(tmp_path, "causal-lm", dtype=jnp.bfloat16, reorder_and_upcast_attn=False)
+        upcast = bf16(jnp.asarray(ids), jnp.asarray(mask)).logits
+        assert max_diff_on(mask, upcast, want) <= 0.05 * float(np.abs(want).max())
+        assert max_diff_on(mask, upcast, lower(jnp.asarray(ids), jnp.asarray(mask)).logits) > 0
+
+    from jaxseq.generation import generate
+
+    prompt = ids[:1, :8]
+    with torch.no_grad():
+        greedy = ref.generate(torch.as_tensor(prompt).long(), max_new_tokens=6, do_sample=False, pad_token_id=0)
+    np.testing.assert_array_equal(
+        np.asarray(generate(model, prompt, max_new_tokens=6).sequences), greedy[:, 8:].numpy()
+    )

@@ -6,7 +6,6 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from jaxseq.errors import JaxseqError
 from jaxseq.models.attention import (
     Cache,
     KVCache,
@@ -33,7 +32,11 @@ from jaxseq.models.outputs import BaseOutput, LMOutput
 
 
 class GPT2Attention(nnx.Module):
-    def __init__(self, config, *, dtype, param_dtype, rngs: nnx.Rngs):
+    """Causal self-attention. ``layer_idx`` matters to configs with ``scale_attn_by_inverse_layer_idx``
+    (scores further divided by ``layer_idx + 1``); ``reorder_and_upcast_attn`` computes the attention of a
+    lower-precision compute dtype in float32 (as transformers does; the same numbers in float32)."""
+
+    def __init__(self, config, layer_idx: int = 0, *, dtype, param_dtype, rngs: nnx.Rngs):
         d, std = config.n_embd, config.initializer_range
         out_std = std / (2 * config.n_layer) ** 0.5
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
@@ -41,16 +44,21 @@ class GPT2Attention(nnx.Module):
         self.c_proj = Conv1D(d, d, kernel_init=normal(out_std), **kw)
         self.num_heads = config.n_head
         self.scale = (d // config.n_head) ** -0.5 if config.scale_attn_weights else 1.0
+        if config.scale_attn_by_inverse_layer_idx:
+            self.scale /= layer_idx + 1
+        self.upcast = bool(config.reorder_and_upcast_attn)
         self.attn_pdrop, self.resid_pdrop = config.attn_pdrop, config.resid_pdrop
 
     def __call__(self, x, mask, *, cache: KVCache | None = None, index=0, rngs=None):
         q, k, v = (split_heads(t, self.num_heads) for t in jnp.split(self.c_attn(x), 3, axis=-1))
+        if self.upcast:
+            q, k, v = (t.astype(jnp.float32) for t in (q, k, v))
         if cache is not None:
             cache = update_kv(cache, k, v, index)
             y = attend_cache(q, cache, mask, scale=self.scale)
         else:
             y = attend(q, k, v, mask, scale=self.scale, dropout_rate=self.attn_pdrop, rngs=rngs)
-        return dropout(self.c_proj(merge_heads(y)), self.resid_pdrop, rngs), cache
+        return dropout(self.c_proj(merge_heads(y.astype(x.dtype))), self.resid_pdrop, rngs), cache
 
 
 class GPT2MLP(nnx.Module):
@@ -67,10 +75,10 @@ class GPT2MLP(nnx.Module):
 
 
 class GPT2Block(nnx.Module):
-    def __init__(self, config, *, dtype, param_dtype, rngs: nnx.Rngs):
+    def __init__(self, config, layer_idx: int = 0, *, dtype, param_dtype, rngs: nnx.Rngs):
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.ln_1 = nnx.LayerNorm(config.n_embd, epsilon=config.layer_norm_epsilon, **kw)
-        self.attn = GPT2Attention(config, **kw)
+        self.attn = GPT2Attention(config, layer_idx, **kw)
         self.ln_2 = nnx.LayerNorm(config.n_embd, epsilon=config.layer_norm_epsilon, **kw)
         self.mlp = GPT2MLP(config, **kw)
 
@@ -87,18 +95,13 @@ class GPT2Model(nnx.Module):
     hf_architecture = "GPT2Model"
 
     def __init__(self, config, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
-        if config.scale_attn_by_inverse_layer_idx or config.reorder_and_upcast_attn:
-            raise JaxseqError(
-                "GPT-2 configs with scale_attn_by_inverse_layer_idx or reorder_and_upcast_attn are not "
-                "supported; set both to false"
-            )
         self.config = config
         self.dtype = dtype
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         std = config.initializer_range
         self.wte = nnx.Embed(padded_vocab_size(config.vocab_size), config.n_embd, embedding_init=normal(std), **kw)
         self.wpe = nnx.Embed(config.n_positions, config.n_embd, embedding_init=normal(std), **kw)
-        self.h = nnx.List([GPT2Block(config, **kw) for _ in range(config.n_layer)])
+        self.h = nnx.List([GPT2Block(config, i, **kw) for i in range(config.n_layer)])
         self.ln_f = nnx.LayerNorm(config.n_embd, epsilon=config.layer_norm_epsilon, **kw)
         self.remat = "none"  # see layers.enable_remat
 
