@@ -29,7 +29,7 @@ from jaxseq.errors import JaxseqError
 from jaxseq.hub_push import HubConfig
 from jaxseq.models.source import ModelSource, build_model, check, load_tokenizer, model_config
 from jaxseq.train.lora import LoraConfig
-from jaxseq.train.objectives import CausalLM
+from jaxseq.train.objectives import CausalLMConfig
 from jaxseq.train.optim import OptimizerConfig
 from jaxseq.train.throughput import flops_per_token, peak_flops
 from jaxseq.train.trainer import Trainer, TrainerConfig
@@ -54,6 +54,7 @@ SECTIONS = (
     OptimizerConfig,
     LoraConfig,
     SpeedConfig,
+    CausalLMConfig,
     HubConfig,
     DistributedConfig,
 )
@@ -71,7 +72,7 @@ def choose_block_size(requested: int | None, config) -> int:
 
 @script
 def main(argv) -> int:
-    source, data, runtime, plan, trainer_config, optimizer_config, lora_config, speed, hub, distributed = parse(
+    source, data, runtime, plan, trainer_config, optimizer_config, lora_config, speed, loss, hub, distributed = parse(
         __doc__, SECTIONS, argv
     )
     check(source)
@@ -86,7 +87,7 @@ def main(argv) -> int:
             lora_config,
             config=config,
             task="causal-lm",
-            objective=CausalLM(),
+            objective=loss.objective(),
             row={"input_ids": ((block_size,), np.int32)},
             seq_len=block_size,
             causal=True,
@@ -115,7 +116,7 @@ def main(argv) -> int:
     flops = flops_per_token(model, block_size)
     trainer = Trainer(
         model,
-        CausalLM(),
+        loss.objective(),
         trainer_config,
         optimizer_config,
         {"input_ids": train_blocks},
@@ -137,6 +138,7 @@ def main(argv) -> int:
             optimizer_config,
             lora_config,
             speed,
+            loss,
         )
     trainer.logger.write(trainer.describe())
     trainer.logger.write(

@@ -1,4 +1,5 @@
-"""The causal-LM loss computed a chunk of positions at a time equals the plain full-logits cross-entropy."""
+"""The causal-LM loss computed a chunk at a time (every row, as many positions as keep a device within
+``chunk_tokens`` tokens) equals the plain full-logits cross-entropy."""
 
 import jax
 import jax.numpy as jnp
@@ -9,6 +10,7 @@ from flax import nnx
 
 transformers = pytest.importorskip("transformers")
 
+from jaxseq.errors import JaxseqError  # noqa: E402
 from jaxseq.models import from_config  # noqa: E402
 from jaxseq.train.objectives import CausalLM  # noqa: E402
 from tests.reference import padded_batch  # noqa: E402
@@ -45,23 +47,49 @@ def assert_close(got, want, rtol=1e-5):
 
 
 @pytest.mark.parametrize(
-    "family, chunk_size, masked",
-    # 10 positions: chunks that do not divide them, and one chunk
-    [("gpt2", 4, True), ("gpt2", 3, False), ("gptj", 4, True), ("gptj", 16, True), ("gptj-tied", 3, True)],
+    "family, chunk_tokens, batch_shards, positions, masked",
+    # 3 rows of 10 positions: chunks that do not divide them, one position at a time, and one chunk
+    [
+        ("gpt2", 12, 1, 4, True),
+        ("gpt2", 9, 1, 3, False),
+        ("gpt2", 1, 1, 1, True),
+        ("gptj", 12, 1, 4, True),
+        ("gptj", 48, 1, 10, True),
+        ("gptj", 2, 3, 2, True),  # one row per device: 2 positions
+        ("gptj-tied", 9, 1, 3, True),
+    ],
 )
-def test_chunked_loss_and_gradients_equal_full_logits(family, chunk_size, masked):
+def test_chunked_loss_and_gradients_equal_full_logits(family, chunk_tokens, batch_shards, positions, masked):
     model = from_config(CONFIGS[family](), "causal-lm", seed=0)
     ids, mask = (jnp.asarray(a) for a in padded_batch(64, lengths=(10, 7, 9)))
     batch = {"input_ids": ids, "attention_mask": mask} if masked else {"input_ids": ids}
-    task = CausalLM(chunk_size=chunk_size)
+    task = CausalLM(chunk_tokens=chunk_tokens, batch_shards=batch_shards)
+    assert task.chunk_positions(*ids.shape) == positions
     got = value_and_grad(model, lambda m: task.loss(m, batch, None))
     want = value_and_grad(model, lambda m: full_logits_loss(m, batch)[0])
     assert_close(got, want)
+    plain = value_and_grad(model, lambda m: CausalLM(chunk_tokens=None).loss(m, batch, None))
+    assert_close(got, plain)
 
     predicted = jax.jit(lambda p: task.predict(nnx.merge(nnx.graphdef(model), p), batch))(nnx.state(model))
     _, loss_sum, tokens = full_logits_loss(model, batch)
     assert_close(predicted["loss_sum"], loss_sum)
     np.testing.assert_array_equal(predicted["tokens"], tokens)
+
+
+def test_chunks_are_bounded_in_tokens_per_device():
+    """Positions per chunk = the fewest equal chunks of at most ``chunk_tokens // rows per device`` positions."""
+    assert CausalLM(512, batch_shards=8).chunk_positions(64, 1024) == 64  # 8 rows per device x 64 = 512 tokens
+    assert CausalLM(512).chunk_positions(64, 1024) == 8  # unbound: as if one device held all 64 rows
+    assert CausalLM(512, batch_shards=8).chunk_positions(8, 2048) == 512  # one row per device
+    assert CausalLM(512, batch_shards=8).chunk_positions(8, 300) == 300  # one chunk
+    assert CausalLM(300).chunk_positions(1, 1000) == 250  # 4 chunks of 250, not 300 + 300 + 300 + 100
+    assert CausalLM(4).chunk_positions(8, 10) == 1  # more rows per device than tokens: one position
+    assert CausalLM(512, batch_shards=8).chunk_positions(12, 100) == 100  # 12 rows over 8 devices: 2 per device
+    assert CausalLM(512).for_batch_shards(4).batch_shards == 4
+    for bad in ({"chunk_tokens": 0}, {"batch_shards": 0}):
+        with pytest.raises(JaxseqError):
+            CausalLM(**bad)
 
 
 def test_chunked_loss_never_makes_the_whole_logits():
@@ -71,7 +99,7 @@ def test_chunked_loss_never_makes_the_whole_logits():
     model = from_config(config, "causal-lm", seed=0)
     ids = jnp.zeros((2, 24), jnp.int32)
     graphdef, params = nnx.split(model)
-    task = CausalLM(chunk_size=8)
+    task = CausalLM(chunk_tokens=16)  # 2 rows x 8 positions
     jaxpr = jax.make_jaxpr(jax.grad(lambda p: task.loss(nnx.merge(graphdef, p), {"input_ids": ids}, None)))(params)
 
     def shapes(jaxpr):
@@ -84,7 +112,7 @@ def test_chunked_loss_never_makes_the_whole_logits():
 
     full = 2 * 24 * config.vocab_size
     assert max(np.prod(s) for s in shapes(jaxpr.jaxpr)) < full
-    assert CausalLM(chunk_size=None).chunk_size is None  # the plain path stays available
+    assert CausalLM(chunk_tokens=None).chunk_tokens is None  # the plain path stays available
 
 
 def test_head_multiplies_in_the_compute_dtype_and_accumulates_in_float32():

@@ -28,7 +28,7 @@ CONFIGS = {
 
 def loss_fn(model, batch):
     graphdef, params = nnx.split(model)
-    task = CausalLM(chunk_size=4)
+    task = CausalLM(chunk_tokens=4, batch_shards=4)  # 1 row per device (dp x fsdp = 4) x 4 positions
     return graphdef, params, lambda p: task.loss(nnx.merge(graphdef, p), batch, None)
 
 

@@ -69,7 +69,7 @@ def test_gathering_one_block_at_a_time_lowers_the_memory_of_a_v5e_train_step():
         enable_remat(model, "full")
         if gather:
             gather_layers(model, mesh, partition.get_partition_rules("gptj"))
-        return compile_train_step(model, mesh, 512, CausalLM(chunk_size=256))
+        return compile_train_step(model, mesh, 512, CausalLM(chunk_tokens=256, batch_shards=8))
 
     plain, gathered = compiled(False), compiled(True)
     plain_bytes, gathered_bytes = (c.memory_analysis().temp_size_in_bytes for c in (plain, gathered))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 
 import jax
@@ -9,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jaxseq.config import arg
 from jaxseq.data.glue import GlueTask, compute_metrics
 from jaxseq.errors import JaxseqError
 from jaxseq.generation import greedy_tokens
@@ -68,19 +70,60 @@ class TokenLoss:
         return {"loss": loss, "perplexity": perplexity(loss)}
 
 
+@dataclasses.dataclass
+class CausalLMConfig:
+    loss_chunk_tokens: int = arg(
+        512,
+        "the causal-LM loss (training, evaluation, perplexity) makes the float32 logits of at most this many "
+        "tokens per device at a time (rows per device x positions; at least one position): 512 is 103 MB per "
+        "device for GPT-2's and GPT-J's ~50k-token vocabularies; 0: the whole batch's logits at once",
+    )
+
+    def __post_init__(self):
+        if self.loss_chunk_tokens < 0:
+            raise JaxseqError(f"--loss_chunk_tokens must be at least 0, got {self.loss_chunk_tokens}")
+
+    def objective(self) -> CausalLM:
+        return CausalLM(self.loss_chunk_tokens or None)
+
+
 class CausalLM(TokenLoss):
     """Next-token cross-entropy: position t predicts token t+1 of ``input_ids`` (a target whose
     ``attention_mask`` is 0, if the batch has one, is left out).
 
-    With ``chunk_size`` (and a model that has ``hidden_states`` and ``logits``: GPT-2, GPT-J) the loss is
-    computed ``chunk_size`` positions at a time from the final hidden states, each chunk's logits made and
-    dropped inside a ``jax.checkpoint``: neither the forward nor the backward pass (nor evaluation) holds the
-    float32 ``[tokens, vocab]`` logits of the whole batch at once. ``None``: the plain full-logits loss."""
+    With ``chunk_tokens`` (and a model that has ``hidden_states`` and ``logits``: GPT-2, GPT-J) the loss is
+    computed from the final hidden states a chunk of positions at a time, each chunk's float32 logits made and
+    dropped inside a ``jax.checkpoint``: neither the forward nor the backward pass (nor evaluation and
+    perplexity, which share this path) holds the ``[tokens, vocab]`` logits of the whole batch at once. Each
+    chunk keeps every row of the batch (and so its sharding over the devices) and as many positions as keep
+    a device's part of it within ``chunk_tokens`` tokens (rows per device x positions; at least one
+    position): a device holds at most ``chunk_tokens x vocab x 4`` bytes of logits at a time, whatever the
+    batch size. The default, 512 tokens, is 103 MB of logits per device for GPT-2's 50257 tokens as for
+    GPT-J's 50400 (0.8 GB for eight CPU devices sharing a host; the backward pass holds about two such
+    arrays); a chunk of one 512-token row is also what the TPU plans in BENCHMARKS.md were compiled with.
+    ``batch_shards``: how many devices the batch's rows are split over (the mesh's ``dp x fsdp``);
+    ``TrainProgram`` sets it (``for_batch_shards``). Left at 1 the chunks are sized as if one device held
+    the whole batch: smaller than needed, never larger. ``chunk_tokens=None``: the plain full-logits loss."""
 
-    def __init__(self, chunk_size: int | None = 512):
-        if chunk_size is not None and chunk_size < 1:
-            raise JaxseqError(f"the loss chunk size must be at least 1 position, got {chunk_size}")
-        self.chunk_size = chunk_size
+    def __init__(self, chunk_tokens: int | None = 512, batch_shards: int = 1):
+        if chunk_tokens is not None and chunk_tokens < 1:
+            raise JaxseqError(f"the loss chunk must be at least 1 token per device, got {chunk_tokens}")
+        if batch_shards < 1:
+            raise JaxseqError(f"the batch must be split over at least 1 device, got {batch_shards}")
+        self.chunk_tokens, self.batch_shards = chunk_tokens, batch_shards
+
+    def for_batch_shards(self, batch_shards: int) -> CausalLM:
+        """This loss for batches whose rows are split over ``batch_shards`` devices."""
+        return CausalLM(self.chunk_tokens, batch_shards)
+
+    def chunk_positions(self, rows: int, seq: int) -> int:
+        """Positions per chunk of a ``[rows, seq]`` batch: the fewest equal chunks whose logits stay within
+        ``chunk_tokens`` tokens per device (``rows / batch_shards`` rows each, rounded up), at least one
+        position each; ``seq`` when one chunk does."""
+        rows_per_device = -(-rows // self.batch_shards)
+        widest = max(1, self.chunk_tokens // rows_per_device)
+        chunks = -(-seq // widest)
+        return -(-seq // chunks)
 
     def _token_losses(self, model, batch, rngs=None) -> tuple[jax.Array, jax.Array]:
         ids = batch["input_ids"].astype(jnp.int32)  # the data may be stored as uint16
@@ -90,9 +133,9 @@ class CausalLM(TokenLoss):
         targets = jnp.roll(ids, -1, axis=1)
         weights = jnp.ones(ids.shape, jnp.float32) if mask is None else jnp.roll(mask, -1, axis=1).astype(jnp.float32)
         weights = weights.at[:, -1].set(0.0)
-        if self.chunk_size and hasattr(model, "hidden_states"):
+        if self.chunk_tokens and hasattr(model, "hidden_states"):
             h = model.hidden_states(ids, mask, rngs=rngs).last_hidden_state
-            losses = chunked_cross_entropy(model.logits, h, targets, self.chunk_size)
+            losses = chunked_cross_entropy(model.logits, h, targets, self.chunk_positions(*ids.shape))
         else:
             logits = model(ids, mask, rngs=rngs).logits
             losses = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
@@ -101,9 +144,9 @@ class CausalLM(TokenLoss):
 
 def chunked_cross_entropy(head, h: jax.Array, targets: jax.Array, chunk_size: int) -> jax.Array:
     """``softmax_cross_entropy_with_integer_labels(head(h), targets)``, ``[batch, seq]``, computed
-    ``chunk_size`` positions at a time (the sequence padded up to whole chunks): ``head`` maps hidden states
-    ``[batch, chunk, hidden]`` to float32 logits. Each chunk is a ``jax.checkpoint``, so the backward pass
-    recomputes one chunk's logits at a time instead of keeping them all."""
+    ``chunk_size`` positions (of every row) at a time, the sequence padded up to whole chunks: ``head`` maps
+    hidden states ``[batch, chunk, hidden]`` to float32 logits. Each chunk is a ``jax.checkpoint``, so the
+    backward pass recomputes one chunk's logits at a time instead of keeping them all."""
     batch, seq = targets.shape
 
     @jax.checkpoint

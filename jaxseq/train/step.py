@@ -17,6 +17,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxseq import partition
 from jaxseq.errors import JaxseqError
+from jaxseq.mesh import data_parallel_size
 from jaxseq.models.layers import gather_layers
 from jaxseq.train.checkpoint import abstract_like
 from jaxseq.train.lora import Lora, LoraConfig
@@ -44,6 +45,13 @@ class Task(Protocol):
         the metrics compare against (labels), so the host needs no copy of the eval data."""
 
     def metrics(self, outputs: dict[str, np.ndarray]) -> dict[str, float]: ...
+
+
+def for_mesh(task: Task, mesh: jax.sharding.Mesh) -> Task:
+    """``task`` for batches split over ``mesh``'s batch axes: a task whose memory depends on the rows each
+    device holds (``CausalLM``'s loss chunks) learns how many devices share the rows (``for_batch_shards``)."""
+    bind = getattr(task, "for_batch_shards", None)
+    return task if bind is None else bind(data_parallel_size(mesh))
 
 
 def state_specs(param_specs, state: TrainState) -> TrainState:
@@ -153,12 +161,12 @@ def jit_train_step(train_step: Callable, state_shardings: TrainState, frozen_sha
 
 
 class TrainProgram:
-    """A run's train step and everything about it that needs no weights: the trained parameters (all, or
-    LoRA's adapters and head) and their specs, the optimizer, the state's shapes and shardings, and the jitted
-    step. With ``fsdp`` > 1 in the mesh each block of ``model`` gathers its own weights when it runs
-    (``jaxseq.models.layers.gather_layers``, set in place). ``model`` may be abstract (``nnx.eval_shape``): a
-    plan compiles ``step`` for a topology from ``abstract_state`` alone; the Trainer builds the real state with
-    ``init_state``."""
+    """A run's train and eval steps and everything about them that needs no weights: the task fitted to the
+    mesh (``for_mesh``), the trained parameters (all, or LoRA's adapters and head) and their specs, the
+    optimizer, the state's shapes and shardings, and the jitted steps. With ``fsdp`` > 1 in the mesh each
+    block of ``model`` gathers its own weights when it runs (``jaxseq.models.layers.gather_layers``, set in
+    place). ``model`` may be abstract (``nnx.eval_shape``): a plan compiles ``step`` for a topology from
+    ``abstract_state`` alone; the Trainer builds the real state with ``init_state``."""
 
     def __init__(
         self,
@@ -176,6 +184,7 @@ class TrainProgram:
         skip_nonfinite_updates: bool = False,
     ):
         self.mesh = mesh
+        self.task = task = for_mesh(task, mesh)
         rules = rules if rules is not None else partition.get_partition_rules(model.config.model_type)
         # fully sharded weights are gathered one block at a time, inside the block (see gather_layers)
         gather_layers(model, mesh if mesh.shape["fsdp"] > 1 else None, rules)
@@ -230,6 +239,15 @@ class TrainProgram:
             self.state_shardings,
             self.frozen_shardings,
         )
+        # eval_step(params, frozen, batch) -> the task's per-example outputs (``Task.predict``)
+        self.eval_step = jax.jit(
+            lambda params, frozen, batch: task.predict(self.merged_model(params, frozen), batch),
+            in_shardings=(self.state_shardings.params, self.frozen_shardings, None),
+        )
+
+    def merged_model(self, params, frozen) -> nnx.Module:
+        """The model of ``params`` (with LoRA: the frozen weights, adapters folded in, the trained head)."""
+        return nnx.merge(self.graphdef, params if self.lora is None else self.lora.merged(params, frozen))
 
     def init_state(self, trained) -> TrainState:
         """The first state, from the parameters that train; the moving average starts at them (a copy: the

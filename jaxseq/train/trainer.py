@@ -156,6 +156,7 @@ class Trainer:
             loss_scaling=loss_scaling,
             skip_nonfinite_updates=config.skip_nonfinite_updates,
         )
+        self.task = program.task  # fitted to the mesh (the causal-LM loss's chunks)
         self.graphdef, self.lora = program.graphdef, program.lora
         self.ema_decay, self.eval_with_ema = program.ema_decay, program.eval_with_ema
         self.skips_nonfinite = program.loss_scale is not None  # else a NaN/inf loss or gradient stops the run
@@ -166,9 +167,7 @@ class Trainer:
             params = program.adapter_init(self.frozen)
         self.state = program.init_state(params)
         self._train_step = lambda state, batch: program.step(state, self.frozen, batch)
-        self._eval_step = jax.jit(
-            self._predict, in_shardings=(program.state_shardings.params, program.frozen_shardings, None)
-        )
+        self._eval_step = program.eval_step
         self.checkpointer = Checkpointer(
             self.output_dir / "checkpoints",
             keep_last=config.save_total_limit,
@@ -177,13 +176,6 @@ class Trainer:
         )
         self._check_resume_source()  # before the logger writes anything into output_dir
         self.logger = logger or RunLogger(self.output_dir, self.total_steps)
-
-    def _predict(self, params, frozen, batch):
-        return self.task.predict(self._model(params, frozen), batch)
-
-    def _model(self, params, frozen) -> nnx.Module:
-        """The model of ``params`` (with LoRA: the frozen weights, adapters folded in, the trained head)."""
-        return nnx.merge(self.graphdef, params if self.lora is None else self.lora.merged(params, frozen))
 
     # ------------------------------------------------------------------ loop
 
@@ -425,7 +417,7 @@ class Trainer:
 
     def model(self) -> nnx.Module:
         """The evaluated parameters as a plain model (LoRA adapters folded into their kernels), for export."""
-        return self._model(self.eval_params(), self.frozen)
+        return self.program.merged_model(self.eval_params(), self.frozen)
 
     def close(self) -> None:
         try:
