@@ -23,7 +23,6 @@ from jaxseq.models.layers import (
     Linear,
     activation,
     dropout,
-    mask_padded_vocab,
     normal,
     padded_vocab_size,
     tied_logits,
@@ -123,19 +122,16 @@ class GPT2Model(nnx.Module):
 
 
 class DecoderLM(nnx.Module):
-    """What a decoder with a language-model head does with its ``transformer`` and ``head_logits``: the
-    forward pass, its final hidden states (the chunked loss feeds them to ``logits`` a chunk of positions at
-    a time, ``jaxseq.train.objectives.CausalLM``) and its KV cache."""
+    """What a decoder with a language-model head does with its ``transformer`` and ``logits``: the forward
+    pass, its final hidden states (the chunked loss feeds them to ``logits`` a chunk of positions at a time,
+    ``jaxseq.train.objectives.CausalLM``) and its KV cache. ``logits`` runs over the padded vocabulary
+    (``layers.padded_vocab_size``, which shards on any mesh); the loss leaves the padding out
+    (``objectives.cross_entropy``) and ``__call__`` returns the ``config.vocab_size`` real entries."""
 
     def __call__(self, input_ids, attention_mask=None, position_ids=None, *, cache=None, rngs=None):
         """Logits over the ``config.vocab_size`` tokens, as transformers returns them."""
         out = self.hidden_states(input_ids, attention_mask, position_ids, cache=cache, rngs=rngs)
-        return LMOutput(self.head_logits(out.last_hidden_state)[..., : self.config.vocab_size], out.cache)
-
-    def logits(self, h):
-        """float32 logits of hidden states ``[..., hidden]`` over the padded vocabulary
-        (``layers.padded_vocab_size``, which shards on any mesh), the padding entries at -inf."""
-        return mask_padded_vocab(self.head_logits(h), self.config.vocab_size)
+        return LMOutput(self.logits(out.last_hidden_state)[..., : self.config.vocab_size], out.cache)
 
     def hidden_states(self, input_ids, attention_mask=None, position_ids=None, *, cache=None, rngs=None):
         """The final hidden states (``BaseOutput``), before the head."""
@@ -165,8 +161,8 @@ class GPT2LMHeadModel(DecoderLM):
                 rngs=rngs,
             )
 
-    def head_logits(self, h):
-        """float32 logits of hidden states ``[..., n_embd]`` (padding entries included), multiplied in the
+    def logits(self, h):
+        """float32 logits of hidden states ``[..., n_embd]`` over the padded vocabulary, multiplied in the
         compute dtype and accumulated in float32."""
         if self.config.tie_word_embeddings:
             return tied_logits(h, self.transformer.wte.embedding[...], self.transformer.dtype)

@@ -172,8 +172,8 @@ class GPTJForCausalLM(DecoderLM):
                 rngs=rngs,
             )
 
-    def head_logits(self, h):
-        """float32 logits of hidden states ``[..., n_embd]`` (padding entries included), multiplied in the
+    def logits(self, h):
+        """float32 logits of hidden states ``[..., n_embd]`` over the padded vocabulary, multiplied in the
         compute dtype and accumulated in float32."""
         if self.config.tie_word_embeddings:
             logits = tied_logits(h, self.transformer.wte.embedding[...], self.transformer.dtype)

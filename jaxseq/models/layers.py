@@ -42,21 +42,14 @@ def normal(std: float):
 VOCAB_MULTIPLE = 128
 """Vocabulary-sized weights (token embeddings, LM heads and their biases) have ``padded_vocab_size`` rows:
 a multiple of 128 divides by any model-parallel size up to 128 and fills whole 128-wide TPU MXU tiles.
-The padding rows are zero when loaded from a checkpoint and never looked up, their logits are masked
-(``mask_padded_vocab``) and exports drop them (``Family.vocab_params`` says which weights and axes)."""
+The padding rows are zero when loaded from a checkpoint and never looked up, the loss leaves their logits
+out (``train.objectives.cross_entropy``), models return only the real vocabulary's logits, and exports drop
+them (``Family.vocab_params`` says which weights and axes)."""
 
 
 def padded_vocab_size(vocab_size: int) -> int:
     """``vocab_size`` rounded up to a multiple of ``VOCAB_MULTIPLE``."""
     return -(-vocab_size // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
-
-
-def mask_padded_vocab(logits: jax.Array, vocab_size: int) -> jax.Array:
-    """``logits`` over the padded vocabulary with the padding entries at -inf, so that softmax, the loss,
-    argmax and sampling never give them probability."""
-    if logits.shape[-1] == vocab_size:
-        return logits
-    return jnp.where(jnp.arange(logits.shape[-1]) < vocab_size, logits, -jnp.inf)
 
 
 class Linear(nnx.Linear):
