@@ -271,23 +271,17 @@ def accumulation_runs(model, mesh, lengths):
 
 @pytest.mark.parametrize(
     "lengths",
-    [
-        pytest.param((16, 11, 7, 3, 3, 7, 11, 16), id="equal-tokens"),
-        pytest.param(
-            (16, 16, 14, 12, 6, 4, 3, 2),
-            id="unequal-padding",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="jaxseq averages the micro-batches' per-token means; a doubled batch is one per-token "
-                "mean over all its targets (TokenLoss), so micro-batches with fewer targets weigh more",
-            ),
-        ),
-    ],
+    [(16, 11, 7, 3, 3, 7, 11, 16), (16, 16, 14, 12, 6, 4, 3, 2)],
+    ids=["equal-targets", "unequal-padding"],  # 54 and 11 targets in the second case's micro-batches
 )
 def test_gradient_accumulation_equals_the_doubled_batch(lengths, mesh, tmp_path):
     """Accumulating 2 micro-batches of 4 rows is one step on the 8 rows: the same loss (1e-6 relative) and the
-    same parameters (1e-5 of each tensor's update, plus float32 rounding of the weights; the two programs sum
-    the same terms in another order). With the micro-batches' target counts equal, and with them unequal."""
+    same parameters (1e-4 of each tensor's largest update, plus float32 rounding of the weights). The two
+    programs sum the same terms in another order, and Adam amplifies that rounding in small gradients as in
+    ``assert_updates_match``: measured up to 1.3e-5 of the update. With the micro-batches' target counts
+    equal, and with them unequal:
+    each micro-batch's per-token mean then counts by its targets (``loss_weight``), not half each (which
+    gave a loss 9e-4 relative off and updates up to twice their size off)."""
     reference("gpt2", tmp_path)
     model = load_pretrained(tmp_path, "causal-lm", mesh=mesh)
     before = flat_params(nnx.state(model))
@@ -295,7 +289,7 @@ def test_gradient_accumulation_equals_the_doubled_batch(lengths, mesh, tmp_path)
     assert accumulated_loss == pytest.approx(loss, rel=1e-6)
     for key, want in whole.items():
         update = want - before[key]
-        tol = 1e-5 * np.abs(update).max() + 2 * np.finfo(np.float32).eps * np.abs(want)
+        tol = 1e-4 * np.abs(update).max() + 2 * np.finfo(np.float32).eps * np.abs(want)
         assert np.all(np.abs(accumulated[key] - want) <= tol), key
 
 
