@@ -31,3 +31,26 @@ def max_diff_on(mask: np.ndarray, a, b) -> float:
     a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
     m = np.asarray(mask, bool).reshape(mask.shape + (1,) * (a.ndim - mask.ndim))
     return float(np.max(np.abs(np.where(m, a - b, 0.0))))
+
+
+def perturb(model, std: float = 0.05, seed: int = 0):
+    """The PyTorch ``model`` with N(0, ``std``) noise added to every parameter (in place; returned). A fresh
+    model's biases are zero and its norm scales one, which hides a bias or norm that is dropped, loaded
+    into the wrong place or applied twice; noise makes every parameter count."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(std * torch.randn(p.shape, generator=generator, dtype=p.dtype))
+    return model
+
+
+def scaled_diff(mask, got, want) -> float:
+    """Largest absolute difference of ``got`` and ``want`` over the positions where ``mask`` is 1 (all, for
+    None) relative to the reference's scale there, max |``want``|: logits of perturbed models run from ~1 to
+    tens, so one absolute bound would be loose on the small ones and strict on the large ones."""
+    want = np.asarray(want, np.float32)
+    mask = np.ones(want.shape[:1], np.int32) if mask is None else np.asarray(mask)
+    scale = max_diff_on(mask, want, np.zeros_like(want))
+    return max_diff_on(mask, got, want) / max(scale, 1e-30)

@@ -57,9 +57,18 @@ class TokenLoss:
         """Per-token losses and weights (0 = not a target), both ``[batch, seq]``."""
         raise NotImplementedError
 
+    def _weights(self, batch) -> jax.Array:
+        """The target weights of ``batch`` (``[batch, seq]``), from the batch alone."""
+        raise NotImplementedError
+
     def loss(self, model, batch: Mapping[str, jax.Array], rngs) -> jax.Array:
         losses, weights = self._token_losses(model, batch, rngs)
         return losses.sum() / jnp.maximum(weights.sum(), 1.0)
+
+    def loss_weight(self, batch: Mapping[str, jax.Array]) -> jax.Array:
+        """How much ``batch``'s loss counts when micro-batches are accumulated: its number of target tokens,
+        so that accumulating is one per-token mean over every target of the step, as the doubled batch."""
+        return self._weights(batch).sum()
 
     def predict(self, model, batch: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
         losses, weights = self._token_losses(model, batch)
@@ -128,11 +137,8 @@ class CausalLM(TokenLoss):
     def _token_losses(self, model, batch, rngs=None) -> tuple[jax.Array, jax.Array]:
         ids = batch["input_ids"].astype(jnp.int32)  # the data may be stored as uint16
         mask = batch.get("attention_mask")
-        # the last position has no next token: it is scored against a wrapped-around target with weight 0,
-        # which spares slicing the logits (a copy of the step's largest array, and a pad in the backward)
         targets = jnp.roll(ids, -1, axis=1)
-        weights = jnp.ones(ids.shape, jnp.float32) if mask is None else jnp.roll(mask, -1, axis=1).astype(jnp.float32)
-        weights = weights.at[:, -1].set(0.0)
+        weights = self._weights(batch)
         if self.chunk_tokens and hasattr(model, "hidden_states"):
             h = model.hidden_states(ids, mask, rngs=rngs).last_hidden_state
             chunk = self.chunk_positions(*ids.shape)
@@ -141,6 +147,13 @@ class CausalLM(TokenLoss):
             logits = model(ids, mask, rngs=rngs).logits
             losses = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
         return losses * weights, weights
+
+    def _weights(self, batch) -> jax.Array:
+        # the last position has no next token: it is scored against a wrapped-around target with weight 0,
+        # which spares slicing the logits (a copy of the step's largest array, and a pad in the backward)
+        ids, mask = batch["input_ids"], batch.get("attention_mask")
+        weights = jnp.ones(ids.shape, jnp.float32) if mask is None else jnp.roll(mask, -1, axis=1).astype(jnp.float32)
+        return weights.at[:, -1].set(0.0)
 
 
 def cross_entropy(logits: jax.Array, targets: jax.Array, classes: int | None = None) -> jax.Array:
@@ -193,8 +206,11 @@ class Seq2SeqLM(TokenLoss):
         config, labels = model.config, batch["labels"]
         decoder_input_ids = shift_right(labels, decoder_start_id(config), config.pad_token_id)
         logits = model(batch["input_ids"], batch["attention_mask"], decoder_input_ids, rngs=rngs).logits
-        weights = batch["decoder_attention_mask"].astype(jnp.float32)
+        weights = self._weights(batch)
         return optax.softmax_cross_entropy_with_integer_labels(logits, labels) * weights, weights
+
+    def _weights(self, batch) -> jax.Array:
+        return batch["decoder_attention_mask"].astype(jnp.float32)
 
     def predict(self, model, batch: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
         outputs = super().predict(model, batch)

@@ -46,6 +46,9 @@ class Task(Protocol):
 
     def metrics(self, outputs: dict[str, np.ndarray]) -> dict[str, float]: ...
 
+    # optional: ``loss_weight(batch) -> scalar``, how much a micro-batch's loss counts when gradients are
+    # accumulated (its number of target tokens for a per-token mean; without it the micro-batches count alike)
+
 
 def for_mesh(task: Task, mesh: jax.sharding.Mesh) -> Task:
     """``task`` for batches split over ``mesh``'s batch axes: a task whose memory depends on the rows each
@@ -91,7 +94,9 @@ def train_step_fn(
 ) -> Callable:
     """``train_step(state, frozen, batch) -> (state, metrics)``. ``frozen``: the model's own weights when
     ``lora`` (a ``jaxseq.train.lora.Lora``) trains adapters, else None. With ``accumulate`` > 1 the batch is
-    ``[accumulate, micro-batch, ...]`` and the gradients of the micro-batches are averaged. The dropout key
+    ``[accumulate, micro-batch, ...]`` and the losses and gradients of the micro-batches are averaged, each
+    weighted by the task's ``loss_weight`` if it has one (a per-token mean counts every target of the step
+    once, as on the whole batch; micro-batches padded differently do not each count half). The dropout key
     of a step is a function of the seed and the step alone (exact resume)."""
     base_key = jax.random.key(seed)
 
@@ -110,15 +115,17 @@ def train_step_fn(
         if accumulate == 1:
             loss, grads = jax.value_and_grad(loss_of)(state.params, frozen, batch, key, scale)
         else:
+            weigh = getattr(task, "loss_weight", None)
+            weights = jax.vmap(weigh)(batch) if weigh else jnp.ones((accumulate,), jnp.float32)
+            weights = weights / jnp.maximum(weights.sum(), 1e-30)
 
             def body(carry, xs):
-                i, mb = xs
+                i, mb, w = xs
                 loss, grads = jax.value_and_grad(loss_of)(state.params, frozen, mb, jax.random.fold_in(key, i), scale)
-                return jax.tree.map(jnp.add, carry, (loss, grads)), None
+                return jax.tree.map(lambda c, x: (c + w * x).astype(c.dtype), carry, (loss, grads)), None
 
             zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, state.params))
-            (loss, grads), _ = jax.lax.scan(body, zeros, (jnp.arange(accumulate), batch))
-            loss, grads = jax.tree.map(lambda x: x / accumulate, (loss, grads))
+            (loss, grads), _ = jax.lax.scan(body, zeros, (jnp.arange(accumulate), batch, weights))
         if scale is not None:
             loss, grads = jax.tree.map(lambda x: x / scale, (loss, grads))
         if line_search:
