@@ -1,7 +1,12 @@
-"""What the families really share: attention masks, the attention kernel and the KV cache.
+"""What the families really share: attention masks, the attention kernels and the KV cache.
 
 Shapes follow ``jax.nn.dot_product_attention``: queries ``[batch, q_len, heads, head_dim]``, keys and
 values ``[batch, kv_len, heads, head_dim]``, masks ``[batch, 1, q_len, kv_len]`` (True = attend).
+
+Kernels (``ATTENTION_KERNELS``, chosen per model by ``use_attention``): ``xla`` (XLA's own attention: the
+``[batch, heads, q, kv]`` scores in memory), ``splash`` (the Pallas TPU splash attention kernel shipped with
+JAX: blockwise, the scores never stored; causal, padding and packed examples as segment ids) and ``cudnn``
+(cuDNN's fused attention on NVIDIA GPUs). ``auto`` takes the fused kernel of the backend where it applies.
 
 The KV cache is a plain pytree of fixed shapes, so it can be carried through ``lax.while_loop``:
 ``Cache(layers=(KVCache(k, v), ...), index)`` where ``k``/``v`` are ``[batch, heads, max_len, head_dim]``
@@ -13,13 +18,46 @@ tokens written so far or about to be).
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
+from jaxseq.errors import JaxseqError
+from jaxseq.mesh import BATCH_AXES
 from jaxseq.models.layers import call_block, dropout
+
+logger = logging.getLogger("jaxseq")
+
+ATTENTION_KERNELS = ("auto", "splash", "cudnn", "xla")
+SPLASH_BLOCK = 128  # splash attention's tiles are multiples of 128 positions (TPU lanes)
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionKernel:
+    """The kernel an attention layer runs (``use_attention`` sets it): ``name`` (xla, splash, cudnn);
+    ``mesh``: splash runs per device under ``shard_map``, the batch split over dp and fsdp and the heads over
+    mp; ``required``: chosen by name, so a shape it cannot take is an error rather than a fallback to XLA;
+    ``interpret``: splash in Pallas interpret mode (its numerics on CPU, for tests)."""
+
+    name: str = "xla"
+    mesh: Mesh | None = None
+    required: bool = False
+    interpret: bool = False
+
+
+class AttentionMask(NamedTuple):
+    """A self-attention mask both ways: ``dense`` ``[batch or 1, 1, q_len, kv_len]`` booleans (the XLA
+    kernel's) and the ``[batch, seq]`` padding mask / segment ids it was made from (the fused kernels'),
+    None where there is none or the attention is not self-attention over the same positions."""
+
+    dense: jax.Array
+    segments: jax.Array | None = None
 
 
 class KVCache(NamedTuple):
@@ -118,25 +156,43 @@ def make_mask(
     return mask
 
 
+def self_attention_mask(key_mask: jax.Array | None, seq: int, *, causal: bool) -> AttentionMask:
+    """``make_mask`` of a self-attention without a cache, keeping the padding mask / segment ids too."""
+    return AttentionMask(make_mask(key_mask, seq, seq, causal=causal), key_mask)
+
+
 def attend(
     q: jax.Array,
     k: jax.Array,
     v: jax.Array,
-    mask: jax.Array | None,
+    mask: AttentionMask | jax.Array | None,
     *,
     bias: jax.Array | None = None,
     scale: float | None = None,
     dropout_rate: float = 0.0,
     rngs: nnx.Rngs | None = None,
+    kernel: AttentionKernel = AttentionKernel(),
+    causal: bool = False,
 ) -> jax.Array:
-    """Scaled dot-product attention. Without attention dropout this is ``jax.nn.dot_product_attention``
-    (cuDNN flash attention on GPUs); with it, the same math written out so the probabilities can drop."""
+    """Scaled dot-product attention with ``kernel`` (``causal``: the mask is causal, which the fused
+    kernels build themselves). XLA: ``jax.nn.dot_product_attention``; with attention dropout, the same math
+    written out so the probabilities can drop."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    segments = mask.segments if isinstance(mask, AttentionMask) else None
+    mask = mask.dense if isinstance(mask, AttentionMask) else mask
+    fused = kernel.name != "xla" and bias is None and (rngs is None or dropout_rate == 0.0)
+    if fused and kernel.name == "splash" and _splash_fits(q, k, kernel):
+        return splash_attention(q, k, v, segments, scale=scale, causal=causal, kernel=kernel)
+    if fused and kernel.name == "cudnn" and (segments is None or not kernel.required):
+        lengths = None if segments is None else jnp.sum(segments != 0, axis=-1).astype(jnp.int32)
+        return jax.nn.dot_product_attention(
+            q, k, v, scale=scale, is_causal=causal, key_value_seq_lengths=lengths, implementation="cudnn"
+        )
     # XLA:CPU has no float16 x float16 -> float32 dot, which jax.nn.dot_product_attention asks for
     cpu_half = q.dtype == jnp.float16 and jax.default_backend() == "cpu"
     if (rngs is None or dropout_rate == 0.0) and not cpu_half:
         return jax.nn.dot_product_attention(q, k, v, bias=bias, mask=mask, scale=scale)
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    logits = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) * scale
+    logits = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32) * scale
     if bias is not None:
         logits = logits + bias.astype(jnp.float32)
     if mask is not None:
@@ -149,8 +205,9 @@ def attend(
 def attend_cache(
     q: jax.Array, cache: KVCache, mask: jax.Array | None, *, bias: jax.Array | None = None, scale: float | None = None
 ) -> jax.Array:
-    """``attend`` (without dropout: caches serve inference) over the keys/values of ``cache``."""
+    """``attend`` (without dropout: caches serve inference) over the keys/values of ``cache``, with XLA."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
+    mask = mask.dense if isinstance(mask, AttentionMask) else mask
     k, v = cache.k.astype(q.dtype), cache.v.astype(q.dtype)
     logits = jnp.einsum("bqhd,bhkd->bhqk", q, k, preferred_element_type=jnp.float32) * scale
     if bias is not None:
@@ -167,3 +224,122 @@ def split_heads(x: jax.Array, heads: int) -> jax.Array:
 
 def merge_heads(x: jax.Array) -> jax.Array:
     return x.reshape(*x.shape[:-2], x.shape[-2] * x.shape[-1])
+
+
+# --------------------------------------------------------------------------- fused kernels
+
+
+def _splash_fits(q: jax.Array, k: jax.Array, kernel: AttentionKernel) -> bool:
+    """Whether splash takes these lengths (whole 128-position tiles); if not, an error when it was asked for
+    by name, else XLA (said once in the log)."""
+    lengths = (q.shape[1], k.shape[1])
+    if all(n % SPLASH_BLOCK == 0 for n in lengths):
+        return True
+    message = (
+        f"splash attention needs sequence lengths that are multiples of {SPLASH_BLOCK}, got {lengths[0]}; pad "
+        f"--block_size / --max_seq_length to a multiple of {SPLASH_BLOCK} or use --attention xla"
+    )
+    if kernel.required:
+        raise JaxseqError(message)
+    logger.warning("%s: this attention runs on XLA", message)
+    return False
+
+
+def _splash_blocks(q_len: int, kv_len: int):
+    from jax.experimental.pallas.ops.tpu import splash_attention as splash
+
+    def block(n):  # the largest of 512, 256, 128 that divides the length
+        return next(b for b in (512, 256, SPLASH_BLOCK) if n % b == 0)
+
+    bq, bkv = block(q_len), block(kv_len)
+    return splash.BlockSizes(
+        block_q=bq, block_kv=bkv, block_kv_compute=bkv, block_q_dkv=bq, block_kv_dkv=bkv,
+        block_kv_dkv_compute=bkv, block_q_dq=bq, block_kv_dq=bkv,
+    )  # fmt: skip
+
+
+def splash_attention(q, k, v, segments, *, scale: float, causal: bool, kernel: AttentionKernel) -> jax.Array:
+    """``attend`` with the Pallas TPU splash attention kernel (``[batch, len, heads, head_dim]`` in and out):
+    causal or full, padding and packed examples as segment ids (a query sees only keys of its own segment;
+    padding, segment 0, sees only padding, and its output is discarded). Run per device under ``shard_map``
+    when the kernel has a mesh: each device takes its rows (dp, fsdp) and its heads (mp)."""
+    from jax.experimental.pallas.ops.tpu import splash_attention as splash
+
+    q = (q * scale).astype(q.dtype)  # splash does not scale
+    q, k, v = (jnp.swapaxes(t, 1, 2) for t in (q, k, v))  # [batch, heads, len, dim]
+    mesh = kernel.mesh
+    heads, q_len, kv_len = q.shape[1], q.shape[2], k.shape[2]
+    local_heads = heads if mesh is None else heads // mesh.shape["mp"]
+
+    def local(q, k, v, segments):
+        shape = (q_len, kv_len)
+        mask = splash.CausalMask(shape) if causal else splash.FullMask(shape)
+        mha = splash.make_splash_mha(
+            splash.MultiHeadMask([mask] * local_heads),
+            head_shards=1,
+            q_seq_shards=1,
+            block_sizes=_splash_blocks(q_len, kv_len),
+            interpret=kernel.interpret,
+        )
+        if segments is None:
+            return jax.vmap(mha)(q, k, v)
+        ids = splash.SegmentIds(q=segments, kv=segments)
+        return jax.vmap(mha)(q, k, v, segment_ids=ids)
+
+    segments = None if segments is None else segments.astype(jnp.int32)
+    if mesh is None:
+        out = local(q, k, v, segments)
+    else:
+        qkv = P(BATCH_AXES, "mp", None, None)
+        specs = (qkv, qkv, qkv, None if segments is None else P(BATCH_AXES, None))
+        run = jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=qkv, check_vma=False)
+        out = run(q, k, v, segments)
+    return jnp.swapaxes(out, 1, 2)
+
+
+def use_attention(model: nnx.Module, choice: str, mesh: Mesh | None = None, *, interpret: bool = False) -> str:
+    """Set the attention kernel of every attention layer of ``model`` (``ATTENTION_KERNELS``) for runs on
+    ``mesh`` (whose devices say the backend; None: the default backend) and return the kernel chosen.
+    ``auto``: splash on TPU, cuDNN on GPU (bfloat16/float16 compute), where every layer can take it (no
+    attention dropout, no additive bias as T5's), else XLA, saying why in the log. A kernel named explicitly
+    that cannot apply stops with one line saying why and what to do. ``interpret``: splash anywhere, in
+    Pallas interpret mode (numerics tests on CPU)."""
+    if choice not in ATTENTION_KERNELS:
+        raise JaxseqError(f"unknown attention kernel {choice!r}; choose one of {', '.join(ATTENTION_KERNELS)}")
+    layers = [m for _, m in nnx.iter_modules(model) if isinstance(getattr(m, "attention", None), AttentionKernel)]
+    platform = (mesh.devices.flat[0] if mesh is not None else jax.devices()[0]).platform
+    name = choice
+    if choice == "auto":
+        name = {"tpu": "splash", "gpu": "cudnn", "cuda": "cudnn"}.get(platform, "xla")
+    why_not = _why_not(name, layers, platform, interpret, model)
+    if why_not and choice != "auto":
+        raise JaxseqError(why_not)
+    if why_not:
+        logger.info("attention: XLA (%s)", why_not)
+        name = "xla"
+    kernel = AttentionKernel(name, mesh if name == "splash" else None, required=choice != "auto", interpret=interpret)
+    for layer in layers:
+        layer.attention = kernel
+    return name
+
+
+def _why_not(name: str, layers, platform: str, interpret: bool, model) -> str | None:
+    """Why kernel ``name`` cannot run these attention layers here (None: it can)."""
+    if name == "xla":
+        return None
+    label = {"splash": "splash attention", "cudnn": "cuDNN attention"}[name]
+    if not layers:
+        return f"{label} is not available for {type(model).__name__}; use --attention xla"
+    if any(not getattr(layer, "fused_kernels", True) for layer in layers):
+        return f"{label} cannot add {type(model).__name__}'s relative position bias; use --attention xla"
+    if name == "splash" and platform != "tpu" and not interpret:
+        return f"splash attention runs on TPUs (here: {platform}); use --attention auto or xla"
+    if name == "cudnn" and platform not in ("gpu", "cuda"):
+        return f"cuDNN attention runs on NVIDIA GPUs (here: {platform}); use --attention auto or xla"
+    dropping = [layer for layer in layers if layer.dropout_rate > 0]
+    if dropping:
+        field = dropping[0].dropout_field
+        return f"{label} has no attention dropout: set it to 0 with --config_overrides {field}=0"
+    if name == "cudnn" and not any(layer.dtype in (jnp.bfloat16, jnp.float16) for layer in layers):
+        return "cuDNN attention needs bfloat16 or float16 compute; add --dtype bfloat16"
+    return None

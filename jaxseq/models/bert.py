@@ -7,7 +7,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jaxseq.errors import JaxseqError
-from jaxseq.models.attention import attend, make_mask, merge_heads, split_heads
+from jaxseq.models.attention import AttentionKernel, attend, merge_heads, self_attention_mask, split_heads
 from jaxseq.models.family import Family
 from jaxseq.models.layers import Linear, activation, call_block, dropout, normal, padded_vocab_size
 from jaxseq.models.outputs import BaseOutput
@@ -30,6 +30,8 @@ class BertEmbeddings(nnx.Module):
 
 
 class BertSelfAttention(nnx.Module):
+    dropout_field = "attention_probs_dropout_prob"  # the config's attention dropout (attention.use_attention)
+
     def __init__(self, config, *, dtype, param_dtype, rngs: nnx.Rngs):
         d, std = config.hidden_size, config.initializer_range
         if d % config.num_attention_heads:
@@ -41,11 +43,12 @@ class BertSelfAttention(nnx.Module):
         self.key = Linear(d, d, **kw)
         self.value = Linear(d, d, **kw)
         self.num_heads = config.num_attention_heads
-        self.attention_dropout = config.attention_probs_dropout_prob
+        self.dropout_rate, self.causal = config.attention_probs_dropout_prob, bool(config.is_decoder)
+        self.dtype, self.attention = dtype, AttentionKernel()
 
     def __call__(self, x, mask, rngs=None):
         q, k, v = (split_heads(proj(x), self.num_heads) for proj in (self.query, self.key, self.value))
-        y = attend(q, k, v, mask, dropout_rate=self.attention_dropout, rngs=rngs)
+        y = attend(q, k, v, mask, dropout_rate=self.dropout_rate, rngs=rngs, kernel=self.attention, causal=self.causal)
         return merge_heads(y)
 
 
@@ -177,7 +180,7 @@ class BertModel(nnx.Module):
         if token_type_ids is None:
             token_type_ids = jnp.zeros_like(input_ids)
         x = self.embeddings(input_ids, token_type_ids, position_ids, rngs)
-        mask = make_mask(attention_mask, seq, seq, causal=bool(self.config.is_decoder))
+        mask = self_attention_mask(attention_mask, seq, causal=bool(self.config.is_decoder))
         h = self.encoder(x, mask, rngs)
         return BaseOutput(h, pooler_output=None if self.pooler is None else self.pooler(h, pool_index))
 

@@ -7,6 +7,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jaxseq.models.attention import (
+    AttentionKernel,
     Cache,
     KVCache,
     attend,
@@ -14,6 +15,7 @@ from jaxseq.models.attention import (
     make_mask,
     merge_heads,
     run_blocks,
+    self_attention_mask,
     split_heads,
     update_kv,
 )
@@ -35,6 +37,8 @@ class GPT2Attention(nnx.Module):
     (scores further divided by ``layer_idx + 1``); ``reorder_and_upcast_attn`` computes the attention of a
     lower-precision compute dtype in float32 (as transformers does; the same numbers in float32)."""
 
+    dropout_field = "attn_pdrop"  # the config's attention dropout (see attention.use_attention)
+
     def __init__(self, config, layer_idx: int = 0, *, dtype, param_dtype, rngs: nnx.Rngs):
         d, std = config.n_embd, config.initializer_range
         out_std = std / (2 * config.n_layer) ** 0.5
@@ -46,7 +50,8 @@ class GPT2Attention(nnx.Module):
         if config.scale_attn_by_inverse_layer_idx:
             self.scale /= layer_idx + 1
         self.upcast = bool(config.reorder_and_upcast_attn)
-        self.attn_pdrop, self.resid_pdrop = config.attn_pdrop, config.resid_pdrop
+        self.dropout_rate, self.resid_pdrop = config.attn_pdrop, config.resid_pdrop
+        self.dtype, self.attention = dtype, AttentionKernel()
 
     def __call__(self, x, mask, *, cache: KVCache | None = None, index=0, rngs=None):
         q, k, v = (split_heads(t, self.num_heads) for t in jnp.split(self.c_attn(x), 3, axis=-1))
@@ -56,7 +61,10 @@ class GPT2Attention(nnx.Module):
             cache = update_kv(cache, k, v, index)
             y = attend_cache(q, cache, mask, scale=self.scale)
         else:
-            y = attend(q, k, v, mask, scale=self.scale, dropout_rate=self.attn_pdrop, rngs=rngs)
+            y = attend(
+                q, k, v, mask, scale=self.scale, dropout_rate=self.dropout_rate, rngs=rngs, kernel=self.attention,
+                causal=True,
+            )  # fmt: skip
         return dropout(self.c_proj(merge_heads(y.astype(x.dtype))), self.resid_pdrop, rngs), cache
 
 
@@ -111,8 +119,10 @@ class GPT2Model(nnx.Module):
             position_ids = (index + jnp.arange(seq, dtype=jnp.int32))[None, :]
         x = self.wte(input_ids) + self.wpe(position_ids)
         x = dropout(x, self.config.embd_pdrop, rngs)
-        kv_len = seq if cache is None else cache.layers[0].max_len
-        mask = make_mask(attention_mask, seq, kv_len, causal=True, index=index)
+        if cache is None:
+            mask = self_attention_mask(attention_mask, seq, causal=True)
+        else:
+            mask = make_mask(attention_mask, seq, cache.layers[0].max_len, causal=True, index=index)
         x, cache = run_blocks(self.h, self.remat, x, mask, cache=cache, rngs=rngs)
         return BaseOutput(self.ln_f(x), cache)
 

@@ -13,6 +13,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jaxseq.models.attention import (
+    AttentionKernel,
     Cache,
     KVCache,
     attend,
@@ -20,6 +21,7 @@ from jaxseq.models.attention import (
     make_mask,
     merge_heads,
     run_blocks,
+    self_attention_mask,
     split_heads,
     update_kv,
 )
@@ -69,7 +71,8 @@ class GPTJAttention(nnx.Module):
         self.out_proj = Linear(d, d, **kw)
         self.num_heads = config.n_head
         self.scale = (d // config.n_head) ** -0.5
-        self.attn_pdrop, self.resid_pdrop = config.attn_pdrop, config.resid_pdrop
+        self.dropout_rate, self.resid_pdrop = config.attn_pdrop, config.resid_pdrop
+        self.dtype, self.attention = dtype, AttentionKernel()
 
     def __call__(self, x, mask, rope, *, cache: KVCache | None = None, index=0, rngs=None):
         q, k, v = (split_heads(proj(x), self.num_heads) for proj in (self.q_proj, self.k_proj, self.v_proj))
@@ -78,7 +81,10 @@ class GPTJAttention(nnx.Module):
             cache = update_kv(cache, k, v, index)
             y = attend_cache(q, cache, mask, scale=self.scale)
         else:
-            y = attend(q, k, v, mask, scale=self.scale, dropout_rate=self.attn_pdrop, rngs=rngs)
+            y = attend(
+                q, k, v, mask, scale=self.scale, dropout_rate=self.dropout_rate, rngs=rngs, kernel=self.attention,
+                causal=True,
+            )  # fmt: skip
         return dropout(self.out_proj(merge_heads(y)), self.resid_pdrop, rngs), cache
 
 
@@ -133,8 +139,10 @@ class GPTJModel(nnx.Module):
             position_ids = (index + jnp.arange(seq, dtype=jnp.int32))[None, :]
         rope = sincos(position_ids, rotary_dim(self.config))
         x = dropout(self.wte(input_ids), self.config.embd_pdrop, rngs)
-        kv_len = seq if cache is None else cache.layers[0].max_len
-        mask = make_mask(attention_mask, seq, kv_len, causal=True, index=index)
+        if cache is None:
+            mask = self_attention_mask(attention_mask, seq, causal=True)
+        else:
+            mask = make_mask(attention_mask, seq, cache.layers[0].max_len, causal=True, index=index)
         x, cache = run_blocks(self.h, self.remat, x, mask, rope, cache=cache, rngs=rngs)
         return BaseOutput(self.ln_f(x), cache)
 

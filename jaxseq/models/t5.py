@@ -22,6 +22,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxseq.errors import JaxseqError
 from jaxseq.models.attention import (
+    AttentionKernel,
     Cache,
     KVCache,
     attend,
@@ -124,6 +125,10 @@ class T5Attention(nnx.Module):
         self.num_buckets = config.relative_attention_num_buckets
         self.max_distance = config.relative_attention_max_distance
         self.dropout_rate = config.dropout_rate
+        self.attention = AttentionKernel()  # always XLA: the fused kernels cannot add the position bias
+
+    fused_kernels = False
+    dropout_field = "dropout_rate"
 
     def compute_bias(self, q_len: int, kv_len: int, index=0):
         """``[1, heads, q_len, kv_len]`` bias for queries at ``index ..`` and keys at ``0 .. kv_len - 1``

@@ -1,0 +1,140 @@
+"""Attention kernels: splash (Pallas, run here in interpret mode: its own numerics on CPU) against XLA's attention,
+forward and gradients, for causal (GPT-2, GPT-J), padded bidirectional (BERT) and packed-segment inputs, alone
+and under shard_map on a dp/mp mesh; how ``--attention`` is chosen and refused."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+transformers = pytest.importorskip("transformers")
+
+from jaxseq.errors import JaxseqError  # noqa: E402
+from jaxseq.mesh import make_mesh  # noqa: E402
+from jaxseq.models.attention import AttentionKernel, use_attention  # noqa: E402
+from jaxseq.models.hub import from_config  # noqa: E402
+
+SEQ = 256  # two 128-position splash tiles
+
+
+def gpt2(**kw):
+    return transformers.GPT2Config(
+        n_layer=2, n_embd=64, n_head=4, n_positions=SEQ, vocab_size=300, attn_pdrop=0.0, **kw
+    )
+
+
+def gptj():
+    return transformers.GPTJConfig(
+        n_layer=2, n_embd=64, n_head=4, rotary_dim=8, n_positions=SEQ, vocab_size=300, attn_pdrop=0.0
+    )
+
+
+def bert():
+    return transformers.BertConfig(
+        vocab_size=300, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+        max_position_embeddings=SEQ, attention_probs_dropout_prob=0.0, num_labels=3,
+    )  # fmt: skip
+
+
+def batch(kind: str, rows: int = 4, seed: int = 0):
+    """Token ids and the attention mask: 1/0 padding of unequal rows, or packed examples' segment ids."""
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(1, 300, (rows, SEQ)).astype(np.int32)
+    lengths = np.array([SEQ, 200, 131, 7])[:rows]
+    mask = (np.arange(SEQ)[None] < lengths[:, None]).astype(np.int32)
+    if kind == "packed":  # 1, 2, 3 ... examples of varied length, then padding
+        bounds = np.sort(rng.integers(1, SEQ, (rows, 3)), axis=1)
+        mask = mask * (1 + (np.arange(SEQ)[None, :, None] >= bounds[:, None, :]).sum(-1)).astype(np.int32)
+    return jnp.asarray(ids), jnp.asarray(mask)
+
+
+def loss_and_grads(model, ids, mask):
+    """A loss over real positions only (padding's outputs are discarded, whichever kernel) and its gradients."""
+    graphdef, state = nnx.split(model)
+    real = (mask > 0)[..., None]
+
+    def loss(state):
+        out = nnx.merge(graphdef, state)(ids, mask)
+        if not isinstance(out, jax.Array):
+            out = out.logits if hasattr(out, "logits") else out.last_hidden_state
+        if out.ndim == 2:  # a classifier: pooled already
+            return jnp.sum(out**2)
+        return jnp.sum(jnp.where(real, out, 0.0) ** 2) / out.shape[-1]
+
+    return jax.value_and_grad(loss)(state)
+
+
+def assert_same(a, b, rtol=2e-5, grad_rtol=1e-4):
+    """Loss within ``rtol``; gradients within ``grad_rtol`` of each one's largest entry (float32 sums over
+    every position of the batch, added in another order by the blockwise kernel: measured up to 4e-5)."""
+    (la, ga), (lb, gb) = a, b
+    np.testing.assert_allclose(float(la), float(lb), rtol=rtol)
+    pairs = [
+        (path, np.asarray(x.get_value()), np.asarray(y.get_value()))
+        for (path, x), (_, y) in zip(nnx.to_flat_state(ga), nnx.to_flat_state(gb))
+    ]
+    scale = max(np.abs(y).max() for _, _, y in pairs)  # gradients that vanish by structure compare to this
+    for path, x, y in pairs:
+        assert np.abs(x - y).max() <= grad_rtol * max(np.abs(y).max(), 1e-3 * scale), path
+
+
+@pytest.mark.parametrize(
+    "name, config, task, kind, mesh",
+    [
+        ("gpt2 causal padded", gpt2, "causal-lm", "padded", None),
+        ("gpt2 causal packed, dp=2,mp=2", gpt2, "causal-lm", "packed", "dp=2,mp=2"),
+        ("gptj causal padded, dp=4", gptj, "causal-lm", "padded", "dp=4"),
+        ("bert bidirectional padded", bert, "sequence-classification", "padded", None),
+        ("bert bidirectional packed, fsdp=2,mp=2", bert, "base", "packed", "fsdp=2,mp=2"),
+    ],
+)
+def test_splash_matches_xla_forward_and_gradients(name, config, task, kind, mesh):
+    mesh = make_mesh(mesh, jax.devices()[:4]) if mesh else None
+    model = from_config(config(), task, mesh=mesh, seed=1)
+    ids, mask = batch(kind)
+    want = loss_and_grads(model, ids, mask)
+    assert use_attention(model, "splash", mesh, interpret=True) == "splash"
+    lowered = jax.jit(lambda ids, mask: model(ids, mask)).lower(ids, mask).as_text()
+    assert "splash" in lowered or "flash" in lowered  # the Pallas kernel is in the program, not XLA's attention
+    assert_same(loss_and_grads(model, ids, mask), want)
+
+
+def test_auto_falls_back_to_xla_off_tpu_and_explicit_choices_that_cannot_apply_stop_in_one_line(caplog):
+    model = from_config(gpt2(), "causal-lm")
+    assert use_attention(model, "auto") == "xla"  # CPU: no fused kernel
+    with pytest.raises(JaxseqError, match=r"splash attention runs on TPUs \(here: cpu\)"):
+        use_attention(model, "splash")
+    with pytest.raises(JaxseqError, match=r"cuDNN attention runs on NVIDIA GPUs"):
+        use_attention(model, "cudnn")
+    dropping = from_config(gpt2().__class__(**{**gpt2().to_dict(), "attn_pdrop": 0.1}), "causal-lm")
+    with pytest.raises(JaxseqError, match=r"no attention dropout: set it to 0 with --config_overrides attn_pdrop=0"):
+        use_attention(dropping, "splash", interpret=True)
+    bert_dropping = from_config(bert().__class__(**{**bert().to_dict(), "attention_probs_dropout_prob": 0.1}), "base")
+    with pytest.raises(JaxseqError, match=r"--config_overrides attention_probs_dropout_prob=0"):
+        use_attention(bert_dropping, "splash", interpret=True)
+    t5 = from_config(
+        transformers.T5Config(vocab_size=128, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=4), "seq2seq-lm"
+    )
+    with pytest.raises(JaxseqError, match=r"relative position bias; use --attention xla"):
+        use_attention(t5, "splash", interpret=True)
+    assert use_attention(t5, "auto") == "xla"
+    with pytest.raises(JaxseqError, match=r"unknown attention kernel 'flash'"):
+        use_attention(model, "flash")
+
+
+def test_splash_asked_for_by_name_refuses_lengths_off_its_tiles_and_auto_falls_back(caplog):
+    model = from_config(gpt2(), "causal-lm")
+    ids, mask = batch("padded")
+    want = model(ids[:, :100], mask[:, :100]).logits
+    use_attention(model, "splash", interpret=True)
+    with pytest.raises(JaxseqError, match=r"multiples of 128, got 100; pad --block_size"):
+        model(ids[:, :100], mask[:, :100])
+    # as auto would have chosen it (on a TPU): XLA for this length, said in the log
+    for _, module in nnx.iter_modules(model):
+        if isinstance(getattr(module, "attention", None), AttentionKernel):
+            module.attention = dataclasses.replace(module.attention, required=False)
+    np.testing.assert_array_equal(np.asarray(model(ids[:, :100], mask[:, :100]).logits), np.asarray(want))
+    assert "multiples of 128" in caplog.text and "runs on XLA" in caplog.text
