@@ -18,6 +18,7 @@ from jaxseq.distributed import DistributedConfig, initialize
 from jaxseq.errors import JaxseqError, first_line
 from jaxseq.hub_push import HubConfig, push_run
 from jaxseq.mesh import data_parallel_size, make_mesh
+from jaxseq.models.attention import use_attention
 from jaxseq.models.hub import abstract_model
 from jaxseq.models.layers import enable_remat
 from jaxseq.plan import compile_plan, format_table, model_flops_per_step, refusal, topology, write_plan
@@ -91,6 +92,7 @@ def plan_run(
     mesh = make_mesh(runtime.mesh or None, devices=topo.devices)
     model = abstract_model(config, task, dtype=jax.numpy.dtype(runtime.dtype))
     enable_remat(model, trainer_config.remat)
+    use_attention(model, trainer_config.attention, mesh)
     accumulate = trainer_config.gradient_accumulation_steps
     program = TrainProgram(
         model,

@@ -129,3 +129,39 @@ def test_an_unknown_topology_is_one_line(tmp_path):
     assert result.returncode == 1
     assert result.stderr.strip().splitlines() == [result.stderr.strip()]
     assert "unknown TPU topology 'v9x-8'" in result.stderr
+
+
+NO_DROPOUT = "attn_pdrop=0,resid_pdrop=0,embd_pdrop=0"
+
+
+def test_splash_attention_is_in_the_compiled_plan_and_cuts_temporaries(tmp_path):
+    """GPT-2 (no dropout, 1024 tokens, 8 rows per chip, v5e-8) with ``--attention splash`` and ``xla``: each plan
+    records the kernel found in its compiled program, and splash never stores the [batch, heads, q, kv] scores
+    (measured here: 115 vs 328 MB of temporaries per chip; GPT-2 small: 2.56 vs 6.40 GiB)."""
+    temporaries = {}
+    for kernel in ("splash", "xla"):
+        result, plan_ = plan(
+            "pretrain_clm.py", tmp_path / kernel, "--model_type", "gpt2",
+            "--config_overrides", f"n_layer=2,n_embd=256,n_head=4,vocab_size=1024,{NO_DROPOUT}",
+            "--block_size", 1024, "--per_device_train_batch_size", 8, "--mesh", "dp=8", "--dtype", "bfloat16",
+            "--attention", kernel, "--compile_topology", "v5e-8",
+        )  # fmt: skip
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert plan_["attention_kernel"] == kernel
+        temporaries[kernel] = plan_["bytes_per_device"]["temporaries"]
+    assert temporaries["splash"] <= 0.8 * temporaries["xla"], temporaries
+
+
+def test_bert_plan_chooses_splash_by_itself_and_refuses_what_splash_cannot_do(tmp_path):
+    minilm = shared_asset("models/all-MiniLM-L6-v2")
+    args = ["--model_name_or_path", minilm, "--task_name", "mrpc", "--max_seq_length", 256]
+    args += ["--per_device_train_batch_size", 4, "--compile_topology", "v5e-8"]
+    result, plan_ = plan(
+        "finetune_glue.py", tmp_path / "auto", *args, "--config_overrides", "attention_probs_dropout_prob=0"
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert plan_["attention_kernel"] == "splash"  # auto, on a TPU, for padded bidirectional rows
+    result, plan_ = plan("finetune_glue.py", tmp_path / "dropout", *args, "--attention", "splash")
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 1 and len(lines) == 1, result.stderr[-2000:]
+    assert "--config_overrides attention_probs_dropout_prob=0" in lines[0] and plan_ is None

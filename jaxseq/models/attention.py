@@ -183,7 +183,7 @@ def attend(
     fused = kernel.name != "xla" and bias is None and (rngs is None or dropout_rate == 0.0)
     if fused and kernel.name == "splash" and _splash_fits(q, k, kernel):
         return splash_attention(q, k, v, segments, scale=scale, causal=causal, kernel=kernel)
-    if fused and kernel.name == "cudnn" and (segments is None or not kernel.required):
+    if fused and kernel.name == "cudnn":  # right-padded rows (use_attention refuses packed ones): key lengths
         lengths = None if segments is None else jnp.sum(segments != 0, axis=-1).astype(jnp.int32)
         return jax.nn.dot_product_attention(
             q, k, v, scale=scale, is_causal=causal, key_value_seq_lengths=lengths, implementation="cudnn"
@@ -297,13 +297,16 @@ def splash_attention(q, k, v, segments, *, scale: float, causal: bool, kernel: A
     return jnp.swapaxes(out, 1, 2)
 
 
-def use_attention(model: nnx.Module, choice: str, mesh: Mesh | None = None, *, interpret: bool = False) -> str:
+def use_attention(
+    model: nnx.Module, choice: str, mesh: Mesh | None = None, *, packed: bool = False, interpret: bool = False
+) -> str:
     """Set the attention kernel of every attention layer of ``model`` (``ATTENTION_KERNELS``) for runs on
     ``mesh`` (whose devices say the backend; None: the default backend) and return the kernel chosen.
     ``auto``: splash on TPU, cuDNN on GPU (bfloat16/float16 compute), where every layer can take it (no
     attention dropout, no additive bias as T5's), else XLA, saying why in the log. A kernel named explicitly
-    that cannot apply stops with one line saying why and what to do. ``interpret``: splash anywhere, in
-    Pallas interpret mode (numerics tests on CPU)."""
+    that cannot apply stops with one line saying why and what to do. ``packed``: the batches pack several
+    examples per row (cuDNN cannot keep them apart). ``interpret``: splash anywhere, in Pallas interpret mode
+    (numerics tests on CPU)."""
     if choice not in ATTENTION_KERNELS:
         raise JaxseqError(f"unknown attention kernel {choice!r}; choose one of {', '.join(ATTENTION_KERNELS)}")
     layers = [m for _, m in nnx.iter_modules(model) if isinstance(getattr(m, "attention", None), AttentionKernel)]
@@ -312,6 +315,8 @@ def use_attention(model: nnx.Module, choice: str, mesh: Mesh | None = None, *, i
     if choice == "auto":
         name = {"tpu": "splash", "gpu": "cudnn", "cuda": "cudnn"}.get(platform, "xla")
     why_not = _why_not(name, layers, platform, interpret, model)
+    if name == "cudnn" and packed and not why_not:
+        why_not = "cuDNN attention cannot keep packed examples apart; add --no_pack_sequences or use --attention xla"
     if why_not and choice != "auto":
         raise JaxseqError(why_not)
     if why_not:

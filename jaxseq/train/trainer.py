@@ -22,6 +22,7 @@ from jaxseq import partition
 from jaxseq.config import arg
 from jaxseq.data.rows import Rows
 from jaxseq.errors import Interrupted, JaxseqError
+from jaxseq.models.attention import ATTENTION_KERNELS, use_attention
 from jaxseq.models.layers import REMAT_POLICIES, enable_remat
 from jaxseq.train.checkpoint import Checkpointer
 from jaxseq.train.feeding import Feeder
@@ -52,6 +53,12 @@ class TrainerConfig:
         "more forward per block; a bare --remat), dots (matmul outputs), offload (those in host memory)",
         choices=REMAT_POLICIES,
         const="full",
+    )
+    attention: str = arg(
+        "auto",
+        "attention kernel: auto (splash on TPU, cuDNN on GPU with bfloat16 compute, where the model allows: no "
+        "attention dropout, no position bias as T5's; else XLA), splash, cudnn or xla",
+        choices=ATTENTION_KERNELS,
     )
     seed: int = arg(42, "seed of initialisation, data order and dropout")
     resume_from_checkpoint: str | None = arg(
@@ -143,6 +150,7 @@ class Trainer:
             self.total_steps = max(1, math.ceil(config.num_train_epochs * self.steps_per_epoch))
         self.feed.size_packing(self.total_steps)
         enable_remat(model, config.remat)
+        self.attention = use_attention(model, config.attention, mesh, packed=pack is not None)
         self.program = program = TrainProgram(
             model,
             task,
@@ -176,6 +184,7 @@ class Trainer:
         )
         self._check_resume_source()  # before the logger writes anything into output_dir
         self.logger = logger or RunLogger(self.output_dir, self.total_steps)
+        self.logger.write(f"attention kernel: {self.attention}")
 
     # ------------------------------------------------------------------ loop
 
