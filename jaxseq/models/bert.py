@@ -9,7 +9,7 @@ from jax.sharding import PartitionSpec as P
 from jaxseq.errors import JaxseqError
 from jaxseq.models.attention import AttentionKernel, attend, merge_heads, self_attention_mask, split_heads
 from jaxseq.models.family import Family
-from jaxseq.models.layers import Linear, activation, call_block, dropout, normal, padded_vocab_size
+from jaxseq.models.layers import Linear, activation, call_block, dropout, normal, padded_vocab_size, tied_logits
 from jaxseq.models.outputs import BaseOutput
 
 
@@ -241,6 +241,7 @@ class BertLMPredictionHead(nnx.Module):
                 padded_vocab_size(config.vocab_size),
                 dtype=dtype,
                 param_dtype=param_dtype,
+                preferred_element_type=jnp.float32,
                 kernel_init=normal(config.initializer_range),
                 rngs=rngs,
             )
@@ -267,10 +268,11 @@ class BertForMaskedLM(nnx.Module):
         head = self.cls.predictions
         h = head.transform(h)
         if self.config.tie_word_embeddings:
-            logits = self.bert.embeddings.word_embeddings.attend(h) + head.bias.astype(h.dtype)
+            words = self.bert.embeddings.word_embeddings.embedding[...]
+            logits = tied_logits(h, words, h.dtype) + head.bias[...].astype(jnp.float32)
         else:
             logits = head.decoder(h)
-        return logits[..., : self.config.vocab_size].astype(jnp.float32)
+        return logits[..., : self.config.vocab_size].astype(jnp.float32)  # accumulated in float32
 
 
 FAMILY = Family(

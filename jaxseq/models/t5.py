@@ -34,7 +34,7 @@ from jaxseq.models.attention import (
     update_kv,
 )
 from jaxseq.models.family import Family
-from jaxseq.models.layers import Linear, activation, call_block, dropout, normal, padded_vocab_size
+from jaxseq.models.layers import Linear, activation, call_block, dropout, normal, padded_vocab_size, tied_logits
 from jaxseq.models.outputs import BaseOutput, LMOutput
 
 
@@ -348,7 +348,12 @@ class T5ForConditionalGeneration(nnx.Module):
         self.tied = uses_shared_lm_head(config)
         if not self.tied:
             self.lm_head = Linear(
-                config.d_model, padded_vocab_size(config.vocab_size), use_bias=False, kernel_init=normal(f), **kw
+                config.d_model,
+                padded_vocab_size(config.vocab_size),
+                use_bias=False,
+                kernel_init=normal(f),
+                preferred_element_type=jnp.float32,
+                **kw,
             )
 
     def encode(self, input_ids, attention_mask=None, *, rngs=None):
@@ -379,7 +384,7 @@ class T5ForConditionalGeneration(nnx.Module):
         )
         h = out.last_hidden_state
         if self.tied:
-            logits = self.shared.attend(h * self.config.d_model**-0.5)
+            logits = tied_logits(h * self.config.d_model**-0.5, self.shared.embedding[...], self.dtype)
         else:
             logits = self.lm_head(h)
         return LMOutput(logits[..., : self.config.vocab_size].astype(jnp.float32), out.cache)
