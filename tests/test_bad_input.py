@@ -361,7 +361,10 @@ CASES = {
         "--block_size 2048 exceeds the model's 1024 positions",
     ),
     "dimension not divisible by its mesh axis": Case(
-        "pretrain_clm.py", lambda a, t, o: clm_args(a, o, mesh="mp=2"), 1, "are not divisible by their mesh axes"
+        "pretrain_clm.py",
+        lambda a, t, o: clm_args(a, o, mesh="mp=2", config_overrides="n_layer=2,n_embd=64,n_head=4,n_inner=101"),
+        1,
+        "transformer/h/0/mlp/c_fc/kernel shape (64, 101) spec P('fsdp', 'mp')",
     ),
     "output dir holding another model's checkpoint": Case(
         "pretrain_clm.py",
