@@ -26,31 +26,32 @@ T5_XL = (
     "d_model=2048,d_ff=5120,num_layers=24,num_decoder_layers=24,num_heads=32,d_kv=64,"
     "feed_forward_proj=gated-gelu,tie_word_embeddings=false"
 )
-# name -> (script, flags): AdamW, float32 master weights and optimizer state, bf16 compute, full remat
-ROWS = {
-    "gptj-6b/v5e-8": ("pretrain_clm.py", ["--model_type", "gptj", "--block_size", 2048, "--mesh", "fsdp=8"]),
-    "gptj-6b/v5e-4": ("pretrain_clm.py", ["--model_type", "gptj", "--block_size", 2048, "--mesh", "fsdp=4"]),
-    "gptj-6b/v4-8": ("pretrain_clm.py", ["--model_type", "gptj", "--block_size", 2048, "--mesh", "fsdp=4"]),
-    "gpt2-xl/v5e-8": ("pretrain_clm.py", ["--model_type", "gpt2", "--config_overrides", GPT2_XL, "--mesh", "fsdp=8"]),
-    "bert-large/v5e-8": (
-        "finetune_glue.py",
-        ["--model_type", "bert", "--config_overrides", BERT_LARGE, "--max_seq_length", 512, "--mesh", "fsdp=8"],
-    ),
-    "t5-v1_1-xl/v5e-8": (
+# model -> (script, flags): AdamW, float32 master weights and optimizer state, bf16 compute, full remat
+MODELS = {
+    "gptj-6b": ("pretrain_clm.py", ["--model_type", "gptj", "--block_size", 2048]),
+    "gpt2-xl": ("pretrain_clm.py", ["--model_type", "gpt2", "--config_overrides", GPT2_XL, "--block_size", 1024]),
+    "t5-v1_1-xl": (
         "finetune_seq2seq.py",
-        [
-            "--model_type",
-            "t5",
-            "--config_overrides",
-            T5_XL,
-            "--max_source_length",
-            512,
-            "--max_target_length",
-            128,
-            "--mesh",
-            "fsdp=8",
-        ],
+        ["--model_type", "t5", "--config_overrides", T5_XL, "--max_source_length", 512, "--max_target_length", 128],
     ),
+    "bert-large": (
+        "finetune_glue.py",
+        ["--model_type", "bert", "--config_overrides", BERT_LARGE, "--max_seq_length", 512, "--task_name", "mrpc"],
+    ),
+}
+# Cloud TPU slice -> mesh: every chip one fsdp shard (a v4-8 is 4 chips of 32 GiB). Each model has a v5e-8 and a
+# v4-8 row, and the v5e slices that bracket its smallest fit (Cloud has no v5e-2: v5e-1, v5e-4, v5e-8, ...).
+MESH = {"v5e-1": "fsdp=1", "v5e-4": "fsdp=4", "v5e-8": "fsdp=8", "v4-8": "fsdp=4"}
+SLICES = {
+    "gptj-6b": ["v5e-8", "v5e-4", "v4-8"],
+    "gpt2-xl": ["v5e-8", "v5e-4", "v5e-1", "v4-8"],
+    "t5-v1_1-xl": ["v5e-8", "v5e-4", "v5e-1", "v4-8"],
+    "bert-large": ["v5e-8", "v5e-1", "v4-8"],
+}
+ROWS = {  # name -> (script, flags)
+    f"{model}/{slice_}": (script, [*flags, "--mesh", MESH[slice_]])
+    for model, (script, flags) in MODELS.items()
+    for slice_ in SLICES[model]
 }
 BATCH = {"gptj-6b": 1, "gpt2-xl": 4, "bert-large": 8, "t5-v1_1-xl": 2}
 
@@ -62,8 +63,6 @@ def run(name: str, script: str, flags: list) -> dict:
         batch = ["--per_device_train_batch_size", str(BATCH[model])]
         cmd = [sys.executable, str(ROOT / "scripts" / script), *map(str, flags), *COMMON, *batch]
         cmd += ["--compile_topology", topology, "--output_dir", out]
-        if script == "finetune_glue.py":
-            cmd += ["--task_name", "mrpc"]
         result = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
         plan_path = Path(out) / "plan.json"
         plan = json.loads(plan_path.read_text()) if plan_path.is_file() else None
