@@ -4,6 +4,7 @@ program, not a measurement), the attention kernel found in the program. Writes b
 
     python bench/plans.py                       # every row (each compile takes minutes on a laptop CPU)
     python bench/plans.py --only gptj-6b        # rows whose name starts with this
+    python bench/plans.py --markdown            # BENCHMARKS.md's table from plans.json (between its markers)
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import datetime
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 import tempfile
@@ -71,12 +73,101 @@ def run(name: str, script: str, flags: list) -> dict:
             "message": result.stderr.strip().splitlines()[-1] if result.returncode else None, "plan": plan}  # fmt: skip
 
 
+NAMES = {"gptj-6b": "GPT-J-6B", "gpt2-xl": "GPT-2 XL", "t5-v1_1-xl": "T5-v1.1-XL", "bert-large": "BERT-large"}
+BEGIN, END = "<!-- plans.py --markdown: begin -->", "<!-- plans.py --markdown: end -->"
+GiB = 2**30
+
+
+def _flag(command: str, name: str) -> str | None:
+    found = re.search(rf"--{name} (\S+)", command)
+    return found.group(1) if found else None
+
+
+def _tokens(command: str) -> str:
+    """``rows x length`` per chip from the recorded command (seq2seq: source + target)."""
+    rows = _flag(command, "per_device_train_batch_size")
+    source, target = _flag(command, "max_source_length"), _flag(command, "max_target_length")
+    length = f"({source} + {target})" if source else _flag(command, "block_size") or _flag(command, "max_seq_length")
+    return f"{rows} x {length}"
+
+
+def _gib(n: float) -> str:
+    return f"{n / GiB:.2f} GiB"
+
+
+def _cells(row: dict) -> list[str]:
+    model, slice_ = row["name"].split("/")
+    plan = row["plan"]
+    head = [f"{NAMES.get(model, model)}, {_tokens(row['command'])}"]
+    if plan is None:  # failed before a plan was written: the error's line
+        return [*head, f"{slice_}, -", "-", "-", "-", "-", f"**failed**: {row['message']}", "-", "-", "-"]
+    mesh = ",".join(f"{axis}={n}" for axis, n in plan["mesh"].items() if n > 1) or "one chip"
+    memory, hbm = plan["bytes_per_device"], plan["hbm_bytes_per_device"]
+    verdict = "fits" if plan["fits"] else "refused"
+    step, mfu = plan["estimated_step_seconds"], plan["estimated_mfu"]
+    return [
+        *head,
+        f"{plan['accelerator']}, {mesh}",
+        _gib(memory["parameters"]),
+        _gib(memory["optimizer_state"]),
+        _gib(memory["temporaries"]),
+        f"**{memory['total'] / GiB:.2f} / {hbm / GiB:.2f} GiB: {verdict}**",
+        f"{step * 1e3:.0f} ms" if step else "-",
+        f"{mfu:.0%}" if mfu else "-",
+        plan["attention_kernel"] or "-",
+    ]
+
+
+def _smallest(model: str, rows: list[dict]) -> str:
+    """The smallest v5e slice of ``rows`` that fits, and what the next smaller one planned needs."""
+    plans = sorted((r["plan"] for r in rows if r["plan"] and r["name"].startswith(f"{model}/v5e-")), key=_chips)
+    fits = [plan for plan in plans if plan["fits"]]
+    if not fits:
+        return f"- {NAMES.get(model, model)}: no planned v5e slice fits."
+    best, below = fits[0], [plan for plan in plans if _chips(plan) < _chips(fits[0])]
+    line = f"- {NAMES.get(model, model)}: **{best['accelerator']}**, {_gib(best['bytes_per_device']['total'])} per chip"
+    if below:
+        refused = below[-1]
+        need, usable = refused["bytes_per_device"]["total"] / GiB, refused["hbm_bytes_per_device"] / GiB
+        return line + f"; {refused['accelerator']} needs {need:.2f} of {usable:.2f} GiB"
+    return line + ("" if _chips(best) == 1 else "; no smaller slice planned")
+
+
+def _chips(plan: dict) -> int:
+    return plan["devices"]
+
+
+def markdown(results: dict) -> str:
+    """The table of BENCHMARKS.md's "Will it fit?", one row per plan, then each model's smallest v5e slice."""
+    columns = ["model, tokens per chip", "slice, mesh", "params", "opt. state", "temporaries",
+               "total / usable HBM", "est. step", "est. MFU", "attention"]  # fmt: skip
+    lines = [f"Plans of {results['date']} ({results['settings']}):", "", "| " + " | ".join(columns) + " |"]
+    lines.append("|" + "---|" * len(columns))
+    lines += ["| " + " | ".join(_cells(row)) + " |" for row in results["rows"]]
+    lines += ["", "Smallest v5e slice that fits (Cloud TPU has no v5e-2; the smallest v4 slice is v4-8):", ""]
+    models = dict.fromkeys(row["name"].split("/")[0] for row in results["rows"])
+    lines += [_smallest(model, results["rows"]) for model in models]
+    return "\n".join(lines)
+
+
+def write_markdown(results: dict, path: Path) -> None:
+    """Replace what lies between the markers in ``path`` with ``markdown(results)``."""
+    text = path.read_text()
+    start, end = text.index(BEGIN) + len(BEGIN), text.index(END)
+    path.write_text(text[:start] + "\n" + markdown(results) + "\n" + text[end:])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--only", default="", help="run only the rows whose name starts with this")
     parser.add_argument("--output", default=str(ROOT / "bench" / "results" / "plans.json"))
+    parser.add_argument("--markdown", action="store_true", help="compile nothing: write BENCHMARKS.md's table")
     args = parser.parse_args()
     path = Path(args.output)
+    if args.markdown:
+        write_markdown(json.loads(path.read_text()), ROOT / "BENCHMARKS.md")
+        print(markdown(json.loads(path.read_text())))
+        return
     previous = json.loads(path.read_text())["rows"] if path.is_file() else []
     rows = {row["name"]: row for row in previous}
     for name, (script, flags) in ROWS.items():
