@@ -134,7 +134,7 @@ def plan_run(
     write_plan(output_dir / "plan.json", result)
     print(format_table(result))
     if not result["fits"]:
-        raise JaxseqError(refusal(result))
+        raise JaxseqError(refusal(result, remat=trainer_config.remat))
     return result
 
 

@@ -438,5 +438,6 @@ def test_derived_suggestions():
     memory = {"parameters": GiB, "optimizer_state": 2 * GiB, "batch": GiB, "temporaries": 20 * GiB, "total": 24 * GiB}
     activation_bound = fake_plan(bytes_per_device=memory)
     assert planlib.refusal(activation_bound).endswith("try: --remat full, a smaller batch, a bigger topology (v5e-16)")
+    assert planlib.refusal(activation_bound, remat="full").endswith("try: a smaller batch, a bigger topology (v5e-16)")
     no_optimizer = {**memory, "parameters": 22 * GiB, "optimizer_state": 0, "temporaries": GiB}
     assert planlib._suggestions(fake_plan(bytes_per_device=no_optimizer)) == ["LoRA", "a bigger topology (v5e-16)"]
