@@ -23,6 +23,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 COMMON = ["--dtype", "bfloat16", "--remat", "full"]
 GPT2_XL = "n_layer=48,n_embd=1600,n_head=25"
+# Pretraining without dropout (as GPT-J's config has it): with GPT-2's default 0.1 the step needs about 13 GiB
+# more temporaries per chip on v5e-8, whatever the depth (the gpt2-xl-dropout row; see BENCHMARKS.md)
+NO_DROPOUT = ",attn_pdrop=0,resid_pdrop=0,embd_pdrop=0"
 BERT_LARGE = "hidden_size=1024,num_hidden_layers=24,num_attention_heads=16,intermediate_size=4096"
 T5_XL = (
     "d_model=2048,d_ff=5120,num_layers=24,num_decoder_layers=24,num_heads=32,d_kv=64,"
@@ -31,7 +34,14 @@ T5_XL = (
 # model -> (script, flags): AdamW, float32 master weights and optimizer state, bf16 compute, full remat
 MODELS = {
     "gptj-6b": ("pretrain_clm.py", ["--model_type", "gptj", "--block_size", 2048]),
-    "gpt2-xl": ("pretrain_clm.py", ["--model_type", "gpt2", "--config_overrides", GPT2_XL, "--block_size", 1024]),
+    "gpt2-xl": (
+        "pretrain_clm.py",
+        ["--model_type", "gpt2", "--config_overrides", GPT2_XL + NO_DROPOUT, "--block_size", 1024],
+    ),
+    "gpt2-xl-dropout": (
+        "pretrain_clm.py",
+        ["--model_type", "gpt2", "--config_overrides", GPT2_XL, "--block_size", 1024],
+    ),
     "t5-v1_1-xl": (
         "finetune_seq2seq.py",
         ["--model_type", "t5", "--config_overrides", T5_XL, "--max_source_length", 512, "--max_target_length", 128],
@@ -47,6 +57,7 @@ MESH = {"v5e-1": "fsdp=1", "v5e-4": "fsdp=4", "v5e-8": "fsdp=8", "v4-8": "fsdp=4
 SLICES = {
     "gptj-6b": ["v5e-8", "v5e-4", "v4-8"],
     "gpt2-xl": ["v5e-8", "v5e-4", "v5e-1", "v4-8"],
+    "gpt2-xl-dropout": ["v5e-8"],
     "t5-v1_1-xl": ["v5e-8", "v5e-4", "v5e-1", "v4-8"],
     "bert-large": ["v5e-8", "v5e-1", "v4-8"],
 }
@@ -55,7 +66,7 @@ ROWS = {  # name -> (script, flags)
     for model, (script, flags) in MODELS.items()
     for slice_ in SLICES[model]
 }
-BATCH = {"gptj-6b": 1, "gpt2-xl": 4, "bert-large": 8, "t5-v1_1-xl": 2}
+BATCH = {"gptj-6b": 1, "gpt2-xl": 4, "gpt2-xl-dropout": 4, "bert-large": 8, "t5-v1_1-xl": 2}
 
 
 def run(name: str, script: str, flags: list) -> dict:
@@ -73,7 +84,13 @@ def run(name: str, script: str, flags: list) -> dict:
             "message": result.stderr.strip().splitlines()[-1] if result.returncode else None, "plan": plan}  # fmt: skip
 
 
-NAMES = {"gptj-6b": "GPT-J-6B", "gpt2-xl": "GPT-2 XL", "t5-v1_1-xl": "T5-v1.1-XL", "bert-large": "BERT-large"}
+NAMES = {
+    "gptj-6b": "GPT-J-6B",
+    "gpt2-xl": "GPT-2 XL",
+    "gpt2-xl-dropout": "GPT-2 XL, dropout 0.1",
+    "t5-v1_1-xl": "T5-v1.1-XL",
+    "bert-large": "BERT-large",
+}
 BEGIN, END = "<!-- plans.py --markdown: begin -->", "<!-- plans.py --markdown: end -->"
 GiB = 2**30
 
@@ -123,7 +140,8 @@ def _smallest(model: str, rows: list[dict]) -> str:
     plans = sorted((r["plan"] for r in rows if r["plan"] and r["name"].startswith(f"{model}/v5e-")), key=_chips)
     fits = [plan for plan in plans if plan["fits"]]
     if not fits:
-        return f"- {NAMES.get(model, model)}: no planned v5e slice fits."
+        planned = ", ".join(plan["accelerator"] for plan in plans)
+        return f"- {NAMES.get(model, model)}: none of the v5e slices planned ({planned})"
     best, below = fits[0], [plan for plan in plans if _chips(plan) < _chips(fits[0])]
     line = f"- {NAMES.get(model, model)}: **{best['accelerator']}**, {_gib(best['bytes_per_device']['total'])} per chip"
     if below:
