@@ -839,4 +839,5 @@ def _suggestions(plan: dict, remat: str | None = None) -> list[str]:
     else:
         tips = (["--remat full"] if remat != "full" else []) + ["a smaller batch", *shard]
     generation, _, count = plan["accelerator"].partition("-")
-    return [*tips, f"a bigger topology ({generation}-{int(count) * 2})"][:3]
+    bigger = int(count) * 2 if int(count) > 1 else 4  # Cloud TPU has no two-chip slice (no v5e-2)
+    return [*tips, f"a bigger topology ({generation}-{bigger})"][:3]
