@@ -81,7 +81,16 @@ def run(name: str, script: str, flags: list) -> dict:
         plan = json.loads(plan_path.read_text()) if plan_path.is_file() else None
     print(f"== {name}\n{result.stdout.strip()}\n{result.stderr.strip()}", flush=True)
     return {"name": name, "command": " ".join(cmd[1:]).replace(out, "OUT"), "exit_code": result.returncode,
-            "message": result.stderr.strip().splitlines()[-1] if result.returncode else None, "plan": plan}  # fmt: skip
+            "message": _failure(result) if result.returncode else None, "plan": plan}  # fmt: skip
+
+
+def _failure(result: subprocess.CompletedProcess) -> str:
+    """The last line of stderr; for a compiler that crashed (a signal), its crash line and where it was."""
+    lines = result.stderr.strip().splitlines() or [""]
+    if result.returncode >= 0:
+        return lines[-1]
+    crash = [line.strip() for line in lines if line.startswith("***") or line.strip().startswith("PC:")]
+    return re.sub(r"\s+", " ", f"crashed (signal {-result.returncode}): " + " ".join(crash[:2]))
 
 
 NAMES = {
