@@ -126,7 +126,8 @@ def _cells(row: dict) -> list[str]:
     plan = row["plan"]
     head = [f"{NAMES.get(model, model)}, {_tokens(row['command'])}"]
     if plan is None:  # failed before a plan was written: the error's line
-        return [*head, f"{slice_}, -", "-", "-", "-", "-", f"**failed**: {row['message']}", "-", "-", "-"]
+        message = re.sub(r"\*\*\*.*\*\*\* PC: @ \S+ \(unknown\)", "in", row["message"] or "")  # a crash: where
+        return [*head, f"{slice_}, -", "-", "-", "-", "-", f"**failed**: {message}", "-", "-", "-"]
     mesh = ",".join(f"{axis}={n}" for axis, n in plan["mesh"].items() if n > 1) or "one chip"
     memory, hbm = plan["bytes_per_device"], plan["hbm_bytes_per_device"]
     verdict = "fits" if plan["fits"] else "refused"
@@ -150,7 +151,7 @@ def _smallest(model: str, rows: list[dict]) -> str:
     fits = [plan for plan in plans if plan["fits"]]
     if not fits:
         planned = ", ".join(plan["accelerator"] for plan in plans)
-        return f"- {NAMES.get(model, model)}: none of the v5e slices planned ({planned})"
+        return f"- {NAMES.get(model, model)}: fits none of the v5e slices planned ({planned})"
     best, below = fits[0], [plan for plan in plans if _chips(plan) < _chips(fits[0])]
     line = f"- {NAMES.get(model, model)}: **{best['accelerator']}**, {_gib(best['bytes_per_device']['total'])} per chip"
     if below:
