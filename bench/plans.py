@@ -4,6 +4,7 @@ program, not a measurement), the attention kernel found in the program. Writes b
 
     python bench/plans.py                       # every row (each compile takes minutes on a laptop CPU)
     python bench/plans.py --only gptj-6b        # rows whose name starts with this
+    python bench/plans.py --markdown            # BENCHMARKS.md's table from plans.json (between its markers)
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import datetime
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 import tempfile
@@ -21,38 +23,50 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 COMMON = ["--dtype", "bfloat16", "--remat", "full"]
 GPT2_XL = "n_layer=48,n_embd=1600,n_head=25"
+# Pretraining without dropout (as GPT-J's config has it): with GPT-2's default 0.1 the step needs about 13 GiB
+# more temporaries per chip on v5e-8, whatever the depth (the gpt2-xl-dropout row; see BENCHMARKS.md)
+NO_DROPOUT = ",attn_pdrop=0,resid_pdrop=0,embd_pdrop=0"
 BERT_LARGE = "hidden_size=1024,num_hidden_layers=24,num_attention_heads=16,intermediate_size=4096"
 T5_XL = (
     "d_model=2048,d_ff=5120,num_layers=24,num_decoder_layers=24,num_heads=32,d_kv=64,"
     "feed_forward_proj=gated-gelu,tie_word_embeddings=false"
 )
-# name -> (script, flags): AdamW, float32 master weights and optimizer state, bf16 compute, full remat
-ROWS = {
-    "gptj-6b/v5e-8": ("pretrain_clm.py", ["--model_type", "gptj", "--block_size", 2048, "--mesh", "fsdp=8"]),
-    "gptj-6b/v5e-4": ("pretrain_clm.py", ["--model_type", "gptj", "--block_size", 2048, "--mesh", "fsdp=4"]),
-    "gptj-6b/v4-8": ("pretrain_clm.py", ["--model_type", "gptj", "--block_size", 2048, "--mesh", "fsdp=4"]),
-    "gpt2-xl/v5e-8": ("pretrain_clm.py", ["--model_type", "gpt2", "--config_overrides", GPT2_XL, "--mesh", "fsdp=8"]),
-    "bert-large/v5e-8": (
-        "finetune_glue.py",
-        ["--model_type", "bert", "--config_overrides", BERT_LARGE, "--max_seq_length", 512, "--mesh", "fsdp=8"],
+# model -> (script, flags): AdamW, float32 master weights and optimizer state, bf16 compute, full remat
+MODELS = {
+    "gptj-6b": ("pretrain_clm.py", ["--model_type", "gptj", "--block_size", 2048]),
+    "gpt2-xl": (
+        "pretrain_clm.py",
+        ["--model_type", "gpt2", "--config_overrides", GPT2_XL + NO_DROPOUT, "--block_size", 1024],
     ),
-    "t5-v1_1-xl/v5e-8": (
+    "gpt2-xl-dropout": (
+        "pretrain_clm.py",
+        ["--model_type", "gpt2", "--config_overrides", GPT2_XL, "--block_size", 1024],
+    ),
+    "t5-v1_1-xl": (
         "finetune_seq2seq.py",
-        [
-            "--model_type",
-            "t5",
-            "--config_overrides",
-            T5_XL,
-            "--max_source_length",
-            512,
-            "--max_target_length",
-            128,
-            "--mesh",
-            "fsdp=8",
-        ],
+        ["--model_type", "t5", "--config_overrides", T5_XL, "--max_source_length", 512, "--max_target_length", 128],
+    ),
+    "bert-large": (
+        "finetune_glue.py",
+        ["--model_type", "bert", "--config_overrides", BERT_LARGE, "--max_seq_length", 512, "--task_name", "mrpc"],
     ),
 }
-BATCH = {"gptj-6b": 1, "gpt2-xl": 4, "bert-large": 8, "t5-v1_1-xl": 2}
+# Cloud TPU slice -> mesh: every chip one fsdp shard (a v4-8 is 4 chips of 32 GiB). Each model has a v5e-8 and a
+# v4-8 row, and the v5e slices that bracket its smallest fit (Cloud has no v5e-2: v5e-1, v5e-4, v5e-8, ...).
+MESH = {"v5e-1": "fsdp=1", "v5e-4": "fsdp=4", "v5e-8": "fsdp=8", "v4-8": "fsdp=4"}
+SLICES = {
+    "gptj-6b": ["v5e-8", "v5e-4", "v4-8"],
+    "gpt2-xl": ["v5e-8", "v5e-4", "v5e-1", "v4-8"],
+    "gpt2-xl-dropout": ["v5e-8"],
+    "t5-v1_1-xl": ["v5e-8", "v5e-4", "v5e-1", "v4-8"],
+    "bert-large": ["v5e-8", "v5e-1", "v4-8"],
+}
+ROWS = {  # name -> (script, flags)
+    f"{model}/{slice_}": (script, [*flags, "--mesh", MESH[slice_]])
+    for model, (script, flags) in MODELS.items()
+    for slice_ in SLICES[model]
+}
+BATCH = {"gptj-6b": 1, "gpt2-xl": 4, "gpt2-xl-dropout": 4, "bert-large": 8, "t5-v1_1-xl": 2}
 
 
 def run(name: str, script: str, flags: list) -> dict:
@@ -62,22 +76,126 @@ def run(name: str, script: str, flags: list) -> dict:
         batch = ["--per_device_train_batch_size", str(BATCH[model])]
         cmd = [sys.executable, str(ROOT / "scripts" / script), *map(str, flags), *COMMON, *batch]
         cmd += ["--compile_topology", topology, "--output_dir", out]
-        if script == "finetune_glue.py":
-            cmd += ["--task_name", "mrpc"]
         result = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
         plan_path = Path(out) / "plan.json"
         plan = json.loads(plan_path.read_text()) if plan_path.is_file() else None
     print(f"== {name}\n{result.stdout.strip()}\n{result.stderr.strip()}", flush=True)
     return {"name": name, "command": " ".join(cmd[1:]).replace(out, "OUT"), "exit_code": result.returncode,
-            "message": result.stderr.strip().splitlines()[-1] if result.returncode else None, "plan": plan}  # fmt: skip
+            "message": _failure(result) if result.returncode else None, "plan": plan}  # fmt: skip
+
+
+def _failure(result: subprocess.CompletedProcess) -> str:
+    """The last line of stderr; for a compiler that crashed (a signal), its crash line and where it was."""
+    lines = result.stderr.strip().splitlines() or [""]
+    if result.returncode >= 0:
+        return lines[-1]
+    crash = [line.strip() for line in lines if line.startswith("***") or line.strip().startswith("PC:")]
+    return re.sub(r"\s+", " ", f"crashed (signal {-result.returncode}): " + " ".join(crash[:2]))
+
+
+NAMES = {
+    "gptj-6b": "GPT-J-6B",
+    "gpt2-xl": "GPT-2 XL",
+    "gpt2-xl-dropout": "GPT-2 XL, dropout 0.1",
+    "t5-v1_1-xl": "T5-v1.1-XL",
+    "bert-large": "BERT-large",
+}
+BEGIN, END = "<!-- plans.py --markdown: begin -->", "<!-- plans.py --markdown: end -->"
+GiB = 2**30
+
+
+def _flag(command: str, name: str) -> str | None:
+    found = re.search(rf"--{name} (\S+)", command)
+    return found.group(1) if found else None
+
+
+def _tokens(command: str) -> str:
+    """``rows x length`` per chip from the recorded command (seq2seq: source + target)."""
+    rows = _flag(command, "per_device_train_batch_size")
+    source, target = _flag(command, "max_source_length"), _flag(command, "max_target_length")
+    length = f"({source} + {target})" if source else _flag(command, "block_size") or _flag(command, "max_seq_length")
+    return f"{rows} x {length}"
+
+
+def _gib(n: float) -> str:
+    return f"{n / GiB:.2f} GiB"
+
+
+def _cells(row: dict) -> list[str]:
+    model, slice_ = row["name"].split("/")
+    plan = row["plan"]
+    head = [f"{NAMES.get(model, model)}, {_tokens(row['command'])}"]
+    if plan is None:  # failed before a plan was written: the error's line
+        message = re.sub(r"\*\*\*.*\*\*\* PC: @ \S+ \(unknown\)", "in", row["message"] or "")  # a crash: where
+        return [*head, f"{slice_}, -", "-", "-", "-", "-", f"**failed**: {message}", "-", "-", "-"]
+    mesh = ",".join(f"{axis}={n}" for axis, n in plan["mesh"].items() if n > 1) or "one chip"
+    memory, hbm = plan["bytes_per_device"], plan["hbm_bytes_per_device"]
+    verdict = "fits" if plan["fits"] else "refused"
+    step, mfu = plan["estimated_step_seconds"], plan["estimated_mfu"]
+    return [
+        *head,
+        f"{plan['accelerator']}, {mesh}",
+        _gib(memory["parameters"]),
+        _gib(memory["optimizer_state"]),
+        _gib(memory["temporaries"]),
+        f"**{memory['total'] / GiB:.2f} / {hbm / GiB:.2f} GiB: {verdict}**",
+        f"{step * 1e3:.0f} ms" if step else "-",
+        f"{mfu:.0%}" if mfu else "-",
+        plan["attention_kernel"] or "-",
+    ]
+
+
+def _smallest(model: str, rows: list[dict]) -> str:
+    """The smallest v5e slice of ``rows`` that fits, and what the next smaller one planned needs."""
+    plans = sorted((r["plan"] for r in rows if r["plan"] and r["name"].startswith(f"{model}/v5e-")), key=_chips)
+    fits = [plan for plan in plans if plan["fits"]]
+    if not fits:
+        planned = ", ".join(plan["accelerator"] for plan in plans)
+        return f"- {NAMES.get(model, model)}: fits none of the v5e slices planned ({planned})"
+    best, below = fits[0], [plan for plan in plans if _chips(plan) < _chips(fits[0])]
+    line = f"- {NAMES.get(model, model)}: **{best['accelerator']}**, {_gib(best['bytes_per_device']['total'])} per chip"
+    if below:
+        refused = below[-1]
+        need, usable = refused["bytes_per_device"]["total"] / GiB, refused["hbm_bytes_per_device"] / GiB
+        return line + f"; {refused['accelerator']} needs {need:.2f} of {usable:.2f} GiB"
+    return line + ("" if _chips(best) == 1 else "; no smaller slice planned")
+
+
+def _chips(plan: dict) -> int:
+    return plan["devices"]
+
+
+def markdown(results: dict) -> str:
+    """The table of BENCHMARKS.md's "Will it fit?", one row per plan, then each model's smallest v5e slice."""
+    columns = ["model, tokens per chip", "slice, mesh", "params", "opt. state", "temporaries",
+               "total / usable HBM", "est. step", "est. MFU", "attention"]  # fmt: skip
+    lines = [f"Plans of {results['date']} ({results['settings']}):", "", "| " + " | ".join(columns) + " |"]
+    lines.append("|" + "---|" * len(columns))
+    lines += ["| " + " | ".join(_cells(row)) + " |" for row in results["rows"]]
+    lines += ["", "Smallest v5e slice that fits (Cloud TPU has no v5e-2; the smallest v4 slice is v4-8):", ""]
+    models = dict.fromkeys(row["name"].split("/")[0] for row in results["rows"])
+    lines += [_smallest(model, results["rows"]) for model in models]
+    return "\n".join(lines)
+
+
+def write_markdown(results: dict, path: Path) -> None:
+    """Replace what lies between the markers in ``path`` with ``markdown(results)``."""
+    text = path.read_text()
+    start, end = text.index(BEGIN) + len(BEGIN), text.index(END)
+    path.write_text(text[:start] + "\n" + markdown(results) + "\n" + text[end:])
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--only", default="", help="run only the rows whose name starts with this")
     parser.add_argument("--output", default=str(ROOT / "bench" / "results" / "plans.json"))
+    parser.add_argument("--markdown", action="store_true", help="compile nothing: write BENCHMARKS.md's table")
     args = parser.parse_args()
     path = Path(args.output)
+    if args.markdown:
+        write_markdown(json.loads(path.read_text()), ROOT / "BENCHMARKS.md")
+        print(markdown(json.loads(path.read_text())))
+        return
     previous = json.loads(path.read_text())["rows"] if path.is_file() else []
     rows = {row["name"]: row for row in previous}
     for name, (script, flags) in ROWS.items():

@@ -25,7 +25,7 @@ from jaxseq.plan import compile_plan, format_table, model_flops_per_step, refusa
 from jaxseq.train.feeding import abstract_batch
 from jaxseq.train.results import export_model, write_results
 from jaxseq.train.step import TrainProgram
-from jaxseq.train.throughput import matmul_parameters
+from jaxseq.train.throughput import matmul_parameters, seq2seq_model_flops
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -82,11 +82,13 @@ def plan_run(
     row: dict,
     seq_len: int,
     causal: bool,
+    target_len: int = 0,
 ) -> dict:
     """Compile the train step a run would use (its mesh, optimizer, dtype, remat, LoRA, accumulation) for
     ``plan.compile_topology`` with abstract weights of ``config``, print the plan and write
     ``output_dir/plan.json``. ``row``: name -> (shape of one example, dtype) of a training batch. A plan that
-    does not fit ends in one line (a JaxseqError) naming what is needed, of how much, and what to change."""
+    does not fit ends in one line (a JaxseqError) naming what is needed, of how much, and what to change.
+    ``target_len``: an encoder-decoder's target tokens (``seq_len`` is then the source's)."""
     jax.config.update("jax_platforms", "cpu")  # compiling for the slice needs no accelerator of this machine
     topo = topology(plan.compile_topology)
     mesh = make_mesh(runtime.mesh or None, devices=topo.devices)
@@ -108,14 +110,17 @@ def plan_run(
     )
     rows = trainer_config.per_device_train_batch_size * data_parallel_size(mesh)
     batch = abstract_batch(mesh, rows, row, accumulate)
-    flops = model_flops_per_step(
-        matmul_parameters(model),
-        rows * accumulate * seq_len,
-        layers=config.num_hidden_layers,
-        attention_width=config.hidden_size,
-        seq_len=seq_len,
-        causal=causal,
-    )
+    if target_len:
+        flops = seq2seq_model_flops(model, rows * accumulate, seq_len, target_len)
+    else:
+        flops = model_flops_per_step(
+            matmul_parameters(model),
+            rows * accumulate * seq_len,
+            layers=config.num_hidden_layers,
+            attention_width=config.hidden_size,
+            seq_len=seq_len,
+            causal=causal,
+        )
     lowered = program.step.lower(program.abstract_state, program.abstract_frozen, batch)
     state = program.abstract_state
     result = compile_plan(
@@ -131,7 +136,7 @@ def plan_run(
     write_plan(output_dir / "plan.json", result)
     print(format_table(result))
     if not result["fits"]:
-        raise JaxseqError(refusal(result))
+        raise JaxseqError(refusal(result, remat=trainer_config.remat))
     return result
 
 

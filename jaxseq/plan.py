@@ -818,16 +818,17 @@ def write_plan(path, plan: dict) -> None:
     atomic_write(path, json.dumps(plan, indent=2) + "\n")
 
 
-def refusal(plan: dict, suggestions: list[str] | None = None) -> str:
-    """One line: ``needs 21.30 GiB per chip of 15.75 GiB on v5e-8; try: ...`` (up to 3 suggestions)."""
+def refusal(plan: dict, suggestions: list[str] | None = None, *, remat: str | None = None) -> str:
+    """One line: ``needs 21.30 GiB per chip of 15.75 GiB on v5e-8; try: ...`` (up to 3 suggestions; ``remat``:
+    the run's policy, so that a run already at ``full`` is not told to use it)."""
     memory, hbm = plan["bytes_per_device"], plan["hbm_bytes_per_device"]
     unit = "core" if plan["accelerator"].startswith("v3") else "chip"
-    tips = list(suggestions) if suggestions is not None else _suggestions(plan)
+    tips = list(suggestions) if suggestions is not None else _suggestions(plan, remat)
     line = f"needs {memory['total'] / GiB:.2f} GiB per {unit} of {hbm / GiB:.2f} GiB on {plan['accelerator']}"
     return line + (f"; try: {', '.join(tips[:3])}" if tips else "")
 
 
-def _suggestions(plan: dict) -> list[str]:
+def _suggestions(plan: dict, remat: str | None = None) -> list[str]:
     """What to change, led by what takes the memory: the training state (weights + optimizer) or activations."""
     memory, mesh = plan["bytes_per_device"], plan["mesh"]
     state = memory["parameters"] + memory["optimizer_state"]
@@ -836,6 +837,7 @@ def _suggestions(plan: dict) -> list[str]:
     if state > memory["temporaries"]:
         tips = shard + ["LoRA"] + (["Adafactor"] if memory["optimizer_state"] > memory["parameters"] else [])
     else:
-        tips = ["--remat full", "a smaller batch", *shard]
+        tips = (["--remat full"] if remat != "full" else []) + ["a smaller batch", *shard]
     generation, _, count = plan["accelerator"].partition("-")
-    return [*tips, f"a bigger topology ({generation}-{int(count) * 2})"][:3]
+    bigger = int(count) * 2 if int(count) > 1 else 4  # Cloud TPU has no two-chip slice (no v5e-2)
+    return [*tips, f"a bigger topology ({generation}-{bigger})"][:3]

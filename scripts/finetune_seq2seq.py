@@ -107,6 +107,7 @@ def main(argv) -> int:
             },
             seq_len=data.max_source_length,
             causal=False,
+            target_len=data.max_target_length,
         )
         return 0
     train_pairs, eval_pairs = load_data(data)

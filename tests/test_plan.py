@@ -438,5 +438,10 @@ def test_derived_suggestions():
     memory = {"parameters": GiB, "optimizer_state": 2 * GiB, "batch": GiB, "temporaries": 20 * GiB, "total": 24 * GiB}
     activation_bound = fake_plan(bytes_per_device=memory)
     assert planlib.refusal(activation_bound).endswith("try: --remat full, a smaller batch, a bigger topology (v5e-16)")
+    assert planlib.refusal(activation_bound, remat="full").endswith("try: a smaller batch, a bigger topology (v5e-16)")
     no_optimizer = {**memory, "parameters": 22 * GiB, "optimizer_state": 0, "temporaries": GiB}
     assert planlib._suggestions(fake_plan(bytes_per_device=no_optimizer)) == ["LoRA", "a bigger topology (v5e-16)"]
+    one_chip = fake_plan(
+        accelerator="v5e-1", devices=1, mesh={"dp": 1, "fsdp": 1, "mp": 1}, bytes_per_device=no_optimizer
+    )
+    assert planlib._suggestions(one_chip) == ["LoRA", "a bigger topology (v5e-4)"]  # there is no v5e-2

@@ -230,3 +230,20 @@ def test_fresh_v11_checkpoint_of_transformers_5_takes_lm_head_from_shared(tmp_pa
     want, _ = torch_logits(ref, ids, mask, dec_ids, dec_mask)
     got = run(load_pretrained(tmp_path, "seq2seq-lm"), ids, mask, dec_ids, dec_mask).logits
     assert scaled_diff(dec_mask, got, want) <= RTOL
+
+
+def test_config_overrides_make_a_v11_model():
+    """``--config_overrides feed_forward_proj=gated-gelu,tie_word_embeddings=false`` on a built config (whose
+    derived is_gated_act, dense_act_fn and scale_decoder_outputs keep their first values): gated GELU, own head."""
+    from jaxseq.models.hub import apply_overrides, parse_overrides
+    from jaxseq.models.registry import model_class
+    from jaxseq.models.t5 import T5DenseGatedActDense, feed_forward
+
+    config = transformers.AutoConfig.for_model("t5", d_model=32, d_kv=8, num_heads=4, d_ff=64, num_layers=2)
+    text = "feed_forward_proj=gated-gelu,tie_word_embeddings=false"
+    config = apply_overrides(config, **parse_overrides(text, config))
+    assert feed_forward(config) == (True, "gelu_new")
+    assert feed_forward(transformers.T5Config(feed_forward_proj="gated-silu")) == (True, "silu")
+    model = nnx.eval_shape(lambda: model_class(config, "seq2seq-lm")(config, rngs=nnx.Rngs(0)))
+    assert isinstance(model.encoder.block[0].layer[1].DenseReluDense, T5DenseGatedActDense)
+    assert not model.tied and model.lm_head.kernel.shape == (32, config.vocab_size)

@@ -3,7 +3,8 @@ transformers' PyTorch names (``encoder.block.0.layer.0.SelfAttention.q.weight``,
 
 One class covers both generations, as in transformers: the original T5 (ReLU feed-forward, LM head tied
 to the shared embeddings with the decoder output scaled by ``d_model**-0.5``) and T5 v1.1 (gated GELU,
-``config.is_gated_act``, and a separate unscaled ``lm_head``); see ``uses_shared_lm_head``.
+``feed_forward_proj="gated-gelu"``, and a separate unscaled ``lm_head``); see ``feed_forward`` and
+``uses_shared_lm_head``.
 
 Encoder and decoder can run apart: ``encode`` once, then ``decode`` as often as needed. For generation,
 ``init_cache`` computes every decoder layer's cross-attention keys/values from the encoder output once
@@ -54,8 +55,18 @@ def uses_shared_lm_head(config) -> bool:
     transformers 5 keeps the checkpoint's ``tie_word_embeddings: false`` of v1.1 models as
     ``config.scale_decoder_outputs = False`` (and forces ``tie_word_embeddings`` to True, untying the
     weights only when the checkpoint holds a distinct ``lm_head.weight``); older versions keep it as is.
+    A ``tie_word_embeddings=false`` set on a built config (``--config_overrides``) unties it too.
     """
-    return bool(getattr(config, "scale_decoder_outputs", config.tie_word_embeddings))
+    return bool(config.tie_word_embeddings) and bool(getattr(config, "scale_decoder_outputs", True))
+
+
+def feed_forward(config) -> tuple[bool, str]:
+    """(gated, activation) of the feed-forward from ``config.feed_forward_proj``, derived as T5Config does
+    (``is_gated_act``, ``dense_act_fn``; ``"gated-gelu"`` is ``gelu_new``), here rather than read from those
+    fields, which keep their first values when ``--config_overrides`` sets ``feed_forward_proj`` afterwards."""
+    proj = config.feed_forward_proj
+    parts = proj.split("-")
+    return parts[0] == "gated", "gelu_new" if proj == "gated-gelu" else parts[-1]
 
 
 def relative_position_bucket(relative_position, *, bidirectional: bool, num_buckets: int, max_distance: int):
@@ -214,7 +225,7 @@ class T5DenseActDense(nnx.Module):
         kw = dict(use_bias=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.wi = Linear(d, config.d_ff, kernel_init=normal(f * d**-0.5), **kw)
         self.wo = Linear(config.d_ff, d, kernel_init=normal(f * config.d_ff**-0.5), **kw)
-        self.act = activation(config.dense_act_fn)
+        self.act = activation(feed_forward(config)[1])
         self.dropout_rate = config.dropout_rate
 
     def __call__(self, x, rngs=None):
@@ -228,7 +239,7 @@ class T5DenseGatedActDense(nnx.Module):
         self.wi_0 = Linear(d, config.d_ff, kernel_init=normal(f * d**-0.5), **kw)
         self.wi_1 = Linear(d, config.d_ff, kernel_init=normal(f * d**-0.5), **kw)
         self.wo = Linear(config.d_ff, d, kernel_init=normal(f * config.d_ff**-0.5), **kw)
-        self.act = activation(config.dense_act_fn)
+        self.act = activation(feed_forward(config)[1])
         self.dropout_rate = config.dropout_rate
 
     def __call__(self, x, rngs=None):
@@ -238,7 +249,7 @@ class T5DenseGatedActDense(nnx.Module):
 class T5LayerFF(nnx.Module):
     def __init__(self, config, *, dtype, param_dtype, rngs: nnx.Rngs):
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-        gated = getattr(config, "is_gated_act", False)
+        gated, _ = feed_forward(config)
         self.DenseReluDense = (T5DenseGatedActDense if gated else T5DenseActDense)(config, **kw)
         self.layer_norm = nnx.RMSNorm(config.d_model, epsilon=config.layer_norm_epsilon, **kw)
         self.dropout_rate = config.dropout_rate

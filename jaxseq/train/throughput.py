@@ -12,23 +12,47 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxseq.plan import CHIPS
+from jaxseq.plan import CHIPS, model_flops_per_step
 
 
 def matmul_parameters(model: nnx.Module) -> int:
     """Parameters a token meets in matrix products: all but the embedding tables (a lookup costs nothing),
     plus the output projection when it reuses the token embedding (``tie_word_embeddings``), as nanoGPT's
-    ``estimate_mfu`` counts them."""
-    tables = {path for path, module in nnx.iter_modules(model) if isinstance(module, nnx.Embed)}
-    count = sum(
-        int(np.prod(v.get_value().shape))
-        for path, v in nnx.to_flat_state(nnx.state(model, nnx.Param))
-        if tuple(path[:-1]) not in tables
-    )
+    ``estimate_mfu`` counts them. A model's own ``tied`` (T5: transformers 5 reads v1.1's untied head as
+    ``tie_word_embeddings=True, scale_decoder_outputs=False``) says whether it reuses the table."""
+    count = _dense_parameters(model)
     config = model.config
-    if getattr(config, "tie_word_embeddings", False):
+    if getattr(model, "tied", getattr(config, "tie_word_embeddings", False)):
         count += config.vocab_size * config.hidden_size
     return count
+
+
+def _dense_parameters(module: nnx.Module) -> int:
+    tables = {path for path, m in nnx.iter_modules(module) if isinstance(m, nnx.Embed)}
+    return sum(
+        int(np.prod(v.get_value().shape))
+        for path, v in nnx.to_flat_state(nnx.state(module, nnx.Param))
+        if tuple(path[:-1]) not in tables
+    )
+
+
+def seq2seq_model_flops(model: nnx.Module, rows: int, source_len: int, target_len: int) -> float:
+    """Training FLOPs of one step of an encoder-decoder (T5) on ``rows`` pairs: the encoder's weights meet the
+    ``source_len`` source tokens, the decoder's and the LM head's the ``target_len`` target tokens; attention is
+    the encoder's over the source, the decoder's causal one over the target and its cross-attention from each
+    target token to the source (``model_flops_per_step`` for each part)."""
+    config = model.config
+    encoder = _dense_parameters(model.encoder)
+    decoder = matmul_parameters(model) - encoder
+    width = config.num_heads * config.d_kv
+    layers = config.num_decoder_layers
+    source, target = rows * source_len, rows * target_len
+    return (
+        model_flops_per_step(encoder, source, layers=config.num_layers, attention_width=width, seq_len=source_len,
+                             causal=False)
+        + model_flops_per_step(decoder, target, layers=layers, attention_width=width, seq_len=target_len)
+        + model_flops_per_step(0, target, layers=layers, attention_width=width, seq_len=source_len, causal=False)
+    )  # fmt: skip
 
 
 def flops_per_token(model: nnx.Module, seq_len: int) -> float:
