@@ -50,7 +50,35 @@ MODELS = {
         "finetune_glue.py",
         ["--model_type", "bert", "--config_overrides", BERT_LARGE, "--max_seq_length", 512, "--task_name", "mrpc"],
     ),
+    # the attention kernel side by side (every row above runs --attention auto: splash on TPU where it applies)
+    "gpt2-small-splash": (
+        "pretrain_clm.py",
+        ["--model_type", "gpt2", "--config_overrides", NO_DROPOUT[1:], "--block_size", 1024, "--attention", "splash"],
+    ),
+    "gpt2-small-xla": (
+        "pretrain_clm.py",
+        ["--model_type", "gpt2", "--config_overrides", NO_DROPOUT[1:], "--block_size", 1024, "--attention", "xla"],
+    ),
+    "gptj-6b-xla": ("pretrain_clm.py", ["--model_type", "gptj", "--block_size", 2048, "--attention", "xla"]),
+    "gptj-6b-8k-splash": (
+        "pretrain_clm.py",
+        [
+            "--model_type",
+            "gptj",
+            "--config_overrides",
+            "n_positions=8192",
+            "--block_size",
+            8192,
+            "--attention",
+            "splash",
+        ],
+    ),
+    "gptj-6b-8k-xla": (
+        "pretrain_clm.py",
+        ["--model_type", "gptj", "--config_overrides", "n_positions=8192", "--block_size", 8192, "--attention", "xla"],
+    ),
 }
+KERNEL_ROWS = ("gpt2-small-splash", "gpt2-small-xla", "gptj-6b-xla", "gptj-6b-8k-splash", "gptj-6b-8k-xla")
 # Cloud TPU slice -> mesh: every chip one fsdp shard (a v4-8 is 4 chips of 32 GiB). Each model has a v5e-8 and a
 # v4-8 row, and the v5e slices that bracket its smallest fit (Cloud has no v5e-2: v5e-1, v5e-4, v5e-8, ...).
 MESH = {"v5e-1": "fsdp=1", "v5e-4": "fsdp=4", "v5e-8": "fsdp=8", "v4-8": "fsdp=4"}
@@ -60,13 +88,21 @@ SLICES = {
     "gpt2-xl-dropout": ["v5e-8"],
     "t5-v1_1-xl": ["v5e-8", "v5e-4", "v5e-1", "v4-8"],
     "bert-large": ["v5e-8", "v5e-1", "v4-8"],
+    "gpt2-small-splash": ["v5e-8"],
+    "gpt2-small-xla": ["v5e-8"],
+    "gptj-6b-xla": ["v5e-8"],
+    "gptj-6b-8k-splash": ["v5e-8"],
+    "gptj-6b-8k-xla": ["v5e-8"],
 }
 ROWS = {  # name -> (script, flags)
     f"{model}/{slice_}": (script, [*flags, "--mesh", MESH[slice_]])
     for model, (script, flags) in MODELS.items()
     for slice_ in SLICES[model]
 }
-BATCH = {"gptj-6b": 1, "gpt2-xl": 4, "gpt2-xl-dropout": 4, "bert-large": 8, "t5-v1_1-xl": 2}
+BATCH = {
+    "gptj-6b": 1, "gpt2-xl": 4, "gpt2-xl-dropout": 4, "bert-large": 8, "t5-v1_1-xl": 2, "gpt2-small-splash": 8,
+    "gpt2-small-xla": 8, "gptj-6b-xla": 1, "gptj-6b-8k-splash": 1, "gptj-6b-8k-xla": 1,
+}  # fmt: skip
 
 
 def run(name: str, script: str, flags: list) -> dict:
@@ -99,6 +135,11 @@ NAMES = {
     "gpt2-xl-dropout": "GPT-2 XL, dropout 0.1",
     "t5-v1_1-xl": "T5-v1.1-XL",
     "bert-large": "BERT-large",
+    "gpt2-small-splash": "GPT-2 small, no dropout, --attention splash",
+    "gpt2-small-xla": "GPT-2 small, no dropout, --attention xla",
+    "gptj-6b-xla": "GPT-J-6B, --attention xla",
+    "gptj-6b-8k-splash": "GPT-J-6B, --attention splash",
+    "gptj-6b-8k-xla": "GPT-J-6B, --attention xla",
 }
 BEGIN, END = "<!-- plans.py --markdown: begin -->", "<!-- plans.py --markdown: end -->"
 GiB = 2**30
@@ -174,7 +215,7 @@ def markdown(results: dict) -> str:
     lines += ["| " + " | ".join(_cells(row)) + " |" for row in results["rows"]]
     lines += ["", "Smallest v5e slice that fits (Cloud TPU has no v5e-2; the smallest v4 slice is v4-8):", ""]
     models = dict.fromkeys(row["name"].split("/")[0] for row in results["rows"])
-    lines += [_smallest(model, results["rows"]) for model in models]
+    lines += [_smallest(model, results["rows"]) for model in models if model not in KERNEL_ROWS]
     return "\n".join(lines)
 
 

@@ -12,6 +12,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxseq.models.registry import family_for
 from jaxseq.plan import CHIPS, model_flops_per_step
 
 
@@ -20,20 +21,27 @@ def matmul_parameters(model: nnx.Module) -> int:
     plus the output projection when it reuses the token embedding (``tie_word_embeddings``), as nanoGPT's
     ``estimate_mfu`` counts them. A model's own ``tied`` (T5: transformers 5 reads v1.1's untied head as
     ``tie_word_embeddings=True, scale_decoder_outputs=False``) says whether it reuses the table."""
-    count = _dense_parameters(model)
     config = model.config
+    count = _dense_parameters(model, family_for(config.model_type), config.vocab_size)
     if getattr(model, "tied", getattr(config, "tie_word_embeddings", False)):
         count += config.vocab_size * config.hidden_size
     return count
 
 
-def _dense_parameters(module: nnx.Module) -> int:
+def _dense_parameters(module: nnx.Module, family=None, vocab_size: int = 0) -> int:
+    """Parameters of ``module`` outside its embedding tables; with its ``family``, an LM head over the padded
+    vocabulary (``models.layers.padded_vocab_size``) counts only its ``vocab_size`` real entries."""
     tables = {path for path, m in nnx.iter_modules(module) if isinstance(m, nnx.Embed)}
-    return sum(
-        int(np.prod(v.get_value().shape))
-        for path, v in nnx.to_flat_state(nnx.state(module, nnx.Param))
-        if tuple(path[:-1]) not in tables
-    )
+    count = 0
+    for path, v in nnx.to_flat_state(nnx.state(module, nnx.Param)):
+        if tuple(path[:-1]) in tables:
+            continue
+        shape = list(v.get_value().shape)
+        axis = family.vocab_axis("/".join(map(str, path))) if family is not None else None
+        if axis is not None:
+            shape[axis] = vocab_size
+        count += int(np.prod(shape))
+    return count
 
 
 def seq2seq_model_flops(model: nnx.Module, rows: int, source_len: int, target_len: int) -> float:
