@@ -161,6 +161,14 @@ def self_attention_mask(key_mask: jax.Array | None, seq: int, *, causal: bool) -
     return AttentionMask(make_mask(key_mask, seq, seq, causal=causal), key_mask)
 
 
+def decoder_mask(key_mask: jax.Array | None, seq: int, cache: Cache | None, index) -> AttentionMask | jax.Array:
+    """A causal decoder's mask for ``seq`` new positions: its self-attention mask without a cache, else the
+    dense mask over the cache's ``max_len`` positions with queries from ``index``."""
+    if cache is None:
+        return self_attention_mask(key_mask, seq, causal=True)
+    return make_mask(key_mask, seq, cache.layers[0].max_len, causal=True, index=index)
+
+
 def attend(
     q: jax.Array,
     k: jax.Array,

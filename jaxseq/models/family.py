@@ -47,6 +47,7 @@ class Family:
     def is_ignored(self, name: str) -> bool:
         return any(re.search(p, name) for p in self.ignore)
 
-    def vocab_axis(self, path: str) -> int | None:
-        """The vocabulary axis of the parameter at ``/``-joined ``path``, or None if it has none."""
+    def vocab_axis(self, path: str | tuple) -> int | None:
+        """The vocabulary axis of the parameter at ``path`` (``/``-joined, or its names), or None if it has none."""
+        path = path if isinstance(path, str) else "/".join(map(str, path))
         return next((axis for pattern, axis in self.vocab_params if re.search(pattern, path)), None)

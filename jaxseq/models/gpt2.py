@@ -12,10 +12,9 @@ from jaxseq.models.attention import (
     KVCache,
     attend,
     attend_cache,
-    make_mask,
+    decoder_mask,
     merge_heads,
     run_blocks,
-    self_attention_mask,
     split_heads,
     update_kv,
 )
@@ -119,10 +118,7 @@ class GPT2Model(nnx.Module):
             position_ids = (index + jnp.arange(seq, dtype=jnp.int32))[None, :]
         x = self.wte(input_ids) + self.wpe(position_ids)
         x = dropout(x, self.config.embd_pdrop, rngs)
-        if cache is None:
-            mask = self_attention_mask(attention_mask, seq, causal=True)
-        else:
-            mask = make_mask(attention_mask, seq, cache.layers[0].max_len, causal=True, index=index)
+        mask = decoder_mask(attention_mask, seq, cache, index)
         x, cache = run_blocks(self.h, self.remat, x, mask, cache=cache, rngs=rngs)
         return BaseOutput(self.ln_f(x), cache)
 

@@ -18,10 +18,9 @@ from jaxseq.models.attention import (
     KVCache,
     attend,
     attend_cache,
-    make_mask,
+    decoder_mask,
     merge_heads,
     run_blocks,
-    self_attention_mask,
     split_heads,
     update_kv,
 )
@@ -56,6 +55,8 @@ def apply_rotary(x: jax.Array, sin: jax.Array, cos: jax.Array) -> jax.Array:
 
 
 class GPTJAttention(nnx.Module):
+    dropout_field = "attn_pdrop"  # the config's attention dropout (see attention.use_attention)
+
     def __init__(self, config, *, dtype, param_dtype, rngs: nnx.Rngs):
         d = config.n_embd
         kw = dict(
@@ -139,10 +140,7 @@ class GPTJModel(nnx.Module):
             position_ids = (index + jnp.arange(seq, dtype=jnp.int32))[None, :]
         rope = sincos(position_ids, rotary_dim(self.config))
         x = dropout(self.wte(input_ids), self.config.embd_pdrop, rngs)
-        if cache is None:
-            mask = self_attention_mask(attention_mask, seq, causal=True)
-        else:
-            mask = make_mask(attention_mask, seq, cache.layers[0].max_len, causal=True, index=index)
+        mask = decoder_mask(attention_mask, seq, cache, index)
         x, cache = run_blocks(self.h, self.remat, x, mask, rope, cache=cache, rngs=rngs)
         return BaseOutput(self.ln_f(x), cache)
 

@@ -208,7 +208,7 @@ def load_pretrained(
         array = tensors[name]()
         array = array.T if transpose else array
         expected = list(want.shape)
-        vocab_axis = family.vocab_axis("/".join(map(str, path)))
+        vocab_axis = family.vocab_axis(path)
         if vocab_axis is not None:
             expected[vocab_axis] = config.vocab_size
         if array.shape != tuple(expected):
@@ -256,7 +256,7 @@ def save_pretrained(model: nnx.Module, out_dir: str | os.PathLike, tokenizer=Non
     family, tensors = family_for(model.config.model_type), {}
     for name, (path, transpose) in torch_layout(model).items():
         array = host[path]
-        vocab_axis = family.vocab_axis("/".join(map(str, path)))
+        vocab_axis = family.vocab_axis(path)
         if vocab_axis is not None:
             array = resize_vocab(array, vocab_axis, model.config.vocab_size)
         tensors[name] = np.ascontiguousarray(array.T if transpose else array)

@@ -251,7 +251,7 @@ class Lora:
     def _unpadded(self, path, array: np.ndarray) -> np.ndarray:
         """``array`` (shaped like the parameter at ``path`` along its vocabulary axis) trimmed to the real
         vocabulary, if ``path`` runs over the padded one (``Family.vocab_params``)."""
-        axis = self.family.vocab_axis(_name(path))
+        axis = self.family.vocab_axis(path)
         return array if axis is None else resize_vocab(array, axis, self.vocab_size)
 
 

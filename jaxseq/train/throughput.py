@@ -37,7 +37,7 @@ def _dense_parameters(module: nnx.Module, family=None, vocab_size: int = 0) -> i
         if tuple(path[:-1]) in tables:
             continue
         shape = list(v.get_value().shape)
-        axis = family.vocab_axis("/".join(map(str, path))) if family is not None else None
+        axis = family.vocab_axis(path) if family is not None else None
         if axis is not None:
             shape[axis] = vocab_size
         count += int(np.prod(shape))
