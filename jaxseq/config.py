@@ -69,6 +69,14 @@ def build_parser(description: str, *sections: type) -> argparse.ArgumentParser:
             else:
                 kwargs["type"] = tp if tp in (int, float, str) else str
             group.add_argument(f"--{field.name}", **kwargs)
+            if tp is bool:  # --no_X is --X false
+                group.add_argument(
+                    f"--no_{field.name}",
+                    dest=field.name,
+                    action="store_false",
+                    default=argparse.SUPPRESS,
+                    help=f"same as --{field.name} false",
+                )
     return parser
 
 
