@@ -82,3 +82,27 @@ def test_packed_training_follows_unpacked_on_a_mesh(tmp_path, tokenizer, sst2): 
     for key in a:
         if key.startswith("eval/"):
             np.testing.assert_allclose(b[key], a[key], atol=1e-5)
+
+
+def test_packed_and_bucketed_evaluation_and_prediction_equal_unpacked_rows_in_input_order(tmp_path, tokenizer, sst2):  # noqa: F811 (fixtures)
+    _, _, dev = sst2
+    plain = make_trainer(tmp_path / "plain", tokenizer, sst2, "dp=2,mp=4", max_steps=1)  # length buckets
+    packed = make_trainer(tmp_path / "packed", tokenizer, sst2, "dp=2,mp=4", max_steps=1, pack="last")
+    # the reference: the same weights on every unpacked, full-length row at once, in input order
+    expected = np.asarray(plain.model()(jnp.asarray(dev["input_ids"]), jnp.asarray(dev["attention_mask"])))
+    widths = sorted({b["input_ids"].shape[1] for b, _, _ in plain.feed.eval_batches("")})
+    assert len(widths) > 1 and set(widths) <= {8, 16, 32}  # batches sorted by length and cut to buckets
+    assert "pool_index" in next(packed.feed.eval_batches(""))[0]  # evaluated on packed rows
+    for trainer in (plain, packed):
+        for _ in range(2):
+            out = trainer.predict("")
+            np.testing.assert_array_equal(out["labels"], dev["labels"])
+            np.testing.assert_allclose(out["logits"], expected, atol=1e-5)
+            np.testing.assert_array_equal(out["prediction"], out["logits"].argmax(-1))
+        trainer.close()
+    assert plain.program.eval_step._cache_size() == len(widths)  # one program per bucket, reused
+    a, b = plain.evaluate(), packed.evaluate()
+    assert a.keys() == b.keys() and "accuracy" in a
+    for key in a:
+        np.testing.assert_allclose(b[key], a[key], atol=1e-5)
+    assert a["accuracy"] == pytest.approx(float(np.mean(expected.argmax(-1) == dev["labels"])))

@@ -12,7 +12,17 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxseq.data import packing
-from jaxseq.data.batches import eval_indices, steps_per_epoch, train_indices
+from jaxseq.data.batches import (
+    MASKED_ARRAYS,
+    bucket_width,
+    bucketed_eval_indices,
+    ends,
+    eval_indices,
+    length_buckets,
+    steps_per_epoch,
+    train_indices,
+    trim,
+)
 from jaxseq.data.rows import Rows, as_rows
 from jaxseq.errors import JaxseqError
 from jaxseq.mesh import batch_spec, data_parallel_size
@@ -21,7 +31,9 @@ from jaxseq.mesh import batch_spec, data_parallel_size
 class Feeder:
     """The training and evaluation batches of one run on ``mesh``. ``pack``: pack short examples into shared
     rows (``jaxseq.data.packing``), pooling each example's ``"first"`` or ``"last"`` token; the row counts are
-    sized once for the whole run (``size_packing``), so shapes stay static."""
+    sized once for the whole run (``size_packing``), so shapes stay static. Unpacked evaluation sorts the
+    examples by length and cuts each batch to one of a few widths (``length_buckets``, multiples of
+    ``bucket_multiple``): one compiled program per width."""
 
     def __init__(
         self,
@@ -34,8 +46,9 @@ class Feeder:
         gradient_accumulation_steps: int,
         seed: int,
         pack: str | None = None,
+        bucket_multiple: int = 8,
     ):
-        self.mesh, self.seed, self.pack = mesh, seed, pack
+        self.mesh, self.seed, self.pack, self.bucket_multiple = mesh, seed, pack, bucket_multiple
         self.train_data = as_rows(train_data)
         self.eval_sets = {name: as_rows(data) for name, data in eval_sets.items()}
         self.accumulate = gradient_accumulation_steps
@@ -101,12 +114,25 @@ class Feeder:
                 parts[0] if micro == 1 else {k: np.stack([p[k] for p in parts]) for k in parts[0]}, stacked=micro > 1
             )
 
-    def eval_batches(self, name: str) -> Iterator[tuple[dict[str, jax.Array], np.ndarray]]:
-        """``(batch, valid)`` over every example of eval set ``name``; the last batch is padded and ``valid``
-        marks its real rows."""
+    def eval_batches(self, name: str) -> Iterator[tuple[dict[str, jax.Array], np.ndarray, np.ndarray]]:
+        """``(batch, index, valid)`` over every example of eval set ``name``: ``index`` is the example of each
+        row of the batch (the last batch is padded with repeats) and ``valid`` marks the real rows. Packed:
+        in input order. Unpacked with padding masks: sorted by length, each batch cut to its bucket's width."""
         data = self.eval_sets[name]
-        for index, valid in eval_indices(len(data), self.eval_batch):
-            yield self.device_batch(self._local(data, index[self._eval_mine], self.eval_packed_rows[name])), valid
+        packed_rows = self.eval_packed_rows[name]
+        masks = [] if packed_rows or not len(data) else [m for m in MASKED_ARRAYS if m in data.take(np.arange(1))]
+        if not masks:
+            for index, valid in eval_indices(len(data), self.eval_batch):
+                yield self.device_batch(self._local(data, index[self._eval_mine], packed_rows)), index, valid
+            return
+        # every process sorts every example (tokenizing the whole set), so all agree on the batches' shapes
+        full = data.take(np.arange(len(data)))
+        row_ends = np.stack([ends(full[m]) for m in masks], axis=1)
+        buckets = {m: length_buckets(full[m].shape[1], self.bucket_multiple) for m in masks}
+        for index, valid in bucketed_eval_indices(row_ends, self.eval_batch):
+            widths = {m: bucket_width(int(row_ends[index, i].max()), buckets[m]) for i, m in enumerate(masks)}
+            local = trim(data.take(index[self._eval_mine]), widths)
+            yield self.device_batch(local), index, valid
 
     def _local(self, data: Rows, index: np.ndarray, packed_rows: int | None) -> dict[str, np.ndarray]:
         """This process's examples ``index`` of one batch; if ``packed_rows`` is given, each data-parallel

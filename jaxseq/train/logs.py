@@ -1,8 +1,9 @@
-"""Where a run reports: a tqdm progress bar, ``metrics.jsonl``, TensorBoard events and a loss plot.
-Only process 0 writes (the others get a logger that writes nothing)."""
+"""Where a run reports: tqdm progress bars that count finished work, ``metrics.jsonl``, TensorBoard events
+and a loss plot. Only process 0 writes (the others get a logger that writes nothing)."""
 
 from __future__ import annotations
 
+import collections
 import json
 import math
 import time
@@ -19,6 +20,8 @@ class RunLogger:
         self.enabled = jax.process_index() == 0 if enabled is None else enabled
         self.output_dir = Path(output_dir)
         self.records: list[dict] = []
+        # smoothing=0: the rate (and ETA) is the average over the whole run, evaluations included, not the
+        # last few updates (which an evaluation or a checkpoint would swing)
         self.bar = tqdm(
             total=total_steps,
             initial=initial_step,
@@ -26,6 +29,7 @@ class RunLogger:
             unit="step",
             disable=not self.enabled,
             dynamic_ncols=True,
+            smoothing=0,
         )
         self._tb = None
         self._jsonl = None
@@ -77,8 +81,14 @@ class RunLogger:
         self._tb.close()
         self._tb = SummaryWriter(str(self.output_dir / "tensorboard"), purge_step=step + 1)
 
-    def advance(self, steps: int = 1) -> None:
-        self.bar.update(steps)
+    def restart_clock(self) -> None:
+        """Time the bar's rate and ETA from now and its current count on (after the first step's compilation)."""
+        if not self.bar.disable:
+            self.bar.initial, self.bar.start_t = self.bar.n, self.bar._time()
+
+    def progress(self, total: int, desc: str, unit: str = "batch") -> tqdm:
+        """A transient bar under the training bar (evaluation, prediction), shown on process 0 only."""
+        return tqdm(total=total, desc=desc, unit=unit, leave=False, disable=not self.enabled, dynamic_ncols=True)
 
     def write(self, message: str) -> None:
         if self.enabled:
@@ -122,3 +132,30 @@ class RunLogger:
         if self.enabled:
             self._tb.close()
             self._jsonl.close()
+
+
+class Finished:
+    """Advances ``bar`` as dispatched work finishes on the devices, not when the host dispatches it (JAX
+    returns at once and runs steps in the background): a step counts once every array of its outputs is
+    ready. At most ``lag`` steps stay in flight (the oldest is waited for), enough to keep the devices busy."""
+
+    def __init__(self, bar: tqdm, lag: int = 2):
+        self.bar, self.lag = bar, lag
+        self._inflight: collections.deque = collections.deque()
+
+    def dispatched(self, outputs) -> None:
+        """Note one more dispatched step whose outputs are ``outputs`` (a pytree of arrays)."""
+        self._inflight.append(outputs)
+        while self._inflight and (len(self._inflight) > self.lag or _ready(self._inflight[0])):
+            jax.block_until_ready(self._inflight.popleft())
+            self.bar.update(1)
+
+    def drain(self) -> None:
+        """Wait for every step in flight, counting each."""
+        while self._inflight:
+            jax.block_until_ready(self._inflight.popleft())
+            self.bar.update(1)
+
+
+def _ready(tree) -> bool:
+    return all(x.is_ready() for x in jax.tree.leaves(tree) if isinstance(x, jax.Array))

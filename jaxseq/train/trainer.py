@@ -4,6 +4,7 @@ orbax checkpoints and exact resume (the data order is a function of seed and ste
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 import os
@@ -26,7 +27,7 @@ from jaxseq.models.attention import ATTENTION_KERNELS, use_attention
 from jaxseq.models.layers import REMAT_POLICIES, enable_remat
 from jaxseq.train.checkpoint import Checkpointer
 from jaxseq.train.feeding import Feeder
-from jaxseq.train.logs import RunLogger
+from jaxseq.train.logs import Finished, RunLogger
 from jaxseq.train.lora import LoraConfig
 from jaxseq.train.optim import OptimizerConfig
 from jaxseq.train.step import Task, TrainProgram
@@ -132,6 +133,7 @@ class Trainer:
         MFU (see ``jaxseq.train.throughput``)."""
         self.task, self.config, self.mesh = task, config, mesh
         self.output_dir = Path(config.output_dir)
+        self.attention = use_attention(model, config.attention, mesh, packed=pack is not None)
         self.feed = Feeder(
             mesh,
             train_data,
@@ -141,6 +143,7 @@ class Trainer:
             gradient_accumulation_steps=config.gradient_accumulation_steps,
             seed=config.seed,
             pack=pack,
+            bucket_multiple=128 if self.attention == "splash" else 8,  # splash takes whole tiles of 128
         )
         self.global_batch, self.steps_per_epoch = self.feed.global_batch, self.feed.steps_per_epoch
         self.throughput = Throughput(self.global_batch, tokens_per_example, flops_per_example, peak_flops)
@@ -150,7 +153,6 @@ class Trainer:
             self.total_steps = max(1, math.ceil(config.num_train_epochs * self.steps_per_epoch))
         self.feed.size_packing(self.total_steps)
         enable_remat(model, config.remat)
-        self.attention = use_attention(model, config.attention, mesh, packed=pack is not None)
         self.program = program = TrainProgram(
             model,
             task,
@@ -270,18 +272,21 @@ class Trainer:
         eval_metrics: dict[str, float] = {}
         started = time.perf_counter()
         compile_seconds = None
+        self._progress = Finished(self.logger.bar)  # the bar counts finished steps, not dispatched ones
         step = start
         while step < self.total_steps:
             t0 = time.perf_counter()
             self.state, metrics = self._train_step(self.state, next(batches))
+            self._progress.dispatched(metrics)
             if compile_seconds is None:
                 jax.block_until_ready(metrics["loss"])
                 compile_seconds = time.perf_counter() - t0
                 self.logger.write(f"first step (compile included): {compile_seconds:.1f}s")
                 self.throughput.start(step + 1)
+                self._progress.drain()
+                self.logger.restart_clock()  # rate and ETA from the compiled steps on
             pending.append(metrics)
             step += 1
-            self.logger.advance()
             logged = step % config.logging_steps == 0 or step == self.total_steps
             if logged:
                 self._log_train(step, pending, started)
@@ -290,6 +295,7 @@ class Trainer:
             save_now = (config.save_steps and step % config.save_steps == 0) or step == self.total_steps
             if evaluate_now or save_now:  # not training: keep it out of the throughput figures
                 jax.block_until_ready(self.state)
+                self._progress.drain()
                 self._check_finite(step, partition.gather(pending))  # never evaluate or save a NaN state
                 self.throughput.pause(step)
                 if evaluate_now:
@@ -371,6 +377,7 @@ class Trainer:
         )
 
     def _log_train(self, step: int, pending: list[dict], started: float) -> None:
+        self._progress.drain()
         host = partition.gather(pending)
         self._check_finite(step, host)
         latest = ("learning_rate", "loss_scale", "skipped_updates")  # states, not per-step amounts
@@ -395,15 +402,40 @@ class Trainer:
         """Metrics over every example of every eval set (keys suffixed by set, as the task names them)."""
         results = {}
         for name in self.feed.eval_sets:
-            outputs: dict[str, list] = {}
-            for batch, valid in self.feed.eval_batches(name):
-                predicted = partition.gather(self._eval_step(self.eval_params(), self.frozen, batch))
-                for key, value in predicted.items():
-                    outputs.setdefault(key, []).append(np.asarray(value)[valid])
-            merged = {k: np.concatenate(v) for k, v in outputs.items()}
-            for key, value in self.task.metrics(merged).items():
+            for key, value in self.task.metrics(self.predict(name)).items():
                 results[f"{key}{name}"] = value
         return results
+
+    def predict(self, name: str) -> dict[str, np.ndarray]:
+        """The task's per-example outputs (``Task.predict``) over eval set ``name``, in the set's input order
+        whatever the batching (packed rows, length buckets). Per-token outputs of batches cut to different
+        widths are right-padded with -1 to the widest. One batch stays in flight while the previous one is
+        read back; the bar counts batches read back."""
+        params, parts, order = self.eval_params(), collections.defaultdict(list), []
+        inflight: collections.deque = collections.deque()
+        batches = -(-len(self.feed.eval_sets[name]) // self.feed.eval_batch)
+        with self.logger.progress(batches, f"eval{name}") as bar:
+
+            def read_back():
+                outputs, index, valid = inflight.popleft()
+                for key, value in partition.gather(outputs).items():
+                    parts[key].append(np.asarray(value)[valid])
+                order.append(index[valid])
+                bar.update(1)
+
+            for batch, index, valid in self.feed.eval_batches(name):
+                inflight.append((self._eval_step(params, self.frozen, batch), index, valid))
+                if len(inflight) > 1:
+                    read_back()
+            while inflight:
+                read_back()
+        rows = np.concatenate(order)
+        merged = {}
+        for key, values in parts.items():
+            stacked = _concatenate_padded(values)
+            merged[key] = np.empty_like(stacked)
+            merged[key][rows] = stacked
+        return merged
 
     def describe(self) -> str:
         """Table of every trained parameter's shape, dtype, spec and bytes per device (printed at start)."""
@@ -433,6 +465,15 @@ class Trainer:
             self.checkpointer.close()
         finally:
             self.logger.close()
+
+
+def _concatenate_padded(arrays: list[np.ndarray]) -> np.ndarray:
+    """``arrays`` joined on the first axis, any shorter trailing axis right-padded with -1 to the longest."""
+    widest = np.max([a.shape[1:] for a in arrays], axis=0) if arrays[0].ndim > 1 else ()
+    padded = [
+        np.pad(a, [(0, 0), *((0, w - d) for w, d in zip(widest, a.shape[1:]))], constant_values=-1) for a in arrays
+    ]
+    return np.concatenate(padded)
 
 
 def _count(tree) -> int:
