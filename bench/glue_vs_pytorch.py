@@ -65,7 +65,7 @@ def run_jaxseq(args, out: Path, extra: tuple[str, ...] = ()) -> dict:
             "--compilation_cache_dir",
             "",
         ]
-        + ([] if args.no_pack else ["--pack_sequences"])
+        + (["--no_pack_sequences"] if args.no_pack else [])
         + list(extra)
     )
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
@@ -143,7 +143,7 @@ def main() -> int:
     parser.add_argument("--model", type=Path, default=SHARED / "models" / "all-MiniLM-L6-v2")
     parser.add_argument("--glue", type=Path, default=SHARED / "data" / "glue")
     parser.add_argument("--train_samples", type=int, default=8000)
-    parser.add_argument("--no_pack", action="store_true", help="run jaxseq without --pack_sequences")
+    parser.add_argument("--no_pack", action="store_true", help="run jaxseq with --no_pack_sequences")
     parser.add_argument("--json", type=Path, help="also write the figures here")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:

@@ -51,9 +51,10 @@ class GlueConfig:
     max_train_samples: int | None = arg(None, "use only the first N training examples")
     max_eval_samples: int | None = arg(None, "use only the first N examples of each eval split")
     pack_sequences: bool = arg(
-        False,
-        "pack several short examples into each row of --max_seq_length (same "
-        "math per example, much less padding: several times faster on short texts)",
+        True,
+        "pack several short examples into each row of --max_seq_length, in training, evaluation and prediction "
+        "(same math per example, much less padding: several times faster on short texts); --no_pack_sequences: "
+        "one example per row",
     )
 
 
@@ -179,7 +180,7 @@ def main(argv) -> int:
         eval_sets,
         mesh,
         loss_scaling=runtime.dtype == "float16",
-        pack=model.pooled_token if glue.pack_sequences else None,
+        pack=getattr(model, "pooled_token", None) if glue.pack_sequences else None,
         lora=lora_config,
     )
     if jax.process_index() == 0:  # after Trainer has checked any checkpoint already in output_dir
