@@ -288,3 +288,36 @@ def test_progress_bars_count_finished_steps_not_dispatched_ones(tmp_path, tokeni
     batches = -(-len(sst2[2]["labels"]) // trainer.feed.eval_batch)
     assert [n for n, _, _ in seen["eval"]] == list(range(1, batches + 1)) * 2
     assert all(finished for _, _, finished in seen["eval"]), seen["eval"]
+
+
+def test_eta_stays_within_a_fifth_of_the_time_left(tmp_path):
+    # a simulated run on a fake clock: 30 s compiling the first step, then 1 s a step and 10 s of evaluation
+    # after every 100th; from 10% of the run on, the bar's ETA is within 20% of the time really left
+    import re
+
+    from jaxseq.train.logs import RunLogger
+
+    total = 500
+    finish_times, now = {1: 30.0}, 30.0
+    for step in range(2, total + 1):
+        now += 1.0
+        finish_times[step] = now
+        now += 10.0 if step % 100 == 0 else 0.0
+    end = now
+    logger = RunLogger(tmp_path, total, enabled=True)
+    clock = [0.0]
+    logger.bar._time = lambda: clock[0]
+    logger.bar.start_t = logger.bar.last_print_t = 0.0
+    for step in range(1, total + 1):
+        if step > 1 and (step - 1) % 100 == 0:  # what the trainer reports after each evaluation
+            clock[0] = finish_times[step - 1] + 10.0
+            logger.paused(10.0, pauses_left=(total - step + 1) // 100)
+        clock[0] = finish_times[step]
+        logger.bar.update(1)
+        if step == 1:
+            logger.restart_clock()
+        if step >= total // 10 and step < total:
+            eta = re.search(r"<([\d:]+)", str(logger.bar)).group(1)
+            seconds = sum(int(part) * 60**i for i, part in enumerate(reversed(eta.split(":"))))
+            assert abs(seconds - (end - clock[0])) <= 0.2 * (end - clock[0]), (step, seconds, end - clock[0])
+    logger.close()

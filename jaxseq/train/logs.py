@@ -20,17 +20,16 @@ class RunLogger:
         self.enabled = jax.process_index() == 0 if enabled is None else enabled
         self.output_dir = Path(output_dir)
         self.records: list[dict] = []
-        # smoothing=0: the rate (and ETA) is the average over the whole run, evaluations included, not the
-        # last few updates (which an evaluation or a checkpoint would swing)
-        self.bar = tqdm(
+        self.bar = StepBar(
             total=total_steps,
             initial=initial_step,
             desc="train",
             unit="step",
             disable=not self.enabled,
             dynamic_ncols=True,
-            smoothing=0,
+            bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}<{left}, {rate_fmt}{postfix}]",
         )
+        self._pauses: list[float] = []
         self._tb = None
         self._jsonl = None
         if self.enabled:
@@ -84,7 +83,14 @@ class RunLogger:
     def restart_clock(self) -> None:
         """Time the bar's rate and ETA from now and its current count on (after the first step's compilation)."""
         if not self.bar.disable:
-            self.bar.initial, self.bar.start_t = self.bar.n, self.bar._time()
+            self.bar.initial, self.bar.start_t, self.bar.paused = self.bar.n, self.bar._time(), 0.0
+
+    def paused(self, seconds: float, pauses_left: int) -> None:
+        """Note ``seconds`` spent outside training steps (evaluating, saving), with ``pauses_left`` such pauses
+        to come: the bar's rate leaves them out and its ETA adds their expected time (the mean so far)."""
+        self._pauses.append(seconds)
+        self.bar.paused += seconds
+        self.bar.ahead = sum(self._pauses) / len(self._pauses) * pauses_left
 
     def progress(self, total: int, desc: str, unit: str = "batch") -> tqdm:
         """A transient bar under the training bar (evaluation, prediction), shown on process 0 only."""
@@ -132,6 +138,22 @@ class RunLogger:
         if self.enabled:
             self._tb.close()
             self._jsonl.close()
+
+
+class StepBar(tqdm):
+    """The training bar: its rate is steps per second of time spent in steps (``paused`` seconds of
+    evaluations and checkpoints left out) and its ETA (``{left}`` in ``bar_format``) is the steps left at that
+    rate plus ``ahead``, the time the pauses still to come are expected to take."""
+
+    paused = ahead = 0.0
+
+    @property
+    def format_dict(self):
+        d = super().format_dict
+        done, busy = d["n"] - d["initial"], d["elapsed"] - self.paused
+        d["rate"] = done / busy if done > 0 and busy > 0 else None
+        d["left"] = self.format_interval((d["total"] - d["n"]) / d["rate"] + self.ahead) if d["rate"] else "?"
+        return d
 
 
 class Finished:

@@ -298,12 +298,14 @@ class Trainer:
                 self._progress.drain()
                 self._check_finite(step, partition.gather(pending))  # never evaluate or save a NaN state
                 self.throughput.pause(step)
+                paused = time.perf_counter()
                 if evaluate_now:
                     eval_metrics = self.evaluate()
                     self.logger.log(step, {f"eval/{k}": v for k, v in eval_metrics.items()})
                 if save_now:
                     self.save(step, eval_metrics if evaluate_now else None)
                 self.throughput.resume(step)
+                self.logger.paused(time.perf_counter() - paused, self._pauses_after(step, eval_every))
             if step < self.total_steps and self._signalled(logged):
                 self._stop_for_signal(step, pending, started, saved=bool(save_now))
         runtime = time.perf_counter() - started
@@ -322,6 +324,15 @@ class Trainer:
             **{f"train_{k}": v for k, v in self.throughput.summary().items()},
             **{f"eval_{k}": v for k, v in eval_metrics.items()},
         }
+
+    def _pauses_after(self, step: int, eval_every: int) -> int:
+        """How many of the steps after ``step`` evaluate or save (the progress bar's ETA counts them)."""
+        save_every = self.config.save_steps
+        return sum(
+            1
+            for s in range(step + 1, self.total_steps + 1)
+            if s % eval_every == 0 or (save_every and s % save_every == 0) or s == self.total_steps
+        )
 
     def _report_tokenized(self) -> None:
         counts = self.feed.tokenized_counts()
