@@ -9,8 +9,8 @@ see the examples in the same order (jaxseq's, a function of the seed); only thei
 Wall time counts the training loop only (jaxseq's also holds its compilation and the final evaluation);
 evaluation is on the full dev set. Prints both dev accuracies and the wall-time ratio.
 
-jaxseq runs with --pack_sequences (several short examples per row of 64, the same math per example;
---no_pack turns it off); PyTorch pads every example to 64 as run_glue.py does by default.
+jaxseq runs with packing, the script's default (several short examples per row of 64, the same math per
+example; --no_pack passes --no_pack_sequences); PyTorch pads every example to 64 as run_glue.py does by default.
 """
 
 from __future__ import annotations
