@@ -195,8 +195,8 @@ def main(argv) -> int:
     )
     if trainer.feed.pack:
         trainer.logger.write(
-            f"packing {trainer.feed.micro_batch} examples into {trainer.feed.packed_rows} rows per "
-            f"micro-batch (of {glue.max_seq_length} tokens)"
+            f"packing {trainer.feed.micro_batch} examples into {' or '.join(map(str, trainer.feed.row_buckets))} "
+            f"rows per micro-batch (of {glue.max_seq_length} tokens)"
         )
     try:
         results = trainer.train()

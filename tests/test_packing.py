@@ -49,6 +49,13 @@ def test_pack_keeps_every_token_and_points_at_the_pooled_one(minilm_sst2, pool):
         packing.pack(arrays, rows - 1, pool)
 
 
+def test_row_buckets_hold_every_batch_in_a_few_counts():
+    needed = np.array([7] * 50 + [8] * 40 + [10] * 10)
+    assert packing.row_buckets(needed) == [7, 8, 10]  # 770 rows computed instead of 1000
+    assert packing.row_buckets(needed, most=2) == [8, 10]
+    assert packing.row_buckets(np.array([4] + [5] * 49)) == [5]  # 4 would save 0.4% for a compilation
+
+
 def test_packed_minilm_gives_the_unpacked_logits(minilm_sst2):
     folder, arrays = minilm_sst2
     model = load_pretrained(folder, "sequence-classification", num_labels=2, seed=0)
@@ -75,7 +82,9 @@ def test_packed_training_follows_unpacked_on_a_mesh(tmp_path, tokenizer, sst2): 
     kw = dict(per_device_train_batch_size=4, gradient_accumulation_steps=2, max_steps=4, dropout=0.0)
     plain = make_trainer(tmp_path / "plain", tokenizer, sst2, "dp=2,mp=4", **kw)
     packed = make_trainer(tmp_path / "packed", tokenizer, sst2, "dp=2,mp=4", pack="last", **kw)
-    assert packed.feed.packed_rows % 2 == 0 and packed.feed.packed_rows < plain.feed.micro_batch
+    rows = [batch["input_ids"].shape[1] for batch, _ in zip(packed.feed.batches(), range(4))]  # [2, rows, seq]
+    assert len(set(rows)) > 1 and set(rows) <= set(packed.feed.row_buckets)  # steps packed into two row counts
+    assert all(r % 2 == 0 and r < plain.feed.micro_batch for r in rows)
     np.testing.assert_allclose(train_losses(packed), train_losses(plain), atol=1e-5)
     a, b = plain.logger.records[-1], packed.logger.records[-1]
     assert a.keys() == b.keys() and "eval/accuracy" in a

@@ -31,9 +31,9 @@ from jaxseq.mesh import batch_spec, data_parallel_size
 class Feeder:
     """The training and evaluation batches of one run on ``mesh``. ``pack``: pack short examples into shared
     rows (``jaxseq.data.packing``), pooling each example's ``"first"`` or ``"last"`` token; the row counts are
-    sized once for the whole run (``size_packing``), so shapes stay static. Unpacked evaluation sorts the
-    examples by length and cuts each batch to one of a few widths (``length_buckets``, multiples of
-    ``bucket_multiple``): one compiled program per width."""
+    sized once for the whole run (``size_packing``): a few static shapes, one compiled program each. Unpacked
+    evaluation sorts the examples by length and cuts each batch to one of a few widths (``length_buckets``,
+    multiples of ``bucket_multiple``): one compiled program per width."""
 
     def __init__(
         self,
@@ -67,19 +67,36 @@ class Feeder:
                 f"{n} training examples do not fill one global batch of {self.global_batch}; lower "
                 "--per_device_train_batch_size or --gradient_accumulation_steps"
             )
-        self.packed_rows: int | None = None
+        self.packed_rows: int | None = None  # the most rows a micro-batch is packed into
+        self.row_buckets: list[int] = []  # every row count micro-batches are packed into
+        self._step_rows = np.zeros(0, np.int64)  # the row count of each step's micro-batches
         self.eval_packed_rows: dict[str, int | None] = dict.fromkeys(self.eval_sets)
 
     def size_packing(self, total_steps: int) -> None:
-        """Packed rows per micro-batch (the most any micro-batch of the run needs) and per eval batch. Every
-        data-parallel shard packs its own examples into its own rows, so the layout depends on the mesh,
-        not on how many processes share it; each process sizes only its shards (tokenizing only those)
-        and the processes agree on the largest."""
+        """Packed rows of each step's micro-batches (one of a few counts, ``packing.row_buckets`` of what the
+        steps need) and of every eval batch (the most any needs). Every data-parallel shard packs its own
+        examples into its own rows, so the layout depends on the mesh, not on how many processes share it;
+        each process sizes only its shards (tokenizing only those) and the processes agree on the largest."""
         if not self.pack:
             return
         indices = train_indices(len(self.train_data), self.global_batch, self.seed)
-        run = (next(indices).reshape(self.accumulate, -1)[:, self._mine] for _ in range(total_steps))
-        self.packed_rows = self._rows_for(self.train_data.take(m) for b in run for m in b)
+        needed = np.array(
+            [
+                packing.rows_needed(
+                    shard
+                    for m in next(indices).reshape(self.accumulate, -1)
+                    for shard in self._shards(self.train_data.take(m[self._mine]))
+                )
+                for _ in range(total_steps)
+            ],
+            np.int32,
+        )
+        if jax.process_count() > 1:
+            needed = np.max(np.asarray(multihost_utils.process_allgather(needed)), axis=0)
+        buckets = np.array(packing.row_buckets(needed))
+        self.row_buckets = [self.dp * int(b) for b in buckets]
+        self.packed_rows = self.row_buckets[-1]
+        self._step_rows = self.dp * buckets[np.searchsorted(buckets, needed)]
         self.eval_packed_rows = {
             name: self._rows_for(
                 data.take(index[self._eval_mine]) for index, _ in eval_indices(len(data), self.eval_batch)
@@ -108,8 +125,10 @@ class Feeder:
         """The training batches from ``start_step`` on, on the devices: ``[rows, ...]`` arrays, or
         ``[micro-batches, rows, ...]`` with gradient accumulation."""
         micro = self.accumulate
-        for index in train_indices(len(self.train_data), self.global_batch, self.seed, start_step):
-            parts = [self._local(self.train_data, m[self._mine], self.packed_rows) for m in index.reshape(micro, -1)]
+        indices = train_indices(len(self.train_data), self.global_batch, self.seed, start_step)
+        for step, index in enumerate(indices, start_step):
+            rows = int(self._step_rows[step]) if step < len(self._step_rows) else self.packed_rows
+            parts = [self._local(self.train_data, m[self._mine], rows) for m in index.reshape(micro, -1)]
             yield self.device_batch(
                 parts[0] if micro == 1 else {k: np.stack([p[k] for p in parts]) for k in parts[0]}, stacked=micro > 1
             )
