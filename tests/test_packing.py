@@ -7,7 +7,7 @@ import pytest
 
 transformers = pytest.importorskip("transformers")
 
-from jaxseq.data import packing  # noqa: E402
+from jaxseq.data import batches, packing  # noqa: E402
 from jaxseq.data.glue import encode, get_task, load_split  # noqa: E402
 from jaxseq.models import load_pretrained  # noqa: E402
 from tests.conftest import shared_asset  # noqa: E402
@@ -50,10 +50,20 @@ def test_pack_keeps_every_token_and_points_at_the_pooled_one(minilm_sst2, pool):
 
 
 def test_row_buckets_hold_every_batch_in_a_few_counts():
-    needed = np.array([7] * 50 + [8] * 40 + [10] * 10)
-    assert packing.row_buckets(needed) == [7, 8, 10]  # 770 rows computed instead of 1000
+    needed = np.array([7] * 500 + [8] * 400 + [10] * 100)
+    assert packing.row_buckets(needed) == [7, 8, 10]  # 7700 rows computed instead of 10000
     assert packing.row_buckets(needed, most=2) == [8, 10]
-    assert packing.row_buckets(np.array([4] + [5] * 49)) == [5]  # 4 would save 0.4% for a compilation
+    assert packing.row_buckets(np.array([4] * 10 + [5] * 990)) == [5]  # 4 would save 0.2% for a compilation
+    assert packing.row_buckets(needed[::100]) == [10]  # 10 batches: a compilation costs more than it saves
+
+
+def test_eval_width_buckets_merge_rare_widths_upward(monkeypatch):
+    assert batches.length_buckets(128) == [16, 32, 64, 128]
+    assert batches.length_buckets(512, multiple=128) == [128, 256, 512]
+    ends = [10, 12, 13, 14, 20, 30, 40, 40]  # of each batch's longest row
+    assert batches.bucket_widths(ends, [16, 32, 64, 128]).tolist() == [16] * 4 + [64] * 4  # 32: 2 batches
+    monkeypatch.setattr(batches, "BUCKET_BATCHES", 1)
+    assert batches.bucket_widths(ends, [16, 32, 64, 128]).tolist() == [16] * 4 + [32] * 2 + [64] * 2
 
 
 def test_packed_minilm_gives_the_unpacked_logits(minilm_sst2):
@@ -77,7 +87,8 @@ def test_packed_gpt2_gives_the_unpacked_logits(tokenizer, sst2):  # noqa: F811 (
     np.testing.assert_allclose(np.asarray(got), np.asarray(expected), atol=1e-5)
 
 
-def test_packed_training_follows_unpacked_on_a_mesh(tmp_path, tokenizer, sst2):  # noqa: F811 (fixtures)
+def test_packed_training_follows_unpacked_on_a_mesh(tmp_path, tokenizer, sst2, monkeypatch):  # noqa: F811 (fixtures)
+    monkeypatch.setattr(packing, "COMPILE_STEPS", 0)  # a row count per need, even in a run of 4 steps
     # dropout off: packed rows draw different dropout masks; two micro-batches each packed on their own
     kw = dict(per_device_train_batch_size=4, gradient_accumulation_steps=2, max_steps=4, dropout=0.0)
     plain = make_trainer(tmp_path / "plain", tokenizer, sst2, "dp=2,mp=4", **kw)
@@ -93,7 +104,13 @@ def test_packed_training_follows_unpacked_on_a_mesh(tmp_path, tokenizer, sst2): 
             np.testing.assert_allclose(b[key], a[key], atol=1e-5)
 
 
-def test_packed_and_bucketed_evaluation_and_prediction_equal_unpacked_rows_in_input_order(tmp_path, tokenizer, sst2):  # noqa: F811 (fixtures)
+def test_packed_and_bucketed_evaluation_and_prediction_equal_unpacked_rows_in_input_order(
+    tmp_path,
+    tokenizer,  # noqa: F811 (fixture)
+    sst2,  # noqa: F811 (fixture)
+    monkeypatch,
+):
+    monkeypatch.setattr(batches, "BUCKET_BATCHES", 1)  # a program per width, even for 5 batches
     _, _, dev = sst2
     plain = make_trainer(tmp_path / "plain", tokenizer, sst2, "dp=2,mp=4", max_steps=1)  # length buckets
     packed = make_trainer(tmp_path / "packed", tokenizer, sst2, "dp=2,mp=4", max_steps=1, pack="last")

@@ -68,8 +68,18 @@ def ends(mask: np.ndarray) -> np.ndarray:
     return np.where(real.any(axis=1), real.shape[1] - np.argmax(real[:, ::-1], axis=1), 0)
 
 
-def bucket_width(end: int, buckets: list[int]) -> int:
-    return next(w for w in buckets if w >= end)
+BUCKET_BATCHES = 4  # a width compiles its own program only for at least this many batches of an evaluation
+
+
+def bucket_widths(batch_ends: np.ndarray, buckets: list[int]) -> np.ndarray:
+    """The width of each batch (``batch_ends``: its longest row's end): the smallest bucket that holds it,
+    among the widest one any batch needs and those at least ``BUCKET_BATCHES`` batches take; a bucket fewer
+    batches take is merged into the next wider one, so a small eval set compiles one or two programs."""
+    fits = np.array([next(w for w in buckets if w >= end) for end in batch_ends])
+    for width in sorted(set(fits.tolist()))[:-1]:
+        if (fits == width).sum() < BUCKET_BATCHES:
+            fits[fits == width] = min(w for w in fits.tolist() if w > width)
+    return fits
 
 
 def bucketed_eval_indices(row_ends: np.ndarray, batch_size: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:

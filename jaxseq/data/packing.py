@@ -52,20 +52,25 @@ def rows_needed(batches: Iterable[Mapping[str, np.ndarray]]) -> int:
     return max(len(_assign(lengths(b), b["input_ids"].shape[1])) for b in batches)
 
 
+COMPILE_STEPS = 25  # a compilation costs about this many steps of the largest shape (MiniLM on a CPU: ~20)
+
+
 def row_buckets(needed: np.ndarray, most: int = 3, gain: float = 0.05) -> list[int]:
     """A few row counts for batches that need ``needed`` rows each (each batch takes the smallest count that
     holds it): the largest, plus smaller ones (at most ``most`` in all) while each saves at least ``gain`` of
-    the rows computed."""
+    the rows computed and more than its compilation costs (``COMPILE_STEPS`` batches of the largest)."""
     needed = np.asarray(needed)
 
     def rows(counts):
         counts = np.sort(counts)
         return int(counts[np.searchsorted(counts, needed)].sum())
 
-    buckets = [int(needed.max())]
+    largest = int(needed.max())
+    buckets = [largest]
     while len(buckets) < most:
         options = [(rows([*buckets, c]), int(c)) for c in np.unique(needed) if c not in buckets]
-        if not options or rows(buckets) - min(options)[0] < gain * rows(buckets):
+        saving = rows(buckets) - min(options)[0] if options else 0
+        if saving <= 0 or saving < max(gain * rows(buckets), COMPILE_STEPS * largest):
             break
         buckets.append(min(options)[1])
     return sorted(buckets)

@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 from jaxseq.data import packing
 from jaxseq.data.batches import (
     MASKED_ARRAYS,
-    bucket_width,
+    bucket_widths,
     bucketed_eval_indices,
     ends,
     eval_indices,
@@ -147,10 +147,16 @@ class Feeder:
         # every process sorts every example (tokenizing the whole set), so all agree on the batches' shapes
         full = data.take(np.arange(len(data)))
         row_ends = np.stack([ends(full[m]) for m in masks], axis=1)
-        buckets = {m: length_buckets(full[m].shape[1], self.bucket_multiple) for m in masks}
-        for index, valid in bucketed_eval_indices(row_ends, self.eval_batch):
-            widths = {m: bucket_width(int(row_ends[index, i].max()), buckets[m]) for i, m in enumerate(masks)}
-            local = trim(data.take(index[self._eval_mine]), widths)
+        batches = list(bucketed_eval_indices(row_ends, self.eval_batch))
+        widths = {
+            m: bucket_widths(
+                [row_ends[index, i].max() for index, _ in batches],
+                length_buckets(full[m].shape[1], self.bucket_multiple),
+            )
+            for i, m in enumerate(masks)
+        }
+        for b, (index, valid) in enumerate(batches):
+            local = trim(data.take(index[self._eval_mine]), {m: int(w[b]) for m, w in widths.items()})
             yield self.device_batch(local), index, valid
 
     def _local(self, data: Rows, index: np.ndarray, packed_rows: int | None) -> dict[str, np.ndarray]:
