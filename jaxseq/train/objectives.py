@@ -167,25 +167,31 @@ class CausalLM(TokenLoss):
 
     def _token_losses(self, model, batch, rngs=None) -> tuple[jax.Array, jax.Array]:
         ids = batch["input_ids"].astype(jnp.int32)  # the data may be stored as uint16
-        mask = batch.get("attention_mask")
+        mask, positions = batch.get("attention_mask"), batch.get("position_ids")
         targets = jnp.roll(ids, -1, axis=1)
         weights = self._weights(batch)
         chunk_tokens = self._chunk_tokens(*ids.shape, model.config.vocab_size)
         if chunk_tokens and hasattr(model, "hidden_states"):
-            h = model.hidden_states(ids, mask, rngs=rngs).last_hidden_state
+            h = model.hidden_states(ids, mask, positions, rngs=rngs).last_hidden_state
             chunk = self.chunk_positions(*ids.shape, chunk_tokens)
             losses = chunked_cross_entropy(model.logits, h, targets, chunk, model.config.vocab_size)
         else:
-            logits = model(ids, mask, rngs=rngs).logits
+            logits = model(ids, mask, positions, rngs=rngs).logits
             losses = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
         return losses * weights, weights
 
     def _weights(self, batch) -> jax.Array:
-        # the last position has no next token: it is scored against a wrapped-around target with weight 0,
-        # which spares slicing the logits (a copy of the step's largest array, and a pad in the backward)
+        """1 where position t's next token is a target: a real token (``attention_mask`` not 0, as
+        transformers' labels) and, with a ``loss_mask`` (chat: the assistant's tokens), one to learn; never
+        the first token of the next example of a packed row (``attention_mask``: segment ids 1, 2, ...). The
+        last position has no next token: it is scored against a wrapped-around target with weight 0, which
+        spares slicing the logits (a copy of the step's largest array, and a pad in the backward)."""
         ids, mask = batch["input_ids"], batch.get("attention_mask")
-        weights = jnp.ones(ids.shape, jnp.float32) if mask is None else jnp.roll(mask, -1, axis=1).astype(jnp.float32)
-        return weights.at[:, -1].set(0.0)
+        learn = batch.get("loss_mask", mask)
+        weights = jnp.ones(ids.shape, bool) if learn is None else (jnp.roll(learn, -1, axis=1) != 0)
+        if mask is not None:
+            weights = weights & ((mask == 0) | (jnp.roll(mask, -1, axis=1) == mask))
+        return weights.astype(jnp.float32).at[:, -1].set(0.0)
 
 
 def cross_entropy(logits: jax.Array, targets: jax.Array, classes: int | None = None) -> jax.Array:

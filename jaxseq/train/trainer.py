@@ -120,6 +120,7 @@ class Trainer:
         flops_per_example: float | None = None,
         peak_flops: float | None = None,
         lora: LoraConfig | None = None,
+        packed_rows: bool = False,
     ):
         """``train_data`` and each eval set: arrays by name, or ``jaxseq.data.rows`` that tokenize on demand
         (each process then tokenizes only the examples its devices take). ``lora``: train LoRA adapters
@@ -127,6 +128,8 @@ class Trainer:
         ``loss_scaling``: dynamic loss scaling, for models computing in float16. ``pack``: pack short
         examples into shared rows (``jaxseq.data.packing``), pooling each example's ``"first"`` or
         ``"last"`` token; the row counts are sized once for the whole run, so shapes stay static.
+        ``packed_rows``: the data's rows already hold several examples each (segment ids in
+        ``attention_mask``, as ``jaxseq.data.chat`` packs them).
         ``tokens_per_example``, ``flops_per_example`` (model FLOPs of one example's forward and backward) and
         ``peak_flops`` (FLOP/s of all devices): when given, the training log adds tokens/s, model FLOP/s and
         MFU (see ``jaxseq.train.throughput``)."""
@@ -150,7 +153,7 @@ class Trainer:
             self.total_steps = max(1, math.ceil(config.num_train_epochs * self.steps_per_epoch))
         self.feed.size_packing(self.total_steps)
         enable_remat(model, config.remat)
-        self.attention = use_attention(model, config.attention, mesh, packed=pack is not None)
+        self.attention = use_attention(model, config.attention, mesh, packed=pack is not None or packed_rows)
         self.program = program = TrainProgram(
             model,
             task,
