@@ -182,6 +182,8 @@ class Trainer:
         if self.lora:
             self.frozen = partition.shard(params, program.frozen_shardings)
             params = program.adapter_init(self.frozen)
+            if self.lora.adapter is not None:  # --lora_adapter: go on from its weights
+                params = partition.shard(self.lora.adapter_weights(), jax.tree.map(lambda x: x.sharding, params))
         self.state = program.init_state(params)
         self._train_step = lambda state, batch: program.step(state, self.frozen, batch)
         self._eval_step = program.eval_step
