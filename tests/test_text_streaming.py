@@ -135,3 +135,13 @@ def test_streaming_a_large_corpus_keeps_host_memory_bounded(tmp_path):
     last = [period[k % len(period)] if k < len(period) * repeats else ids["<eos>"] for k in range(n * 64 - 64, n * 64)]
     assert report["last"] == last  # the corpus's tokens in order, to the last block
     assert report["growth"] < size / 5, f"peak memory grew by {report['growth'] >> 20} MiB for {size >> 20} MiB"
+
+
+def test_text_without_safe_breaks_is_cut_at_line_breaks_the_same_way_streamed(tmp_path):
+    document = "".join(f"Line {i} of a double-spaced text.\n\n" for i in range(60_000))  # no break between two
+    (tmp_path / "double.txt").write_text(document)  # non-blank lines: only the forced cuts
+    streamed = list(text.file_parts(tmp_path / "double.txt"))
+    assert streamed == list(text.document_parts(text.read_documents(tmp_path / "double.txt")))
+    assert "".join(p for p, _ in streamed) == document and [end for _, end in streamed][-1]
+    limit = text.LIMIT_PIECES * text.PIECE_CHARS
+    assert len(streamed) > 1 and all(len(p) <= limit and p.endswith("\n") for p, _ in streamed)

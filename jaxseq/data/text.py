@@ -42,8 +42,9 @@ from jaxseq.files import atomic_write
 TEXT_SUFFIXES = (".txt", ".text", ".tokens", ".raw")
 JSON_SUFFIXES = (".json", ".jsonl")
 CSV_SUFFIXES = (".csv", ".tsv")
-CACHE_VERSION = 1  # bump when the tokenization rules change
+CACHE_VERSION = 2  # bump when the tokenization rules change
 PIECE_CHARS = 1 << 16  # a long document is encoded in pieces of about this many characters
+LIMIT_PIECES = 16  # ... and of at most this many times as many, where it has no safe break
 BATCH_CHARS = 1 << 18  # characters of pieces encoded per tokenizer call
 PROGRESS_CHARS = 1 << 20  # show a progress bar from this much text on
 _CUT = re.compile(r"(?<=\S\n)(?=\S)")  # a line break between two non-blank lines
@@ -153,7 +154,7 @@ def document_parts(documents: Iterable[str]) -> Iterator[tuple[str, bool]]:
 
 def file_parts(path: str | os.PathLike, text_column: str = "text") -> Iterator[tuple[str, bool]]:
     """``document_parts`` of a local file, read as a stream: a text file's lines are gathered into pieces
-    cut where ``pieces`` cuts, so no more than a piece or two of it is ever held."""
+    cut where ``pieces`` cuts, so no more than about two pieces' limit of it is ever held."""
     if _builder(Path(path))[0] != "text":
         yield from document_parts(records(path, text_column))
         return
@@ -161,7 +162,7 @@ def file_parts(path: str | os.PathLike, text_column: str = "text") -> Iterator[t
     for line in records(path):
         held.append(line)
         size += len(line)
-        if size >= 2 * PIECE_CHARS:
+        if size > 2 * LIMIT_PIECES * PIECE_CHARS:  # more than the longest piece: the cuts are the whole's
             *done, rest = pieces("".join(held))
             yield from ((piece, False) for piece in done)
             held, size = [rest], len(rest)
@@ -189,16 +190,24 @@ def load_hub_dataset(name: str, config_name: str | None, streaming: bool = False
 
 
 def pieces(document: str, size: int = PIECE_CHARS) -> Iterator[str]:
-    """``document`` in pieces of about ``size`` characters, cut only at a line break between two non-blank
-    lines (a byte-level BPE tokenizer splits there anyway, so the tokens of the pieces are those of the
-    whole); a document without such a break is one piece."""
+    """``document`` in pieces of about ``size`` characters, cut at a line break between two non-blank lines
+    (a byte-level BPE tokenizer splits there anyway, so the tokens of the pieces are those of the whole).
+    Where no such break comes within ``LIMIT_PIECES`` x ``size`` characters (double-spaced text), the piece
+    ends at the last line break before that, where a run of blank lines may tokenize differently; where
+    there is no line break at all, at that length. Each cut depends only on the text from the piece's start
+    to that limit, so a stream cuts where the whole document does."""
+    limit = LIMIT_PIECES * size
     start = 0
     while len(document) - start > size:
-        cut = _CUT.search(document, start + size)
-        if cut is None:
+        cut = _CUT.search(document, start + size, start + limit)
+        if cut is not None:
+            end = cut.start()
+        elif len(document) - start <= limit:
             break
-        yield document[start : cut.start()]
-        start = cut.start()
+        else:
+            end = document.rfind("\n", start + size, start + limit) + 1 or start + limit
+        yield document[start:end]
+        start = end
     yield document[start:]
 
 
