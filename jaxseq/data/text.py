@@ -12,7 +12,7 @@ encoded in parallel batches with a progress bar.
 With ``--streaming`` nothing is ever held whole: the text is read as a stream (``datasets``' streaming
 mode; a Hub dataset is not downloaded in full), a batch of pieces at a time, and its tokens are written
 straight into the cache file, so host memory stays bounded whatever the corpus size. Without it the
-documents are read into memory first, and in a multi-host run each process tokenizes a share of them.
+documents are read into memory first. In a multi-host run each process tokenizes a share either way.
 
 The cache holds the token stream of each source (``.npy``, no pickle, keyed by a hash of the file's
 bytes, or the Hub dataset's fingerprint, and of the tokenizer), not the blocks: cutting blocks is a
@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import io
+import itertools
 import json
 import os
 import re
@@ -221,21 +222,44 @@ def _eos(tokenizer) -> int:
     return tokenizer.eos_token_id
 
 
-def _encoded(parts: Iterable[tuple[str, bool]], tokenizer, bar) -> Iterator[np.ndarray]:
-    """The tokens of ``parts``, one array per tokenizer call of about ``BATCH_CHARS`` characters of pieces,
-    EOS after each piece that ends its document."""
+def _encoded(parts: Iterable[tuple[str, bool]], tokenizer, bar, *, share: bool = False) -> Iterator[np.ndarray]:
+    """The tokens of ``parts`` in order, one array per tokenizer call of about ``BATCH_CHARS`` characters of
+    pieces, EOS after each piece that ends its document. ``share``: in a multi-host run process ``p`` encodes
+    every batch ``i`` with ``i % processes == p``, and each round of batches is exchanged: every process
+    gets every array, having encoded 1/N of them (and held one round at a time)."""
+    import jax
+
     eos, dtype = _eos(tokenizer), token_dtype(tokenizer)
-    batch, size = [], 0
-    for part in parts:
-        batch.append(part)
-        size += len(part[0])
-        if size >= BATCH_CHARS:
-            yield _encode(batch, tokenizer, eos, dtype)
+    count, index = (jax.process_count(), jax.process_index()) if share else (1, 0)
+    mine, batch, size, i = None, [], 0, 0
+    for part in itertools.chain(parts, [None]):  # None: the end, which flushes the last batch and round
+        if part is not None:
+            batch.append(part)
+            size += len(part[0])
+        if batch and (part is None or size >= BATCH_CHARS):
+            if i % count == index:
+                mine = _encode(batch, tokenizer, eos, dtype)
             bar.update(size)
-            batch, size = [], 0
-    if batch:
-        yield _encode(batch, tokenizer, eos, dtype)
-        bar.update(size)
+            batch, size, i = [], 0, i + 1
+            if i % count == 0:
+                yield from _exchange(mine, dtype, count)
+                mine = None
+    if i % count:
+        yield from _exchange(mine, dtype, count)
+
+
+def _exchange(mine: np.ndarray | None, dtype, count: int) -> list[np.ndarray]:
+    """Every process's array of one round, in process order (``mine`` with one process)."""
+    mine = np.zeros((0,), dtype) if mine is None else mine
+    if count == 1:
+        return [mine]
+    from jax.experimental import multihost_utils
+
+    lengths = np.asarray(multihost_utils.process_allgather(np.int32(len(mine))))
+    padded = np.zeros(max(int(lengths.max()), 1), dtype)
+    padded[: len(mine)] = mine
+    arrays = np.asarray(multihost_utils.process_allgather(padded))
+    return [array[:n] for array, n in zip(arrays, lengths)]
 
 
 def _encode(batch: list[tuple[str, bool]], tokenizer, eos: int, dtype) -> np.ndarray:
@@ -261,8 +285,8 @@ def tokenize(documents: list[str], tokenizer, *, progress: bool = True, desc: st
 
 def write_tokens(f: IO[bytes], parts: Iterable[tuple[str, bool]], tokenizer, *, progress: bool, desc: str) -> int:
     """``tokenize``'s stream for ``parts`` written to ``f`` as a ``.npy`` file a batch at a time (the header,
-    which holds the length, last): nothing but one batch is ever in memory. Every process writes all of it.
-    Returns the number of tokens."""
+    which holds the length, last): nothing but a round of batches is ever in memory. In a multi-host run each
+    process encodes a share of the batches and writes all of them. Returns the number of tokens."""
     from tqdm.auto import tqdm
 
     _eos(tokenizer)
@@ -270,7 +294,7 @@ def write_tokens(f: IO[bytes], parts: Iterable[tuple[str, bool]], tokenizer, *, 
     f.write(b"\0" * NPY_HEADER)
     count = 0
     with tqdm(desc=desc, unit="char", unit_scale=True, disable=not progress) as bar:
-        for tokens in _encoded(parts, tokenizer, bar):
+        for tokens in _encoded(parts, tokenizer, bar, share=True):
             f.write(tokens.tobytes())
             count += len(tokens)
     header = io.BytesIO()
