@@ -137,11 +137,13 @@ def reported(tmp_path_factory):
     return root, out, logged
 
 
+@pytest.mark.slow  # one end-to-end run for the four
 def test_tensorboard_has_every_figure(reported):
     _, out, logged = reported
     close_to(tensorboard_scalars(out / "tensorboard"), logged, rel=1e-6)  # float32 in the events
 
 
+@pytest.mark.slow  # one end-to-end run for the four
 def test_wandb_offline_run_has_every_figure_and_the_config(reported):
     _, out, logged = reported
     history, config, name = wandb_history(out)  # WANDB_DIR unset: the run sits in the output dir
@@ -149,6 +151,7 @@ def test_wandb_offline_run_has_every_figure_and_the_config(reported):
     assert name == "tiny-clm" and config["learning_rate"] == 5e-5 and config["max_steps"] == 4
 
 
+@pytest.mark.slow  # one end-to-end run for the four
 def test_trackio_local_run_has_every_figure(reported):
     root, _, logged = reported
     script = (
@@ -166,6 +169,7 @@ def test_trackio_local_run_has_every_figure(reported):
     close_to(got, logged, rel=1e-12)
 
 
+@pytest.mark.slow  # one end-to-end run for the four
 def test_mlflow_file_store_has_every_figure_and_the_params(reported, monkeypatch):
     from mlflow import MlflowClient
 
