@@ -32,6 +32,7 @@ from jaxseq.models.hub import load_config, load_pretrained, parse_overrides, res
 from jaxseq.models.registry import families_with, family_for
 from jaxseq.models.source import PretrainedModel, load_tokenizer
 from jaxseq.sharding import gather
+from jaxseq.train.lora import ADAPTER_HELP, merge_adapter
 
 
 @dataclasses.dataclass
@@ -47,6 +48,7 @@ class GenerateConfig:
     top_p: float = arg(1.0, "sample from the smallest set of tokens holding this probability mass (1 = all)")
     seed: int = arg(0, "random seed of the sampling; the same seed gives the same completions")
     output_file: str | None = arg(None, "write JSONL records here instead of printing the completions")
+    lora_adapter: str | None = arg(None, f"{ADAPTER_HELP}: merged into the weights before generating")
 
 
 SECTIONS = (PretrainedModel, GenerateConfig, RuntimeConfig, DistributedConfig)
@@ -136,6 +138,8 @@ def main(argv) -> int:
                 f"the model's {limit} positions; shorten the prompt or lower --max_new_tokens"
             )
     model = load_pretrained(folder, task, mesh=mesh, dtype=jnp.dtype(runtime.dtype), **overrides)
+    if cfg.lora_adapter:
+        merge_adapter(model, cfg.lora_adapter)
     if len(tokenizer) > model.config.vocab_size:
         raise JaxseqError(
             f"the tokenizer has {len(tokenizer)} tokens but the model only {model.config.vocab_size}; "

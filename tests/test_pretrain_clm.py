@@ -314,7 +314,7 @@ def test_documents_are_joined_by_eos_and_grouped_like_run_clm(tmp_path, assets):
     (tmp_path / "docs.csv").write_text("id,text\n" + "".join(f'{i},"{r}"\n' for i, r in enumerate(rows)))
     expected = [tokenizer(r)["input_ids"] + [tokenizer.eos_token_id] for r in rows if r]
     for name in ("docs.jsonl", "docs.csv"):
-        documents = text.read_documents(tmp_path / name)
+        documents = list(text.read_documents(tmp_path / name))
         assert documents == rows
         tokens = text.tokenize(documents, tokenizer, progress=False)
         assert tokens.dtype == np.uint16

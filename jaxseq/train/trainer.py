@@ -31,6 +31,7 @@ from jaxseq.train.lora import LoraConfig
 from jaxseq.train.optim import OptimizerConfig
 from jaxseq.train.step import Task, TrainProgram
 from jaxseq.train.throughput import Throughput
+from jaxseq.train.trackers import parse_report_to
 
 
 @dataclasses.dataclass
@@ -69,6 +70,13 @@ class TrainerConfig:
         "skip an update whose loss or gradients are NaN/inf and count it (train/skipped_updates) instead "
         "of stopping the run",
     )
+    report_to: str = arg(
+        "tensorboard",
+        "where metrics go besides metrics.jsonl, comma-separated: none, tensorboard, wandb, trackio, mlflow or "
+        "all (every one installed); each reads its own settings (WANDB_MODE, TRACKIO_DIR, MLFLOW_TRACKING_URI, ...)",
+    )
+    run_name: str | None = arg(None, "the run's name in wandb, trackio and mlflow (default: the output folder's name)")
+    project: str = arg("jaxseq", "wandb and trackio project, mlflow experiment")
 
     def __post_init__(self):
         at_least = {
@@ -90,6 +98,7 @@ class TrainerConfig:
         if self.remat not in REMAT_POLICIES:
             raise JaxseqError(f"--remat {self.remat!r} is not one of {', '.join(REMAT_POLICIES)}")
         check_writable_dir(self.output_dir, "--output_dir")
+        self.backends = parse_report_to(self.report_to)
 
 
 def check_writable_dir(path: str | os.PathLike, flag: str) -> None:
@@ -176,6 +185,8 @@ class Trainer:
         if self.lora:
             self.frozen = partition.shard(params, program.frozen_shardings)
             params = program.adapter_init(self.frozen)
+            if self.lora.adapter is not None:  # --lora_adapter: go on from its weights
+                params = partition.shard(self.lora.adapter_weights(), jax.tree.map(lambda x: x.sharding, params))
         self.state = program.init_state(params)
         self._train_step = lambda state, batch: program.step(state, self.frozen, batch)
         self._eval_step = program.eval_step
@@ -186,7 +197,14 @@ class Trainer:
             greater_is_better=config.greater_is_better,
         )
         self._check_resume_source()  # before the logger writes anything into output_dir
-        self.logger = logger or RunLogger(self.output_dir, self.total_steps)
+        self.logger = logger or RunLogger(
+            self.output_dir,
+            self.total_steps,
+            report_to=config.backends,
+            run_name=config.run_name,
+            project=config.project,
+            run_config={**dataclasses.asdict(config), **dataclasses.asdict(optimizer)},
+        )
         self.logger.write(f"attention kernel: {self.attention}")
 
     # ------------------------------------------------------------------ loop
