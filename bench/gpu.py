@@ -314,7 +314,7 @@ def main() -> int:
     parser.add_argument("--sections", default="attention,train", help="comma-separated: attention, train")
     parser.add_argument("--models", default=",".join(MODELS), help=f"comma-separated of {', '.join(MODELS)}")
     parser.add_argument("--sides", default=",".join(SIDES), help=f"comma-separated of {', '.join(SIDES)}")
-    parser.add_argument("--loss_chunk_tokens", type=int, default=512, help="jaxseq's CausalLM loss chunk (0: all)")
+    parser.add_argument("--loss_chunk_tokens", type=int, default=-1, help="jaxseq's loss chunk: -1 auto, 0 whole")
     parser.add_argument("--profile", help="write a JAX trace of 3 steps of each jaxseq row here")
     parser.add_argument("--steps", type=int, default=20, help="timed steps per row")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps, the compiling one included")
