@@ -69,11 +69,13 @@ def tiny_config(case, **kw):
 
 @pytest.fixture(scope="module", params=list(CASES))
 def case(request, tmp_path_factory):
-    """``(name, perturbed transformers LM, its folder)``."""
+    """``(name, perturbed transformers LM, its folder)``, saved in safetensors shards with their index, as big
+    checkpoints are on the Hub."""
     torch.manual_seed(0)
     ref = perturb(transformers.AutoModelForCausalLM.from_config(tiny_config(request.param))).eval()
     path = tmp_path_factory.mktemp(request.param)
-    ref.save_pretrained(path)
+    ref.save_pretrained(path, max_shard_size="150KB")
+    assert len(list(path.glob("model-*-of-*.safetensors"))) > 1 and (path / "model.safetensors.index.json").is_file()
     return request.param, ref, path
 
 
