@@ -15,7 +15,8 @@ The KV cache is a plain pytree of fixed shapes, so it can be carried through ``l
 (heads before positions, so the attention dots read the whole cache without transposing it every step;
 ``attend_cache`` is the attention over it) and ``index`` is the int32 position the next token is written
 to. With a cache, the attention mask the caller passes covers all ``max_len`` key positions (1 for real
-tokens written so far or about to be).
+tokens written so far or about to be). A layer with a sliding window keeps a rolling cache of its window
+instead (``ring_positions``).
 """
 
 from __future__ import annotations
@@ -174,16 +175,57 @@ def self_attention_mask(key_mask: jax.Array | None, seq: int, *, causal: bool, w
     return AttentionMask(make_mask(key_mask, seq, seq, causal=causal, window=window), key_mask, window)
 
 
-def decoder_mask(
-    key_mask: jax.Array | None, seq: int, cache: Cache | None, index, window: int | None = None
-) -> AttentionMask:
-    """A causal decoder's mask for ``seq`` new positions (``window``: sliding, see ``make_mask``): its
-    self-attention mask without a cache, else the dense mask over the cache's ``max_len`` positions with
-    queries from ``index``."""
+def decoder_mask(key_mask: jax.Array | None, seq: int, cache: Cache | None, index) -> AttentionMask | jax.Array:
+    """A causal decoder's mask for ``seq`` new positions: its self-attention mask without a cache, else the
+    dense mask over the cache's ``max_len`` positions with queries from ``index``."""
     if cache is None:
-        return self_attention_mask(key_mask, seq, causal=True, window=window)
-    dense = make_mask(key_mask, seq, cache.layers[0].max_len, causal=True, index=index, window=window)
-    return AttentionMask(dense, None, window)
+        return self_attention_mask(key_mask, seq, causal=True)
+    return make_mask(key_mask, seq, cache.layers[0].max_len, causal=True, index=index)
+
+
+# --------------------------------------------------------------------------- the rolling cache of a sliding window
+# A layer that attends over a sliding window of W positions keeps only the last W keys/values: a KVCache of length
+# L = min(W, max_len) whose slot s holds the latest position p = s (mod L) written so far. A call with t new
+# positions from ``index`` attends over the L slots as they were plus its own t keys (so a long prompt's early
+# queries still see keys that its later positions overwrite), then writes its last min(t, L) keys into their slots.
+
+
+def ring_positions(index: jax.Array | int, length: int) -> jax.Array:
+    """The position each of a rolling cache's ``length`` slots holds before a write at ``index`` (negative: empty)."""
+    slots = jnp.arange(length, dtype=jnp.int32)
+    return index - 1 - jnp.mod(index - 1 - slots, length)
+
+
+def ring_mask(key_mask: jax.Array | None, seq: int, length: int, index, window: int) -> AttentionMask:
+    """The mask of ``seq`` queries from ``index`` over a rolling cache's ``length`` slots followed by their own
+    ``seq`` keys (``attend_ring``): a key is seen if it is written, real in ``key_mask`` (which covers every
+    position, as with a plain cache), and among the ``window`` latest positions up to the query's."""
+    k_pos = jnp.concatenate([ring_positions(index, length), query_positions(seq, index)])
+    q_pos = query_positions(seq, index)[:, None]
+    seen = (k_pos[None, :] >= 0) & (k_pos[None, :] <= q_pos) & (k_pos[None, :] > q_pos - window)
+    mask = seen[None, None]
+    if key_mask is not None:
+        real = jnp.take(key_mask, jnp.clip(k_pos, 0, key_mask.shape[1] - 1), axis=1) != 0
+        mask = mask & real[:, None, None, :]
+    return AttentionMask(mask, None, window)
+
+
+def attend_ring(q: jax.Array, cache: KVCache, k: jax.Array, v: jax.Array, mask, *, scale: float) -> jax.Array:
+    """Attention (XLA, no dropout) of ``q`` over a rolling cache's slots, before this call's write, and the call's
+    own keys/values ``k``/``v`` (``[batch, t, kv_heads, dim]``); ``mask`` from ``ring_mask``."""
+    new = KVCache.of(k, v, q.dtype)
+    k, v = (jnp.concatenate([old.astype(q.dtype), t], axis=2) for old, t in zip(cache, new))
+    return _written_out(q, k, v, "bhkd", mask.dense, None, scale, 0.0, None)
+
+
+def update_ring(cache: KVCache, k: jax.Array, v: jax.Array, index) -> KVCache:
+    """Write the last ``min(t, length)`` of ``t`` new keys/values (``[batch, t, heads, dim]``, positions from
+    ``index``) into their slots of a rolling cache (distinct slots, so the scatter has no duplicates)."""
+    length, t = cache.max_len, k.shape[1]
+    kept = min(t, length)
+    new = KVCache.of(k[:, t - kept :], v[:, t - kept :], cache.k.dtype)
+    slots = jnp.mod(index + t - kept + jnp.arange(kept, dtype=jnp.int32), length)
+    return KVCache(*(old.at[:, :, slots].set(n) for old, n in zip(cache, new)))
 
 
 def attend(

@@ -5,7 +5,8 @@ transformers' PyTorch names (``model/layers/0/self_attn/q_proj/kernel`` is ``mod
 A pre-norm decoder: RMSNorm; rotary embeddings over whole heads (transformers' "rotate half", not GPT-J's
 neighbouring pairs) with ``rope_theta`` and the scalings of ``rope_parameters`` (``ROPE_TYPES``);
 grouped-query attention (``num_key_value_heads`` key/value heads, each read by ``num_attention_heads /
-num_key_value_heads`` query heads; the KV cache holds the key/value heads only); a SwiGLU MLP
+num_key_value_heads`` query heads; the KV cache holds the key/value heads only, and a sliding-window layer's
+holds only its window: ``attention.ring_positions``); a SwiGLU MLP
 (``down(silu(gate(x)) * up(x))``); an LM head tied to the token embeddings or not. What differs between the
 families is read from the config as transformers reads it: the biases (``attention_biases``) and the
 sliding windows (``layer_windows``).
@@ -24,15 +25,20 @@ from jax.sharding import PartitionSpec as P
 from jaxseq.errors import JaxseqError
 from jaxseq.models.attention import (
     AttentionKernel,
+    AttentionMask,
     Cache,
     KVCache,
     attend,
     attend_cache,
-    decoder_mask,
+    attend_ring,
+    make_mask,
     merge_heads,
+    ring_mask,
     run_blocks,
+    self_attention_mask,
     split_heads,
     update_kv,
+    update_ring,
 )
 from jaxseq.models.family import Family
 from jaxseq.models.gpt2 import DecoderLM, LastTokenClassifier
@@ -118,7 +124,8 @@ def apply_rotary(x: jax.Array, sin: jax.Array, cos: jax.Array) -> jax.Array:
 
 
 class LlamaAttention(nnx.Module):
-    """Grouped-query causal self-attention over ``window`` (None: every earlier position)."""
+    """Grouped-query causal self-attention over ``window`` (None: every earlier position); with a ``cache``, a
+    sliding window's is a rolling one of ``window`` positions."""
 
     dropout_field = "attention_dropout"  # the config's attention dropout (see attention.use_attention)
 
@@ -141,7 +148,10 @@ class LlamaAttention(nnx.Module):
         q = split_heads(self.q_proj(x), self.num_heads)
         k, v = (split_heads(proj(x), self.num_kv_heads) for proj in (self.k_proj, self.v_proj))
         q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
-        if cache is not None:
+        if cache is not None and self.window is not None:
+            y = attend_ring(q, cache, k, v, mask, scale=self.scale)
+            cache = update_ring(cache, k, v, index)
+        elif cache is not None:
             cache = update_kv(cache, k, v, index)
             y = attend_cache(q, cache, mask, scale=self.scale)
         else:
@@ -211,16 +221,31 @@ class LlamaModel(nnx.Module):
             position_ids = (index + jnp.arange(seq, dtype=jnp.int32))[None, :]
         rope = rotary(position_ids, rope_frequencies(self.config))
         windows = sorted(set(self.windows), key=lambda w: -1 if w is None else w)
-        masks = tuple(decoder_mask(attention_mask, seq, cache, index, window) for window in windows)
+        masks = tuple(self.mask(attention_mask, seq, cache, index, window) for window in windows)
         x, cache = run_blocks(
             self.layers, self.remat, self.embed_tokens(input_ids), masks, rope, cache=cache, rngs=rngs
         )
         return BaseOutput(self.norm(x), cache)
 
+    def mask(self, attention_mask, seq: int, cache: Cache | None, index, window: int | None) -> AttentionMask:
+        """The causal mask of the layers that attend over ``window``: over this call's positions, the cache's
+        ``max_len`` positions, or a sliding window's rolling cache and this call's positions."""
+        if cache is None:
+            return self_attention_mask(attention_mask, seq, causal=True, window=window)
+        length = cache.layers[self.windows.index(window)].max_len
+        if window is None:
+            return AttentionMask(make_mask(attention_mask, seq, length, causal=True, index=index))
+        return ring_mask(attention_mask, seq, length, index, window)
+
     def init_cache(self, batch: int, max_len: int, dtype=None) -> Cache:
-        """Zero keys/values of the ``num_key_value_heads`` key/value heads of every layer."""
-        c = self.config
-        return Cache.zeros(c.num_hidden_layers, batch, max_len, c.num_key_value_heads, head_dim(c), dtype or self.dtype)
+        """Zero keys/values of the ``num_key_value_heads`` key/value heads of every layer, for ``max_len``
+        positions, or the ``sliding_window`` latest of them in a sliding layer's rolling cache."""
+        c, dtype = self.config, dtype or self.dtype
+        layers = tuple(
+            KVCache.zeros(batch, min(window or max_len, max_len), c.num_key_value_heads, head_dim(c), dtype)
+            for window in self.windows
+        )
+        return Cache(layers, jnp.zeros((), jnp.int32))
 
 
 class LlamaForCausalLM(DecoderLM):
