@@ -236,3 +236,21 @@ def test_bfloat16_compute_stays_as_close_to_float32_as_transformers_does(case):
     assert 1e-4 < max_diff_on(mask, bf16, f32) <= max_diff_on(mask, theirs.float().numpy(), f32)
     assert model.init_cache(1, 8).layers[0].k.dtype == jnp.bfloat16
     assert generate(model, *prompts(), max_new_tokens=4).sequences.shape == (3, 4)
+
+
+def test_sliding_layers_follow_the_config_as_transformers_reads_it():
+    """Mistral slides every layer; Qwen2 the layers from max_window_layers on, and none without
+    use_sliding_window; too short a layer_types list is a one-line error."""
+    from jaxseq.models.llama import layer_windows
+
+    qwen2 = dict(num_hidden_layers=3, use_sliding_window=True, sliding_window=5, max_window_layers=1)
+    assert layer_windows(tiny_config("mistral-mqa-window", num_hidden_layers=3)) == (4, 4, 4)
+    assert layer_windows(tiny_config("qwen2-biases-window-tied", **qwen2)) == (None, 5, 5)
+    assert (
+        layer_windows(tiny_config("qwen2-biases-window-tied", **{**qwen2, "use_sliding_window": False})) == (None,) * 3
+    )
+    assert layer_windows(tiny_config("llama-gqa-llama3")) == (None, None)
+    short = tiny_config("qwen2-biases-window-tied", **qwen2)
+    short.num_hidden_layers = 4
+    with pytest.raises(JaxseqError, match="layer_types names 3 layers but num_hidden_layers is 4"):
+        layer_windows(short)

@@ -71,7 +71,13 @@ def layer_windows(config) -> tuple[int | None, ...]:
     if config.model_type == "mistral":
         return (window,) * layers
     if config.model_type == "qwen2" and window is not None:
-        return tuple(window if kind == "sliding_attention" else None for kind in config.layer_types[:layers])
+        kinds = list(config.layer_types or ())
+        if len(kinds) < layers:
+            raise JaxseqError(
+                f"the config's layer_types names {len(kinds)} layers but num_hidden_layers is {layers}; "
+                "give layer_types one entry per layer (or leave it out)"
+            )
+        return tuple(window if kind == "sliding_attention" else None for kind in kinds[:layers])
     return (None,) * layers
 
 
