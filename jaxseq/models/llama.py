@@ -226,8 +226,7 @@ class LlamaModel(nnx.Module):
         if position_ids is None:
             position_ids = (index + jnp.arange(seq, dtype=jnp.int32))[None, :]
         rope = rotary(position_ids, rope_frequencies(self.config))
-        windows = sorted(set(self.windows), key=lambda w: -1 if w is None else w)
-        masks = tuple(self.mask(attention_mask, seq, cache, index, window) for window in windows)
+        masks = tuple(self.mask(attention_mask, seq, cache, index, window) for window in dict.fromkeys(self.windows))
         x, cache = run_blocks(
             self.layers, self.remat, self.embed_tokens(input_ids), masks, rope, cache=cache, rngs=rngs
         )
