@@ -1,4 +1,5 @@
-"""Generate text with a Hugging Face GPT-2, GPT-J or T5 checkpoint in jaxseq (sharded over every device).
+"""Generate text with a Hugging Face GPT-2, GPT-J, Llama, Mistral, Qwen2 or T5 checkpoint in jaxseq (sharded over
+every device).
 
     python scripts/generate.py --model_name_or_path gpt2 --prompt "The meaning of life is" --max_new_tokens 32
     python scripts/generate.py --model_name_or_path out/model --prompt_file prompts.jsonl \\
@@ -121,7 +122,10 @@ def main(argv) -> int:
     family_for(config.model_type)  # one that jaxseq has
     task = next((t for t in ("causal-lm", "seq2seq-lm") if config.model_type in families_with(t)), None)
     if task is None:
-        raise JaxseqError(f"{config.model_type} models cannot generate text; use a GPT-2, GPT-J or T5 checkpoint")
+        raise JaxseqError(
+            f"{config.model_type} models cannot generate text; "
+            "use a GPT-2, GPT-J, Llama, Mistral, Qwen2 or T5 checkpoint"
+        )
     overrides = parse_overrides(source.config_overrides, config)
     tokenizer = load_tokenizer(source.tokenizer_name or folder, fast=False)
     eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else config.eos_token_id

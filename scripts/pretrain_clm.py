@@ -1,4 +1,5 @@
-"""Pretrain a GPT-2 or GPT-J causal language model with jaxseq, from scratch or from a checkpoint.
+"""Pretrain a GPT-2, GPT-J, Llama, Mistral or Qwen2 causal language model with jaxseq, from scratch or from a
+checkpoint.
 
     python scripts/pretrain_clm.py --model_name_or_path path/to/gpt2 --train_file corpus.txt --output_dir out/clm
     python scripts/pretrain_clm.py --config_name gpt2 --config_overrides n_layer=6,n_embd=384,n_head=6 \\

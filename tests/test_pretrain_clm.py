@@ -338,11 +338,12 @@ def write(path: Path, content: str) -> Path:
     return path
 
 
-def llama_config(t: Path) -> Path:
-    transformers.LlamaConfig(
-        num_hidden_layers=1, hidden_size=16, intermediate_size=32, num_attention_heads=2, num_key_value_heads=2
-    ).save_pretrained(t / "llama")
-    return t / "llama"
+def neox_config(t: Path) -> Path:
+    """A GPT-NeoX config: a family jaxseq lacks."""
+    transformers.GPTNeoXConfig(
+        num_hidden_layers=1, hidden_size=16, intermediate_size=32, num_attention_heads=2
+    ).save_pretrained(t / "neox")
+    return t / "neox"
 
 
 BAD = {  # flags to change (None drops the flag), the message
@@ -354,7 +355,7 @@ BAD = {  # flags to change (None drops the flag), the message
         lambda t: {"--train_file": write(t / "short.txt", "Hello there.")},
         "not enough for one block of 32",
     ),
-    "unknown model type": (lambda t: {"--config_name": llama_config(t)}, "'llama' has no causal-lm model in jaxseq"),
+    "unknown model type": (lambda t: {"--config_name": neox_config(t)}, "'gpt_neox' has no causal-lm model in jaxseq"),
     "unknown --model_type": (
         lambda t: {"--config_name": None, "--model_type": "gpt3"},
         "'gpt3' has no causal-lm model",

@@ -63,9 +63,9 @@ class LoraConfig:
     lora_dropout: float = arg(0.0, "dropout on the adapters' input during training, as PEFT's lora_dropout")
     lora_targets: str | None = arg(
         None,
-        "regex on parameter paths: the dense kernels it matches get adapters "
-        "(default: attention query and value as in PEFT, e.g. "
-        "'/(query|value)/kernel$' for BERT)",
+        "the dense layers that get adapters: module names as PEFT's target_modules, comma-separated "
+        "(e.g. 'q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj' for Llama), or a regex on parameter "
+        "paths (e.g. '/(query|value)/kernel$'; default: attention query and value as in PEFT)",
     )
     lora_trainable: str | None = arg(
         None,
@@ -101,6 +101,14 @@ class LoraConfig:
         return self.lora_rank > 0 or bool(self.lora_adapter)
 
 
+def target_pattern(targets: str) -> str:
+    """The regex on kernel paths of ``--lora_targets``: module names (``q_proj,v_proj``) match the kernels of
+    the modules so named, anything else is a regex already."""
+    if re.fullmatch(r"\w+(\s*,\s*\w+)*", targets):
+        return "(^|/)(" + "|".join(name.strip() for name in targets.split(",")) + ")/kernel$"
+    return targets
+
+
 def _name(path) -> str:
     return "/".join(map(str, path))
 
@@ -121,7 +129,8 @@ class Lora:
         self.config, self.rank = config, config.lora_rank
         self.scale = config.lora_alpha / config.lora_rank
         family = family_for(model.config.model_type)
-        pattern = config.lora_targets or family.lora_targets
+        targets = config.lora_targets or family.lora_targets
+        pattern = target_pattern(targets)
         dense = {path: m for path, m in nnx.iter_modules(model) if isinstance(m, nnx.Linear)}
         self.targets = {
             path: (m.in_features, m.out_features)
@@ -131,7 +140,7 @@ class Lora:
         if not self.targets:
             example = _name((*next(iter(dense)), "kernel")) if dense else "none"
             raise JaxseqError(
-                f"--lora_targets {pattern!r} matches no dense kernel of the {family.model_type} model "
+                f"--lora_targets {targets!r} matches no dense kernel of the {family.model_type} model "
                 f"(they look like {example!r})"
             )
         head = config.lora_trainable if config.lora_trainable is not None else getattr(type(model), "task_head", "")

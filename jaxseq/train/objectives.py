@@ -113,7 +113,7 @@ class CausalLM(TokenLoss):
     """Next-token cross-entropy: position t predicts token t+1 of ``input_ids`` (a target whose
     ``attention_mask`` is 0, if the batch has one, is left out).
 
-    With ``chunk_tokens`` (and a model that has ``hidden_states`` and ``logits``: GPT-2, GPT-J) the loss is
+    With ``chunk_tokens`` (and a model that has ``hidden_states`` and ``logits``: the decoders) the loss is
     computed from the final hidden states a chunk of positions at a time, each chunk's float32 logits made and
     dropped inside a ``jax.checkpoint``: neither the forward nor the backward pass (nor evaluation and
     perplexity, which share this path) holds the ``[tokens, vocab]`` logits of the whole batch at once. Each
