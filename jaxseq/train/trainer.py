@@ -53,6 +53,7 @@ class TrainerConfig:
         "more forward per block; a bare --remat), dots (matmul outputs), offload (those in host memory)",
         choices=REMAT_POLICIES,
         const="full",
+        switches={"gradient_checkpointing": "full"},
     )
     attention: str = arg(
         "auto",
@@ -85,8 +86,6 @@ class TrainerConfig:
                 raise JaxseqError(f"--{name} must be at least {low}, got {getattr(self, name)}")
         if self.max_steps <= 0 and not self.num_train_epochs > 0:
             raise JaxseqError(f"--num_train_epochs must be above 0 (or set --max_steps), got {self.num_train_epochs}")
-        if isinstance(self.remat, bool):  # remat: true in a YAML file written before the policies
-            self.remat = "full" if self.remat else "none"
         if self.remat not in REMAT_POLICIES:
             raise JaxseqError(f"--remat {self.remat!r} is not one of {', '.join(REMAT_POLICIES)}")
         check_writable_dir(self.output_dir, "--output_dir")
