@@ -2,17 +2,21 @@
 
     jaxseq glue --task_name sst2 --output_dir out/sst2
     jaxseq glue --config glue_sst2 --mesh dp=2,mp=4
+    jaxseq glue --task_name sst2 --model_name_or_path out/sst2 --do_eval --do_predict --output_dir out/sst2-test
 
 Reads GLUE from the Hub (datasets) or a local folder of GLUE TSVs (--data_dir), or your own
-csv/tsv/json files (--train_file/--validation_file). Writes to --output_dir: eval_results.json,
+csv/tsv/json files (--train_file/--validation_file/--test_file). Writes to --output_dir: eval_results.json,
 all_results.json, metrics.jsonl, TensorBoard events, training_curves.png, the config used,
-orbax checkpoints, and the fine-tuned model with its tokenizer as a Hugging Face folder.
+orbax checkpoints, and the fine-tuned model with its tokenizer as a Hugging Face folder; with --do_predict,
+predict_results_<task>.txt. Without --do_train, --do_eval or --do_predict it trains and evaluates; with any
+of them, only what they name (transformers' run_glue.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -24,12 +28,14 @@ from jaxseq.data.glue import SPLIT_SUFFIX, TASKS, encode, get_task, load_split
 from jaxseq.data.rows import EncodedRows
 from jaxseq.distributed import DistributedConfig
 from jaxseq.errors import JaxseqError
+from jaxseq.files import atomic_write
 from jaxseq.hub_push import HubConfig
 from jaxseq.models.hub import apply_overrides
 from jaxseq.models.source import ModelSource, build_model, check, load_tokenizer, model_config
 from jaxseq.train.lora import LoraConfig
 from jaxseq.train.objectives import SequenceClassification
 from jaxseq.train.optim import OptimizerConfig
+from jaxseq.train.results import export_model, write_results
 from jaxseq.train.trainer import Trainer, TrainerConfig
 
 DEFAULT_MODEL = "sentence-transformers/all-MiniLM-L6-v2"
@@ -46,14 +52,32 @@ class GlueConfig:
         None, "your own training file (csv, tsv, json, jsonl) with the task's text columns and 'label'"
     )
     validation_file: str | None = arg(None, "your own validation file, same format as --train_file")
+    test_file: str | None = arg(None, "your own file to predict (--do_predict), same format, 'label' optional")
     max_seq_length: int = arg(128, "tokens per example (longer texts are truncated, shorter padded)")
     max_train_samples: int | None = arg(None, "use only the first N training examples")
     max_eval_samples: int | None = arg(None, "use only the first N examples of each eval split")
+    max_predict_samples: int | None = arg(None, "predict only the first N examples of each test split")
     pack_sequences: bool = arg(
         False,
         "pack several short examples into each row of --max_seq_length (same "
         "math per example, much less padding: several times faster on short texts)",
     )
+    do_train: bool | None = arg(None, "train (default: train and evaluate unless --do_eval or --do_predict is given)")
+    do_eval: bool | None = arg(
+        None,
+        "evaluate on the validation split(s); alone, the model of --model_name_or_path "
+        "(or the checkpoint of --resume_from_checkpoint)",
+    )
+    do_predict: bool | None = arg(
+        None, "predict the test split(s) (or --test_file) into OUTPUT_DIR/predict_results_<task>.txt, as run_glue.py"
+    )
+
+    def stages(self) -> tuple[bool, bool, bool]:
+        """(train, evaluate, predict): what the flags ask for; none of them given: train and evaluate."""
+        given = (self.do_train, self.do_eval, self.do_predict)
+        if all(flag is None for flag in given):
+            return True, True, False
+        return tuple(bool(flag) for flag in given)
 
 
 SECTIONS = (
@@ -70,19 +94,35 @@ SECTIONS = (
 
 
 def load_examples(glue: GlueConfig):
+    """(task, training examples or None, eval sets, predict sets) for the stages asked for; sets are keyed
+    by their metric suffix (MNLI mismatched: ``_mm``)."""
     task = get_task(glue.task_name)
-    train = load_split(task, "train", data_dir=glue.data_dir, file=glue.train_file)
-    if glue.validation_file:
-        evals = {"": load_split(task, "validation", file=glue.validation_file)}
+    do_train, do_eval, do_predict = glue.stages()
+
+    def splits(names, file, limit):
+        if file:
+            found = {"": load_split(task, names[0], file=file)}
+        else:
+            found = {SPLIT_SUFFIX.get(split, ""): load_split(task, split, data_dir=glue.data_dir) for split in names}
+        return {k: v[:limit] for k, v in found.items()} if limit else found
+
+    train = None
+    if do_train:
+        train = load_split(task, "train", data_dir=glue.data_dir, file=glue.train_file)[: glue.max_train_samples]
+    evals = splits(task.eval_splits, glue.validation_file, glue.max_eval_samples) if do_eval else {}
+    tests = splits(task.test_splits, glue.test_file, glue.max_predict_samples) if do_predict else {}
+    return task, train, evals, tests
+
+
+def write_predictions(task, output_dir: Path, suffix: str, predictions: np.ndarray) -> Path:
+    """``predict_results_<task>.txt`` (MNLI mismatched: ``<task>-mm``) as run_glue.py writes it: a header
+    ``index\tprediction``, then label names, or scores with three decimals for a regression."""
+    path = output_dir / f"predict_results_{task.name}{suffix.replace('_', '-')}.txt"
+    if task.is_regression:
+        lines = [f"{i}\t{value:3.3f}" for i, value in enumerate(predictions)]
     else:
-        evals = {
-            SPLIT_SUFFIX.get(split, ""): load_split(task, split, data_dir=glue.data_dir) for split in task.eval_splits
-        }
-    if glue.max_train_samples:
-        train = train[: glue.max_train_samples]
-    if glue.max_eval_samples:
-        evals = {k: v[: glue.max_eval_samples] for k, v in evals.items()}
-    return task, train, evals
+        lines = [f"{i}\t{task.labels[int(value)]}" for i, value in enumerate(predictions)]
+    return atomic_write(path, "index\tprediction\n" + "".join(line + "\n" for line in lines))
 
 
 def glue_model_config(source: ModelSource):
@@ -135,7 +175,8 @@ def main(argv) -> int:
         )
         return 0
     mesh = start(runtime, distributed)
-    task, train_examples, eval_examples = load_examples(glue)
+    do_train, do_eval, _ = glue.stages()
+    task, train_examples, eval_examples, test_examples = load_examples(glue)
     config, folder, overrides = glue_model_config(source)
     limit = max_positions(config)
     if limit is not None and glue.max_seq_length > limit:
@@ -166,8 +207,9 @@ def main(argv) -> int:
     )
     # tokenized when a batch first needs them, by the process that takes them: each process only its share
     tokenize = functools.partial(encode, task, tokenizer=tokenizer, max_seq_length=glue.max_seq_length)
-    train_data = EncodedRows(train_examples, tokenize)
+    train_data = None if train_examples is None else EncodedRows(train_examples, tokenize)
     eval_sets = {k: EncodedRows(v, tokenize) for k, v in eval_examples.items()}
+    test_sets = {k: EncodedRows(v, tokenize) for k, v in test_examples.items()}
 
     trainer = Trainer(
         model,
@@ -180,6 +222,7 @@ def main(argv) -> int:
         loss_scaling=runtime.dtype == "float16",
         pack=model.pooled_token if glue.pack_sequences else None,
         lora=lora_config,
+        predict_sets=test_sets,
     )
     if jax.process_index() == 0:  # after Trainer has checked any checkpoint already in output_dir
         save_config(
@@ -187,7 +230,8 @@ def main(argv) -> int:
         )
     trainer.logger.write(trainer.describe())
     trainer.logger.write(
-        f"{task.name}: {len(train_examples)} train / {sum(map(len, eval_examples.values()))} eval examples, "
+        f"{task.name}: {len(train_examples or ())} train / {sum(map(len, eval_examples.values()))} eval / "
+        f"{sum(map(len, test_examples.values()))} test examples, "
         f"{trainer.total_steps} steps of global batch {trainer.global_batch} on {jax.device_count()} devices "
         f"(mesh {dict(mesh.shape)})"
     )
@@ -196,17 +240,32 @@ def main(argv) -> int:
             f"packing {trainer.feed.micro_batch} examples into {trainer.feed.packed_rows} rows per "
             f"micro-batch (of {glue.max_seq_length} tokens)"
         )
+    eval_samples = len(next(iter(eval_examples.values()), ()))
+    restored = False
     try:
-        results = trainer.train()
+        if do_train:
+            results = trainer.train()
+        else:
+            restored = trainer.config.resume_from_checkpoint is not None and trainer.restore_if_any()
+            results = {f"eval_{k}": v for k, v in trainer.evaluate().items()} if do_eval else {}
+        predictions = {suffix: trainer.predict(suffix)["prediction"] for suffix in test_sets}
     finally:
         trainer.close()
-    finish(
-        trainer,
-        results,
-        tokenizer=tokenizer,
-        base_model=source.model_name_or_path,
-        hub=hub,
-        train_samples=len(train_examples),
-        eval_samples=len(next(iter(eval_examples.values()))),
-    )
+    if jax.process_index() == 0:
+        for suffix, predicted in predictions.items():
+            trainer.logger.write(f"wrote {write_predictions(task, trainer.output_dir, suffix, predicted)}")
+    if do_train:
+        finish(
+            trainer,
+            results,
+            tokenizer=tokenizer,
+            base_model=source.model_name_or_path,
+            hub=hub,
+            train_samples=len(train_examples),
+            eval_samples=eval_samples,
+        )
+    elif do_eval:
+        write_results(trainer.output_dir, results, train_samples=0, eval_samples=eval_samples)
+    if restored:  # a saved step, exported: any checkpoint becomes a Hugging Face folder
+        export_model(trainer, trainer.output_dir, tokenizer, base_model=source.model_name_or_path)
     return 0

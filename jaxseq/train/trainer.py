@@ -253,7 +253,9 @@ class Trainer:
         config = self.config
         metric = config.metric_for_best_model
         names = getattr(task, "metric_names", None)
-        if metric and names is not None:
+        if metric and self.total_steps and not self.eval_names:
+            raise JaxseqError(f"--metric_for_best_model {metric} needs evaluations: give the run an eval set")
+        if metric and names is not None and self.total_steps:
             known = [f"{name}{suffix}" for suffix in self.eval_names for name in names]
             if metric not in known:
                 raise JaxseqError(
