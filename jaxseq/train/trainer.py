@@ -23,6 +23,7 @@ from jaxseq import partition
 from jaxseq.config import arg
 from jaxseq.data.rows import Rows
 from jaxseq.errors import Interrupted, JaxseqError
+from jaxseq.files import RunLock
 from jaxseq.models.attention import ATTENTION_KERNELS, use_attention
 from jaxseq.models.layers import REMAT_POLICIES, enable_remat
 from jaxseq.train.checkpoint import Checkpointer
@@ -235,6 +236,9 @@ class Trainer:
         )
         self._check_best_metric(task)
         self._check_resume_source()  # before the logger writes anything into output_dir
+        self.lock = RunLock(self.output_dir)
+        if jax.process_index() == 0:
+            self.lock.acquire()
         self.logger = logger or RunLogger(self.output_dir, self.total_steps)
         self.logger.write(f"attention kernel: {self.attention}")
 
@@ -552,7 +556,10 @@ class Trainer:
         try:
             self.checkpointer.close()
         finally:
-            self.logger.close()
+            try:
+                self.logger.close()
+            finally:
+                self.lock.release()
 
 
 def _count(tree) -> int:
