@@ -93,7 +93,9 @@ class TrainerConfig:
     )
     seed: int = arg(42, "seed of initialisation, data order and dropout")
     resume_from_checkpoint: str | None = arg(
-        None, "checkpoint folder to resume from (a run also resumes from --output_dir/checkpoints by itself)"
+        None,
+        "checkpoints to resume from: a run's checkpoints folder (its latest step) or one step's folder in it, "
+        "e.g. out/checkpoints/500 (a run also resumes from --output_dir/checkpoints by itself)",
     )
     skip_nonfinite_updates: bool = arg(
         False,
