@@ -5,9 +5,9 @@ Explicitly: ``--coordinator_address host:port --num_processes N --process_id I``
 ``JAX_COORDINATOR_ADDRESS`` / ``JAX_NUM_PROCESSES`` / ``JAX_PROCESS_ID`` environment variables).
 Automatically: wherever ``jax.distributed`` detects the cluster by itself (its cluster environments: SLURM,
 Open MPI's ``mpirun``, Kubernetes, Cloud TPU pods), and under torchrun-style launchers (``RANK``,
-``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``), whose master becomes the coordinator. A launcher that
-starts several processes without saying how to reach each other is refused in one line, never run as N
-independent copies. A plain single process needs nothing.
+``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``), whose master becomes the coordinator (incomplete ones are
+refused in one line). A plain single process needs nothing; N copies that found no peers still never write
+one output dir together (``jaxseq.files.RunLock``).
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def detected_cluster() -> tuple[str, int] | None:
     from jax._src.clusters import ClusterEnv
 
     for env in ClusterEnv._cluster_types:
-        with warnings.catch_warnings():  # Kubernetes without the kubernetes package: jax warns, we say below
+        with warnings.catch_warnings():  # every pod without the kubernetes package would print jax's advice
             warnings.simplefilter("ignore")
             present = not env.opt_in_only_method and env.is_env_present()
         if present:
@@ -104,7 +104,6 @@ def initialize(config: DistributedConfig) -> None:
                     f"together; missing --{', --'.join(missing)}"
                 )
             else:
-                _refuse_undetected()
                 return
     if {"process_id", "num_processes"} <= set(given) and not 0 <= given["process_id"] < given["num_processes"]:
         raise JaxseqError(f"--process_id {given['process_id']} is outside 0 .. {given['num_processes'] - 1}")
@@ -119,13 +118,3 @@ def initialize(config: DistributedConfig) -> None:
             f"cannot join the multi-host run at {given.get('coordinator_address') or 'the detected coordinator'}: "
             f"{first_line(e)}"
         ) from None
-
-
-def _refuse_undetected() -> None:
-    """One line if the environment says several processes run but not how they meet: never N copies."""
-    if os.environ.get("KUBERNETES_SERVICE_HOST") and os.environ.get("JOB_COMPLETION_INDEX"):
-        raise JaxseqError(
-            "this looks like one pod of a Kubernetes indexed job, but jax cannot find its peers without the "
-            "kubernetes package: pip install 'jax[k8s]', or pass --coordinator_address, --num_processes and "
-            "--process_id"
-        )

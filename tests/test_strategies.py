@@ -99,3 +99,11 @@ def test_strategy_defaults_follow_transformers():
     assert TrainerConfig(metric_for_best_model="eval_matthews_correlation").greater_is_better is True
     with pytest.raises(JaxseqError, match="--load_best_model_at_end needs checkpoints with evaluations"):
         TrainerConfig(load_best_model_at_end=True, save_strategy="no")
+
+
+def test_a_second_run_on_a_busy_output_dir_stops(tmp_path, tokenizer, sst2):  # noqa: F811
+    first = make_trainer(tmp_path, tokenizer, sst2, max_steps=1)
+    with pytest.raises(JaxseqError, match=f"another run .* is writing to {tmp_path}"):
+        make_trainer(tmp_path, tokenizer, sst2, max_steps=1)
+    first.close()  # done: the folder is free again
+    make_trainer(tmp_path, tokenizer, sst2, max_steps=1).close()

@@ -241,12 +241,13 @@ def main(argv) -> int:
             f"micro-batch (of {glue.max_seq_length} tokens)"
         )
     eval_samples = len(next(iter(eval_examples.values()), ()))
-    restored = False
+    restored = not do_train and trainer.config.resume_from_checkpoint is not None
     try:
         if do_train:
             results = trainer.train()
         else:
-            restored = trainer.config.resume_from_checkpoint is not None and trainer.restore_if_any()
+            if restored:
+                trainer.restore_if_any()
             results = {f"eval_{k}": v for k, v in trainer.evaluate().items()} if do_eval else {}
         predictions = {suffix: trainer.predict(suffix)["prediction"] for suffix in test_sets}
     finally:
