@@ -13,6 +13,7 @@ import pytest
 
 from jaxseq.cli import parse
 from jaxseq.commands import glue
+from jaxseq.config import save_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -138,3 +139,11 @@ def test_unknown_shipped_config_is_one_line(capsys):
         "error: config file glue_nothing does not exist; pass a YAML file or a shipped config "
         "(glue_sst2, glue_sst2_quick)"
     ]
+
+
+def test_a_runs_saved_config_loads_back(tmp_path):
+    flags = ["--task_name", "mrpc", "--load_best_model_at_end", "--eval_strategy", "steps", "--do_predict"]
+    sections = parse("", glue.SECTIONS, [*flags, "--output_dir", str(tmp_path)])
+    save_config(tmp_path / "config.yaml", *sections)
+    again = parse("", glue.SECTIONS, ["--config", str(tmp_path / "config.yaml")])
+    assert again == sections
