@@ -4,7 +4,6 @@ model); killed with SIGKILL and rerun, it ends with parameters bitwise equal to 
 tokenized text comes from the cache on a rerun; bad input ends in one line with nothing written. Plus the
 text pipeline (documents, exact piecewise tokenization, group_texts packing) in-process."""
 
-import importlib.util
 import json
 import os
 import shutil
@@ -326,10 +325,10 @@ def test_documents_are_joined_by_eos_and_grouped_like_run_clm(tmp_path, assets):
 
 @pytest.fixture(scope="module")
 def script():
-    spec = importlib.util.spec_from_file_location("pretrain_clm_script", SCRIPT)
-    sys.modules[spec.name] = module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """``jaxseq clm`` (scripts/pretrain_clm.py) in this process."""
+    from jaxseq.commands import clm
+
+    return clm
 
 
 def write(path: Path, content: str) -> Path:

@@ -21,12 +21,13 @@ from jaxseq.mesh import batch_spec, data_parallel_size
 class Feeder:
     """The training and evaluation batches of one run on ``mesh``. ``pack``: pack short examples into shared
     rows (``jaxseq.data.packing``), pooling each example's ``"first"`` or ``"last"`` token; the row counts are
-    sized once for the whole run (``size_packing``), so shapes stay static."""
+    sized once for the whole run (``size_packing``), so shapes stay static. ``train_data=None``: evaluation
+    and prediction only."""
 
     def __init__(
         self,
         mesh: jax.sharding.Mesh,
-        train_data: Rows | Mapping[str, np.ndarray],
+        train_data: Rows | Mapping[str, np.ndarray] | None,
         eval_sets: Mapping[str, Rows | Mapping[str, np.ndarray]],
         *,
         per_device_train_batch_size: int,
@@ -36,7 +37,7 @@ class Feeder:
         pack: str | None = None,
     ):
         self.mesh, self.seed, self.pack = mesh, seed, pack
-        self.train_data = as_rows(train_data)
+        self.train_data = None if train_data is None else as_rows(train_data)
         self.eval_sets = {name: as_rows(data) for name, data in eval_sets.items()}
         self.accumulate = gradient_accumulation_steps
         self.dp = data_parallel_size(mesh)
@@ -47,9 +48,9 @@ class Feeder:
         self._eval_mine = self._local_slice(self.eval_batch)
         # how many distinct slices the processes take of a batch (1 with one process)
         self._groups = self.micro_batch // (self._mine.stop - self._mine.start)
-        n = len(self.train_data)
+        n = 0 if train_data is None else len(self.train_data)
         self.steps_per_epoch = steps_per_epoch(n, self.global_batch)
-        if self.steps_per_epoch == 0:
+        if self.steps_per_epoch == 0 and train_data is not None:
             raise JaxseqError(
                 f"{n} training examples do not fill one global batch of {self.global_batch}; lower "
                 "--per_device_train_batch_size or --gradient_accumulation_steps"
@@ -64,9 +65,10 @@ class Feeder:
         and the processes agree on the largest."""
         if not self.pack:
             return
-        indices = train_indices(len(self.train_data), self.global_batch, self.seed)
-        run = (next(indices).reshape(self.accumulate, -1)[:, self._mine] for _ in range(total_steps))
-        self.packed_rows = self._rows_for(self.train_data.take(m) for b in run for m in b)
+        if self.train_data is not None:
+            indices = train_indices(len(self.train_data), self.global_batch, self.seed)
+            run = (next(indices).reshape(self.accumulate, -1)[:, self._mine] for _ in range(total_steps))
+            self.packed_rows = self._rows_for(self.train_data.take(m) for b in run for m in b)
         self.eval_packed_rows = {
             name: self._rows_for(
                 data.take(index[self._eval_mine]) for index, _ in eval_indices(len(data), self.eval_batch)

@@ -25,6 +25,12 @@ class SequenceClassification:
     def __init__(self, task: GlueTask):
         self.task = task
 
+    @property
+    def metric_names(self) -> tuple[str, ...]:
+        """The keys ``metrics`` returns."""
+        names = self.task.metric_names
+        return ("loss", *names, *(("combined_score",) if len(names) > 1 else ()))
+
     def _logits(self, model, batch, rngs=None):
         extra = {k: batch[k] for k in ("token_type_ids", "position_ids", "pool_index") if k in batch}
         return model(batch["input_ids"], batch["attention_mask"], **extra, rngs=rngs)
@@ -74,6 +80,8 @@ class TokenLoss:
     def predict(self, model, batch: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
         losses, weights = self._token_losses(model, batch)
         return {"loss_sum": losses.sum(axis=-1), "tokens": weights.sum(axis=-1)}
+
+    metric_names = ("loss", "perplexity")
 
     def metrics(self, outputs: dict[str, np.ndarray]) -> dict[str, float]:
         loss = float(outputs["loss_sum"].astype(np.float64).sum() / max(outputs["tokens"].sum(), 1.0))
@@ -239,6 +247,8 @@ class Seq2SeqLM(TokenLoss):
 
     def __init__(self, tokenizer=None, max_new_tokens: int = 0):
         self.tokenizer, self.max_new_tokens = tokenizer, max_new_tokens
+        if tokenizer is not None and max_new_tokens > 0:
+            self.metric_names = (*TokenLoss.metric_names, "exact_match")
 
     def _token_losses(self, model, batch, rngs=None) -> tuple[jax.Array, jax.Array]:
         config, labels = model.config, batch["labels"]
