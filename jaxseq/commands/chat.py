@@ -140,4 +140,3 @@ def main(argv) -> int:
         extra_eval={"perplexity": results["eval_perplexity"]},
     )
     return 0
-
