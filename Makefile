@@ -18,7 +18,7 @@ $(BIN)/.installed: pyproject.toml constraints.txt
 	touch $@
 
 demo: $(BIN)/.installed
-	$(BIN)/python scripts/finetune_glue.py --config configs/glue_sst2_quick.yaml \
+	$(BIN)/jaxseq glue --config glue_sst2_quick \
 		--model_name_or_path $(MODEL) $(if $(GLUE_DIR),--data_dir $(GLUE_DIR))
 
 test: $(BIN)/.installed

@@ -36,7 +36,10 @@ class RuntimeConfig:
 
     mesh: str = arg("", "device mesh, e.g. 'dp=2,mp=4' (axes dp, fsdp, mp; default: all devices on dp)")
     dtype: str = arg(
-        "float32", "compute dtype; parameters stay float32 (float16 adds dynamic loss scaling)", choices=DTYPES
+        "float32",
+        "compute dtype; parameters stay float32 (float16 adds dynamic loss scaling)",
+        choices=DTYPES,
+        switches={"bf16": "bfloat16", "fp16": "float16"},
     )
     compilation_cache_dir: str | None = arg(None, "persistent XLA cache (default ~/.cache/jaxseq/xla; '' disables)")
 

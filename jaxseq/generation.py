@@ -1,7 +1,7 @@
 """Text generation: prefill a KV cache once, then a ``lax.while_loop`` that writes one position per step.
 
 ``generate(model, input_ids, attention_mask, max_new_tokens=...)`` works for the decoder-only language
-models (GPT-2, GPT-J) and for T5:
+models (GPT-2, GPT-J, Llama, Mistral, Qwen2) and for T5:
 
 - Decoder-only: each prompt row is left-aligned (padding first, wherever the caller put it), its
   position ids come from the mask's cumulative sum as in transformers, and one forward pass fills the
@@ -276,7 +276,7 @@ def generate(
 ) -> GenerationOutput:
     """Continue each prompt of the batch by up to ``max_new_tokens`` tokens.
 
-    ``model``: a ``causal-lm`` (GPT-2, GPT-J) or ``seq2seq-lm`` (T5) model. ``input_ids`` and
+    ``model``: a ``causal-lm`` (GPT-2, GPT-J, Llama, Mistral, Qwen2) or ``seq2seq-lm`` (T5) model. ``input_ids`` and
     ``attention_mask`` (1 = token, 0 = padding; default all ones): ``[batch, prompt_length]`` host or
     device arrays; either padding side works (decoder prompts are left-aligned internally).
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import json
+import math
 import os
 import re
 import shutil
@@ -194,14 +195,17 @@ def model_card(output_dir: Path, repo_id: str) -> str:
     base_id = base if base and _is_hub_id(base) else None
     dataset, dataset_ids = _dataset(flat)
     lora_rank = (adapter or {}).get("r") or flat.get("lora_rank") or 0
+    name = repo_id.split("/")[-1]
+    scores = eval_results(_read_json(output_dir / "eval_results.json"), flat, pipeline)
     data = ModelCardData(
         library_name="peft" if adapter else "transformers",
         base_model=base_id,
         datasets=dataset_ids or None,
         pipeline_tag=pipeline,
         tags=["jaxseq", "jax", *(["lora"] if lora_rank else [])],
+        model_name=name if scores else None,
+        eval_results=scores or None,
     )
-    name = repo_id.split("/")[-1]
     if base_id:
         origin = f"[{base_id}](https://huggingface.co/{base_id})"
     elif base:
@@ -259,6 +263,40 @@ def model_card(output_dir: Path, repo_id: str) -> str:
         lines += ["", "### Training curves", "", "![training loss and evaluation metrics](training_curves.png)"]
     lines += ["", "## How to use", "", "```python", *_usage(repo_id, pipeline, adapter), "```", ""]
     return str(ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(lines)))
+
+
+def eval_results(evaluated: dict, flat: dict, pipeline: str | None) -> list:
+    """``eval_results.json``'s finite figures as huggingface_hub ``EvalResult``s: the card's ``model-index``,
+    from which the Hub shows the score. ``eval_accuracy`` is the metric ``accuracy``; a name met twice
+    (``eval_perplexity`` and run_clm's ``perplexity``) is reported once."""
+    from huggingface_hub import EvalResult
+
+    if flat.get("task_name"):
+        dataset = dict(
+            dataset_type="nyu-mll/glue",
+            dataset_name=f"GLUE {str(flat['task_name']).upper()}",
+            dataset_config=str(flat["task_name"]),
+            dataset_split="validation",
+        )
+    elif flat.get("dataset_name") and not flat.get("validation_file"):
+        dataset = dict(
+            dataset_type=flat["dataset_name"],
+            dataset_name=flat["dataset_name"],
+            dataset_config=flat.get("dataset_config_name"),
+        )
+    else:
+        source = flat.get("validation_file") or flat.get("train_file") or "evaluation data"
+        dataset = dict(dataset_type=Path(source).name, dataset_name=Path(source).name)
+    metrics = {}
+    for key, value in evaluated.items():
+        name = key.removeprefix("eval_")
+        if key != "eval_samples" and isinstance(value, int | float) and math.isfinite(value):
+            metrics.setdefault(name, float(value))
+    task = pipeline or "other"
+    return [
+        EvalResult(task_type=task, metric_type=name, metric_name=name, metric_value=value, **dataset)
+        for name, value in metrics.items()
+    ]
 
 
 def _usage(repo_id: str, pipeline: str | None, adapter: dict | None) -> list[str]:

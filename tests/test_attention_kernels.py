@@ -1,6 +1,7 @@
 """Attention kernels: splash (Pallas, run here in interpret mode: its own numerics on CPU) against XLA's attention,
-forward and gradients, for causal (GPT-2, GPT-J), padded bidirectional (BERT) and packed-segment inputs, alone
-and under shard_map on a dp/mp mesh; how ``--attention`` is chosen and refused."""
+forward and gradients, for causal (GPT-2, GPT-J), grouped-query with sliding windows (Mistral, Qwen2), padded
+bidirectional (BERT) and packed-segment inputs, alone and under shard_map on a dp/mp mesh; how ``--attention`` is
+chosen and refused."""
 
 import dataclasses
 
@@ -30,6 +31,22 @@ def gptj():
     return transformers.GPTJConfig(
         n_layer=2, n_embd=64, n_head=4, rotary_dim=8, n_positions=SEQ, vocab_size=300, attn_pdrop=0.0
     )
+
+
+def mistral():
+    """Two key/value heads for four query heads (one per device on mp=2), every layer sliding over 100."""
+    return transformers.MistralConfig(
+        hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=SEQ, vocab_size=300, sliding_window=100,
+    )  # fmt: skip
+
+
+def qwen2():
+    """One key/value head (fewer than mp=2: repeated for splash), layer 0 full, layer 1 sliding over 70."""
+    return transformers.Qwen2Config(
+        hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1,
+        max_position_embeddings=SEQ, vocab_size=300, use_sliding_window=True, sliding_window=70, max_window_layers=1,
+    )  # fmt: skip
 
 
 def bert():
@@ -87,6 +104,8 @@ def assert_same(a, b, rtol=2e-5, grad_rtol=1e-4):
         ("gpt2 causal padded", gpt2, "causal-lm", "padded", None),
         ("gpt2 causal packed, dp=2,mp=2", gpt2, "causal-lm", "packed", "dp=2,mp=2"),
         ("gptj causal padded, dp=4", gptj, "causal-lm", "padded", "dp=4"),
+        ("mistral grouped kv heads, sliding window, padded, dp=2,mp=2", mistral, "causal-lm", "padded", "dp=2,mp=2"),
+        ("qwen2 one kv head, sliding and full layers, packed", qwen2, "causal-lm", "packed", "fsdp=2,mp=2"),
         ("bert bidirectional padded", bert, "sequence-classification", "padded", None),
         ("bert bidirectional packed, fsdp=2,mp=2", bert, "base", "packed", "fsdp=2,mp=2"),
     ],

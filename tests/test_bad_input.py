@@ -93,18 +93,18 @@ def no_code_ran(out: Path) -> None:
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
     """Real MiniLM and GLUE TSVs; the real GPT-2 tokenizer as a folder with GPT-2's config (runs shrink it);
-    a Llama config; a copy of MiniLM with its weights cut short; a GLUE folder whose TSV lacks a column; a
-    tiny GPT-2 whose pytorch_model.bin is a pickle that runs a command."""
+    a GPT-NeoX config (a family jaxseq lacks); a copy of MiniLM with its weights cut short; a GLUE folder whose
+    TSV lacks a column; a tiny GPT-2 whose pytorch_model.bin is a pickle that runs a command."""
     root = tmp_path_factory.mktemp("bad-input")
     minilm, glue = shared_asset("models/all-MiniLM-L6-v2"), shared_asset("data/glue")
     gpt2 = shared_asset("data/tokenizers/gpt2")
     tokenizer = transformers.GPT2TokenizerFast(vocab=str(gpt2 / "vocab.json"), merges=str(gpt2 / "merges.txt"))
     tokenizer.save_pretrained(root / "gpt2-tokenizer")
     transformers.GPT2Config().save_pretrained(root / "gpt2-config")
-    transformers.LlamaConfig(
-        num_hidden_layers=1, hidden_size=16, intermediate_size=32, num_attention_heads=2, num_key_value_heads=2
-    ).save_pretrained(root / "llama")
-    shutil.copytree(root / "gpt2-tokenizer", root / "llama", dirs_exist_ok=True)
+    transformers.GPTNeoXConfig(
+        num_hidden_layers=1, hidden_size=16, intermediate_size=32, num_attention_heads=2
+    ).save_pretrained(root / "neox")
+    shutil.copytree(root / "gpt2-tokenizer", root / "neox", dirs_exist_ok=True)
     cut = root / "minilm-truncated"
     cut.mkdir()
     for file in minilm.iterdir():
@@ -127,7 +127,7 @@ def assets(tmp_path_factory):
         "evil": evil,
         "glue": glue,
         "truncated": cut,
-        "llama": root / "llama",
+        "neox": root / "neox",
         "gpt2_tokenizer": root / "gpt2-tokenizer",
         "gpt2_config": root / "gpt2-config",
         "text": shared_asset("data/text/botchan.txt"),
@@ -274,9 +274,9 @@ CASES = {
     ),
     "unsupported model_type": Case(
         "finetune_glue.py",
-        lambda a, t, o: glue_args(a, o, model_name_or_path=a["llama"]),
+        lambda a, t, o: glue_args(a, o, model_name_or_path=a["neox"]),
         1,
-        "model_type 'llama' is not supported",
+        "model_type 'gpt_neox' is not supported",
     ),
     "malformed yaml": Case(
         "finetune_glue.py",

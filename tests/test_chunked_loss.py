@@ -92,6 +92,21 @@ def test_chunks_are_bounded_in_tokens_per_device():
             CausalLM(**bad)
 
 
+def sub_jaxprs(eqn):
+    for value in eqn.params.values():
+        for sub in value if isinstance(value, tuple | list) else (value,):
+            if isinstance(sub, jax.extend.core.ClosedJaxpr | jax.extend.core.Jaxpr):
+                yield getattr(sub, "jaxpr", sub)
+
+
+def all_eqns(jaxpr):
+    """Every equation of ``jaxpr`` and of the jaxprs inside it (jit, scan, checkpoint, custom_vjp)."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for sub in sub_jaxprs(eqn):
+            yield from all_eqns(sub)
+
+
 def test_chunked_loss_never_makes_the_whole_logits():
     """Every array of the step (forward and backward) is smaller than the batch's float32 logits."""
     config = CONFIGS["gptj"]()
@@ -101,26 +116,62 @@ def test_chunked_loss_never_makes_the_whole_logits():
     graphdef, params = nnx.split(model)
     task = CausalLM(chunk_tokens=16)  # 2 rows x 8 positions
     jaxpr = jax.make_jaxpr(jax.grad(lambda p: task.loss(nnx.merge(graphdef, p), {"input_ids": ids}, None)))(params)
-
-    def shapes(jaxpr):
-        for eqn in jaxpr.eqns:
-            yield from (v.aval.shape for v in eqn.outvars)
-            for value in eqn.params.values():
-                for sub in value if isinstance(value, tuple | list) else (value,):
-                    if isinstance(sub, jax.extend.core.ClosedJaxpr | jax.extend.core.Jaxpr):
-                        yield from shapes(getattr(sub, "jaxpr", sub))
-
     full = 2 * 24 * config.vocab_size
-    assert max(np.prod(s) for s in shapes(jaxpr.jaxpr)) < full
+    assert max(np.prod(v.aval.shape) for e in all_eqns(jaxpr.jaxpr) for v in e.outvars) < full
     assert CausalLM(chunk_tokens=None).chunk_tokens is None  # the plain path stays available
 
 
-def test_head_multiplies_in_the_compute_dtype_and_accumulates_in_float32():
-    for family in ("gpt2", "gptj"):
-        model = from_config(CONFIGS[family](), "causal-lm", dtype=jnp.bfloat16, seed=0)
-        h = jnp.ones((1, 3, 32), jnp.bfloat16)
-        jaxpr = jax.make_jaxpr(model.logits)(h)
-        dots = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "dot_general"]
-        assert dots and all(e.params["preferred_element_type"] == jnp.float32 for e in dots)
-        assert all(v.aval.dtype == jnp.bfloat16 for e in dots for v in e.invars)
-        assert model.logits(h).dtype == jnp.float32
+@pytest.mark.parametrize("family", ["gpt2", "gptj", "gptj-tied"])
+def test_head_multiplies_in_the_compute_dtype_and_accumulates_in_float32(family):
+    """The LM head's forward products take bfloat16 operands and give float32 logits; its backward products
+    take bfloat16 operands too (no float32 x bfloat16 product, which runs as TF32 on GPUs), and its gradients
+    are the float32 model's within bfloat16 rounding."""
+    model = from_config(CONFIGS[family](), "causal-lm", dtype=jnp.bfloat16, seed=0)
+    h = jax.random.normal(jax.random.key(0), (2, 3, 32), jnp.float32)
+    dots = lambda jaxpr: [e for e in all_eqns(jaxpr.jaxpr) if e.primitive.name == "dot_general"]
+    forward = dots(jax.make_jaxpr(model.logits)(h.astype(jnp.bfloat16)))
+    assert forward and all(e.params["preferred_element_type"] == jnp.float32 for e in forward)
+    assert all(v.aval.dtype == jnp.bfloat16 for e in forward for v in e.invars)
+    assert model.logits(h.astype(jnp.bfloat16)).dtype == jnp.float32
+
+    graphdef, params = nnx.split(model)
+    cotangent = jax.random.normal(jax.random.key(1), (2, 3, model.logits(h).shape[-1]), jnp.float32)
+
+    def head_loss(params, h, graphdef=graphdef):
+        return (nnx.merge(graphdef, params).logits(h) * cotangent).sum()
+
+    grad = jax.grad(head_loss, argnums=(0, 1))
+    backward = dots(jax.make_jaxpr(grad)(params, h.astype(jnp.bfloat16)))
+    assert len(backward) >= 3 * len(forward)  # the products of both gradients
+    assert all(v.aval.dtype == jnp.bfloat16 for e in backward for v in e.invars)
+
+    wide = from_config(CONFIGS[family](), "causal-lm", dtype=jnp.float32, seed=0)
+    wide_graphdef, wide_params = nnx.split(wide)
+    got = grad(params, h.astype(jnp.bfloat16))
+    want = jax.grad(lambda p, h: head_loss(p, h, wide_graphdef), argnums=(0, 1))(wide_params, h)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        assert np.linalg.norm(a - b) <= 2e-2 * np.linalg.norm(b)
+
+
+def test_automatic_chunks_follow_the_device():
+    """-1 (auto): 512-token chunks on CPUs and TPUs; on a GPU the whole logits while a device's float32 logits
+    take at most 1/16 of its memory, else chunks that do."""
+    from types import SimpleNamespace
+
+    from jaxseq.train.objectives import AUTO_CHUNK, CausalLMConfig
+
+    auto = CausalLMConfig().objective()
+    assert auto.chunk_tokens == AUTO_CHUNK
+    cpu = auto.for_batch_shards(2, jax.devices()[0])
+    assert (cpu.chunk_tokens, cpu.batch_shards) == (512, 2)
+    tpu = auto.for_batch_shards(2, SimpleNamespace(platform="tpu", memory_stats=lambda: {"bytes_limit": 16 << 30}))
+    assert tpu.chunk_tokens == 512
+    vocab = 50257  # padded to 50304: 201,216 bytes of float32 logits per token
+    gpu = auto.for_batch_shards(2, SimpleNamespace(platform="gpu", memory_stats=lambda: {"bytes_limit": 80 << 30}))
+    fits = (80 << 30) // 16 // (4 * 50304)  # 26,680 tokens per device
+    assert gpu._chunk_tokens(2 * 16, 1024, vocab) is None  # 16 rows of 1024 per device: whole
+    assert gpu._chunk_tokens(2 * 32, 1024, vocab) == fits  # 32 rows: chunked
+    assert gpu.chunk_positions(2 * 32, 1024, fits) * 32 <= fits
+    with pytest.raises(JaxseqError, match="-1"):
+        CausalLMConfig(loss_chunk_tokens=-2)

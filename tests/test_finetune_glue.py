@@ -150,15 +150,6 @@ def test_bad_input_is_one_line_and_leaves_nothing(case, tmp_path):
     assert not (out / "model.safetensors").exists()
 
 
-def load_script():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("finetune_glue", SCRIPT)
-    module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.mark.parametrize(
     ("argv", "packs"),
     [
@@ -171,10 +162,12 @@ def load_script():
     ],
 )
 def test_packing_is_on_by_default_and_no_pack_sequences_turns_it_off(tmp_path, argv, packs):
-    script = load_script()
+    from jaxseq.cli import parse
+    from jaxseq.commands import glue as command
+
     (tmp_path / "c.yaml").write_text("pack_sequences: false\n")
     argv = [a.format(yaml=tmp_path / "c.yaml") for a in argv]
-    glue = script.parse(script.__doc__, script.SECTIONS, [*argv, "--output_dir", str(tmp_path / "out")])[1]
+    glue = parse(command.__doc__, command.SECTIONS, [*argv, "--output_dir", str(tmp_path / "out")])[1]
     assert glue.pack_sequences is packs
 
 

@@ -23,6 +23,21 @@ CONFIGS = {
         n_layer=2, n_embd=32, n_head=4, vocab_size=64, n_positions=32, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0
     ),
     "gptj": lambda: transformers.GPTJConfig(n_layer=2, n_embd=32, n_head=4, rotary_dim=4, vocab_size=64),
+    "mistral": lambda: transformers.MistralConfig(
+        num_hidden_layers=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=64,
+        vocab_size=64,
+        sliding_window=4,
+    ),
+}
+# the blocks, a query kernel and a norm scale (replicated) of each family
+BLOCKS = {
+    "gpt2": (lambda m: m.transformer.h, "attn/c_attn/kernel", "ln_1/scale"),
+    "gptj": (lambda m: m.transformer.h, "attn/q_proj/kernel", "ln_1/scale"),
+    "mistral": (lambda m: m.model.layers, "self_attn/q_proj/kernel", "input_layernorm/scale"),
 }
 
 
@@ -50,12 +65,12 @@ def test_gathering_keeps_loss_and_gradients(family):
     for a, b in zip(jax.tree.leaves(got[1]), jax.tree.leaves(want[1])):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
-    blocks = model.transformer.h
+    get_blocks, kernel, norm = BLOCKS[family]
+    blocks = get_blocks(model)
     gathered = {name: sharding.spec for name, _, sharding in blocks[0].weight_gather.weights}
-    kernel = "attn/c_attn/kernel" if family == "gpt2" else "attn/q_proj/kernel"
     assert gathered[kernel] == P(None, "mp")  # P("fsdp", "mp") without fsdp
     assert not any("fsdp" in str(spec) for spec in gathered.values())
-    assert "ln_1/scale" not in gathered  # replicated already: nothing to gather
+    assert norm not in gathered  # replicated already: nothing to gather
 
     gather_layers(model, None)
     assert all(block.weight_gather is None for block in blocks)

@@ -2,11 +2,8 @@
 and log-probs for GPT-2, GPT-J and T5; the sampling filters against transformers' warpers and by their
 draws; seeds; one compiled program per bucket; a (dp=2, mp=4) mesh; and scripts/generate.py end to end."""
 
-import importlib.util
 import io
 import json
-import sys
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -294,13 +291,10 @@ def test_bad_arguments_are_one_line_errors(gpt2):
 
 
 def load_script():
-    """scripts/generate.py as a module, to call its ``main(argv)`` in this process (imports already paid)."""
-    if "generate_script" not in sys.modules:
-        path = Path(__file__).resolve().parents[1] / "scripts" / "generate.py"
-        spec = importlib.util.spec_from_file_location("generate_script", path)
-        sys.modules[spec.name] = module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    return sys.modules["generate_script"]
+    """``jaxseq generate`` (scripts/generate.py), to call its ``main(argv)`` in this process."""
+    from jaxseq.commands import generate as command
+
+    return command
 
 
 @pytest.fixture(scope="module")

@@ -11,6 +11,7 @@ transformers = pytest.importorskip("transformers")
 
 from jaxseq.errors import JaxseqError  # noqa: E402
 from jaxseq.models import from_config, load_pretrained, save_pretrained  # noqa: E402
+from jaxseq.models.hub import resolve  # noqa: E402
 from tests.reference import max_diff_on, padded_batch, torch_forward  # noqa: E402
 
 
@@ -137,8 +138,8 @@ def test_bad_task_type_and_override(reference, tmp_path):
     with pytest.raises(JaxseqError, match="has no field 'n_layers'"):
         load_pretrained(tmp_path, "causal-lm", n_layers=3)
     config = json.loads((tmp_path / "config.json").read_text())
-    (tmp_path / "config.json").write_text(json.dumps({**config, "model_type": "llama"}))
-    with pytest.raises(JaxseqError, match="model_type 'llama' is not supported"):
+    (tmp_path / "config.json").write_text(json.dumps({**config, "model_type": "gpt_neox"}))
+    with pytest.raises(JaxseqError, match="model_type 'gpt_neox' is not supported"):
         load_pretrained(tmp_path, "causal-lm")
 
 
@@ -152,3 +153,27 @@ def test_from_config_exports_what_transformers_loads(tmp_path):
     want = torch_forward(theirs, input_ids=ids, attention_mask=mask).logits.numpy()
     assert max_diff_on(mask, got, want) <= 1e-4
     assert float(np.std(np.asarray(model.transformer.wte.embedding[...]))) == pytest.approx(0.02, rel=0.1)
+
+
+def test_hub_download_takes_transformers_weights_only(monkeypatch, tmp_path):
+    """Of a Mistral-like repository, the config, the tokenizer and the sharded safetensors with their index; not
+    the consolidated copy of the same weights beside them, nor Llama 3's ``original/`` checkpoint (huggingface_hub's
+    own pattern filter decides, as in ``snapshot_download``)."""
+    import huggingface_hub
+    from huggingface_hub.utils import filter_repo_objects
+
+    repo = [
+        "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "tokenizer.model",
+        "model.safetensors.index.json", "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
+        "consolidated.safetensors", "original/consolidated.00.pth", "pytorch_model.bin.index.json",
+    ]  # fmt: skip
+    fetched = []
+
+    def snapshot_download(name, allow_patterns):
+        fetched.extend(filter_repo_objects(repo, allow_patterns=allow_patterns))
+        (tmp_path / "model-00001-of-00002.safetensors").write_bytes(b"")
+        return str(tmp_path)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    resolve("someone/mistral-like")
+    assert sorted(fetched) == sorted(set(repo) - {"consolidated.safetensors", "original/consolidated.00.pth"})

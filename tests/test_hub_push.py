@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from huggingface_hub import metadata_load
 
 from tests.conftest import shared_asset
 
@@ -107,6 +108,11 @@ def test_dry_run_stages_the_model_and_a_card_with_the_real_metrics(finished_run)
     assert "| learning_rate | 0.001 |" in body and "| lora_rank | 4 |" in body
     assert "![training loss and evaluation metrics](training_curves.png)" in body
     assert "staged the upload" in result.stdout
+    scores = metadata_load(staged / "README.md")["model-index"][0]["results"][0]
+    evaluated = json.loads((out / "eval_results.json").read_text())
+    shown = {m["type"]: m["value"] for m in scores["metrics"]}
+    assert shown["accuracy"] == evaluated["eval_accuracy"] and shown["loss"] == evaluated["eval_loss"]
+    assert scores["dataset"] == {"type": "nyu-mll/glue", "name": "GLUE SST2", "config": "sst2", "split": "validation"}
 
 
 def test_the_token_is_written_nowhere(finished_run):

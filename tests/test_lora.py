@@ -40,6 +40,8 @@ def tiny(task="sequence-classification", family="bert", mesh=None, dropout=0.0):
             hidden_dropout_prob=dropout,
             attention_probs_dropout_prob=dropout,
         )
+    elif family == "llama":
+        config = FAMILY_CONFIGS["llama"][1]()
     else:
         config = transformers.GPT2Config(
             vocab_size=VOCAB,
@@ -162,7 +164,10 @@ def test_merged_export_gives_the_lora_models_logits(tmp_path):
     np.testing.assert_allclose(logits, want, atol=1e-4)
 
 
-@pytest.mark.parametrize("family", ["bert", "gpt2"])
+PEFT_TARGETS = {"bert": ["query", "value"], "gpt2": ["c_attn"], "llama": ["q_proj", "k_proj", "down_proj"]}
+
+
+@pytest.mark.parametrize("family", list(PEFT_TARGETS))
 def test_peft_adapter_loads_in_peft_with_the_same_logits(tmp_path, family):
     torch = pytest.importorskip("torch")
     peft = pytest.importorskip("peft")
@@ -174,7 +179,9 @@ def test_peft_adapter_loads_in_peft_with_the_same_logits(tmp_path, family):
         tmp_path / "run",
         model,
         mesh,
-        lora=LoraConfig(lora_rank=RANK, lora_alpha=8.0, lora_export="adapter"),
+        lora=LoraConfig(
+            lora_rank=RANK, lora_alpha=8.0, lora_export="adapter", lora_targets=",".join(PEFT_TARGETS[family])
+        ),
         objective=None if family == "bert" else CausalLM(),
     )
     # random adapters and head (B too, which starts at zero), so every exported tensor matters
@@ -196,7 +203,7 @@ def test_peft_adapter_loads_in_peft_with_the_same_logits(tmp_path, family):
             attention_mask=torch.as_tensor(batch["attention_mask"]).long(),
         ).logits.numpy()
     mask = batch["attention_mask"].astype(bool)
-    if family == "gpt2":  # compare real positions only
+    if family != "bert":  # compare real positions only
         logits, want = logits[mask], want[mask]
     np.testing.assert_allclose(logits, want, atol=1e-4)
 
@@ -208,7 +215,7 @@ def test_peft_adapter_loads_in_peft_with_the_same_logits(tmp_path, family):
         peft.LoraConfig(
             r=RANK,
             lora_alpha=8,
-            target_modules=["query", "value"] if family == "bert" else ["c_attn"],
+            target_modules=PEFT_TARGETS[family],
             task_type="SEQ_CLS" if family == "bert" else "CAUSAL_LM",
             fan_in_fan_out=family == "gpt2",
         ),
@@ -296,6 +303,25 @@ FAMILY_CONFIGS = {
             vocab_size=VOCAB, d_model=HIDDEN, d_kv=16, num_heads=4, d_ff=128, num_layers=2, num_decoder_layers=2
         ),
     ),
+    **{
+        family: (
+            "causal-lm",
+            lambda config=config: config(
+                vocab_size=VOCAB,
+                hidden_size=HIDDEN,
+                intermediate_size=128,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                max_position_embeddings=64,
+            ),
+        )
+        for family, config in (
+            ("llama", transformers.LlamaConfig),
+            ("mistral", transformers.MistralConfig),
+            ("qwen2", transformers.Qwen2Config),
+        )
+    },
 }
 
 

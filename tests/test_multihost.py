@@ -176,7 +176,8 @@ def test_two_processes_match_one_and_their_checkpoint_restores_in_one(tmp_path, 
     assert all(np.array_equal(pr[k], pb[k]) for k in pb)
 
 
-def test_two_processes_pretrain_like_one_each_tokenizing_a_share_of_the_text(tmp_path, tiny_gpt2):
+@pytest.mark.parametrize("streaming", [False, True])
+def test_two_processes_pretrain_like_one_each_tokenizing_a_share_of_the_text(tmp_path, tiny_gpt2, streaming):
     text = shared_asset("data/text/tinyshakespeare.txt")
     args = [
         "--config_name",
@@ -209,6 +210,8 @@ def test_two_processes_pretrain_like_one_each_tokenizing_a_share_of_the_text(tmp
         "",
         "--peak_flops",
         1e11,
+        "--streaming",
+        streaming,
     ]
     one, two, _ = one_and_two(args, tmp_path, script="pretrain_clm.py")
     a, b = losses(one), losses(two)

@@ -112,8 +112,9 @@ def test_packed_and_bucketed_evaluation_and_prediction_equal_unpacked_rows_in_in
 ):
     monkeypatch.setattr(batches, "BUCKET_BATCHES", 1)  # a program per width, even for 5 batches
     _, _, dev = sst2
-    plain = make_trainer(tmp_path / "plain", tokenizer, sst2, "dp=2,mp=4", max_steps=1)  # length buckets
-    packed = make_trainer(tmp_path / "packed", tokenizer, sst2, "dp=2,mp=4", max_steps=1, pack="last")
+    kw = dict(max_steps=1, predict_sets={"": dev})
+    plain = make_trainer(tmp_path / "plain", tokenizer, sst2, "dp=2,mp=4", **kw)  # length buckets
+    packed = make_trainer(tmp_path / "packed", tokenizer, sst2, "dp=2,mp=4", pack="last", **kw)
     # the reference: the same weights on every unpacked, full-length row at once, in input order
     expected = np.asarray(plain.model()(jnp.asarray(dev["input_ids"]), jnp.asarray(dev["attention_mask"])))
     widths = sorted({b["input_ids"].shape[1] for b, _, _ in plain.feed.eval_batches("")})
@@ -121,7 +122,7 @@ def test_packed_and_bucketed_evaluation_and_prediction_equal_unpacked_rows_in_in
     assert "pool_index" in next(packed.feed.eval_batches(""))[0]  # evaluated on packed rows
     for trainer in (plain, packed):
         for _ in range(2):
-            out = trainer.predict("")
+            out = trainer.predict()
             np.testing.assert_array_equal(out["labels"], dev["labels"])
             np.testing.assert_allclose(out["logits"], expected, atol=1e-5)
             np.testing.assert_array_equal(out["prediction"], out["logits"].argmax(-1))

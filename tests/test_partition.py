@@ -97,10 +97,37 @@ CASES = {
     ),
 }
 
+LLAMA = dict(
+    hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, vocab_size=VOCAB,
+    max_position_embeddings=64, pad_token_id=0, num_labels=2,
+)  # fmt: skip
+# Grouped-query attention on a (dp=2, fsdp=2, mp=2) mesh: key/value heads fewer than mp (their features split over
+# mp) and as many as mp (a whole head per device), a sliding window, qkv biases, tied and untied heads.
+LLAMA_CASES = {
+    "llama-kv1-lm": (lambda: transformers.LlamaConfig(**LLAMA, num_key_value_heads=1), "causal-lm", lm_loss),
+    "mistral-kv2-window-lm": (
+        lambda: transformers.MistralConfig(**LLAMA, num_key_value_heads=2, sliding_window=5),
+        "causal-lm",
+        lm_loss,
+    ),
+    "qwen2-kv2-tied-cls": (
+        lambda: transformers.Qwen2Config(
+            **LLAMA,
+            num_key_value_heads=2,
+            tie_word_embeddings=True,
+            use_sliding_window=True,
+            sliding_window=6,
+            max_window_layers=1,
+        ),
+        "sequence-classification",
+        classification_loss,
+    ),
+}
+
 
 def run(case, mesh_spec=None):
     """One AdamW step: logits, loss, updated params (on their devices) and optimizer state."""
-    make_config, task, loss_fn = CASES[case]
+    make_config, task, loss_fn = {**CASES, **LLAMA_CASES}[case]
     config = make_config()
     mesh = make_mesh(mesh_spec) if mesh_spec else None
     graphdef, params = nnx.split(from_config(config, task, mesh=mesh, seed=0))
@@ -142,8 +169,22 @@ def single_device():
 @pytest.mark.parametrize("mesh_spec", MESHES)
 @pytest.mark.parametrize("case", list(CASES))
 def test_sharded_step_equals_single_device(case, mesh_spec, single_device):
-    want = single_device[case]
-    got = run(case, mesh_spec)
+    assert_same_step(run(case, mesh_spec), single_device[case])
+
+
+@pytest.mark.parametrize("case", list(LLAMA_CASES))
+def test_llama_families_on_a_dp_fsdp_mp_mesh_equal_single_device(case):
+    """The k/v projections are sharded like q's, by output column over mp: one key/value head of 16 features
+    is split 8 + 8 over mp=2, two heads are one per device; either way the step is the single-device step."""
+    got = run(case, "dp=2,fsdp=2,mp=2")
+    assert_same_step(got, run(case))
+    kv_heads = LLAMA_CASES[case][0]().num_key_value_heads
+    k_proj = dict(partition.named_leaves(got["params"]))["model/layers/0/self_attn/k_proj/kernel"]
+    assert k_proj.sharding.spec == P("fsdp", "mp")
+    assert {s.data.shape for s in k_proj.addressable_shards} == {(32, kv_heads * 16 // 2)}
+
+
+def assert_same_step(got, want):
     host = partition.gather({k: got[k] for k in ("logits", "loss", "params")})
     np.testing.assert_allclose(host["logits"], want["logits"], atol=1e-5, rtol=0)
     assert abs(float(host["loss"]) - float(want["loss"])) <= 1e-5

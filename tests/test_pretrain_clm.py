@@ -4,7 +4,6 @@ model); killed with SIGKILL and rerun, it ends with parameters bitwise equal to 
 tokenized text comes from the cache on a rerun; bad input ends in one line with nothing written. Plus the
 text pipeline (documents, exact piecewise tokenization, group_texts packing) in-process."""
 
-import importlib.util
 import json
 import os
 import shutil
@@ -314,7 +313,7 @@ def test_documents_are_joined_by_eos_and_grouped_like_run_clm(tmp_path, assets):
     (tmp_path / "docs.csv").write_text("id,text\n" + "".join(f'{i},"{r}"\n' for i, r in enumerate(rows)))
     expected = [tokenizer(r)["input_ids"] + [tokenizer.eos_token_id] for r in rows if r]
     for name in ("docs.jsonl", "docs.csv"):
-        documents = text.read_documents(tmp_path / name)
+        documents = list(text.read_documents(tmp_path / name))
         assert documents == rows
         tokens = text.tokenize(documents, tokenizer, progress=False)
         assert tokens.dtype == np.uint16
@@ -326,10 +325,10 @@ def test_documents_are_joined_by_eos_and_grouped_like_run_clm(tmp_path, assets):
 
 @pytest.fixture(scope="module")
 def script():
-    spec = importlib.util.spec_from_file_location("pretrain_clm_script", SCRIPT)
-    sys.modules[spec.name] = module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """``jaxseq clm`` (scripts/pretrain_clm.py) in this process."""
+    from jaxseq.commands import clm
+
+    return clm
 
 
 def write(path: Path, content: str) -> Path:
@@ -338,11 +337,12 @@ def write(path: Path, content: str) -> Path:
     return path
 
 
-def llama_config(t: Path) -> Path:
-    transformers.LlamaConfig(
-        num_hidden_layers=1, hidden_size=16, intermediate_size=32, num_attention_heads=2, num_key_value_heads=2
-    ).save_pretrained(t / "llama")
-    return t / "llama"
+def neox_config(t: Path) -> Path:
+    """A GPT-NeoX config: a family jaxseq lacks."""
+    transformers.GPTNeoXConfig(
+        num_hidden_layers=1, hidden_size=16, intermediate_size=32, num_attention_heads=2
+    ).save_pretrained(t / "neox")
+    return t / "neox"
 
 
 BAD = {  # flags to change (None drops the flag), the message
@@ -354,7 +354,7 @@ BAD = {  # flags to change (None drops the flag), the message
         lambda t: {"--train_file": write(t / "short.txt", "Hello there.")},
         "not enough for one block of 32",
     ),
-    "unknown model type": (lambda t: {"--config_name": llama_config(t)}, "'llama' has no causal-lm model in jaxseq"),
+    "unknown model type": (lambda t: {"--config_name": neox_config(t)}, "'gpt_neox' has no causal-lm model in jaxseq"),
     "unknown --model_type": (
         lambda t: {"--config_name": None, "--model_type": "gpt3"},
         "'gpt3' has no causal-lm model",

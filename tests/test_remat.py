@@ -27,6 +27,18 @@ CONFIGS = {
         transformers.T5Config(num_layers=2, d_model=32, d_kv=8, num_heads=4, d_ff=64, vocab_size=64),
         "seq2seq-lm",
     ),
+    "mistral": lambda: (  # grouped-query attention, a sliding window shorter than the rows
+        transformers.MistralConfig(
+            num_hidden_layers=2,
+            hidden_size=32,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            intermediate_size=64,
+            vocab_size=64,
+            sliding_window=4,
+        ),
+        "causal-lm",
+    ),
     "bert": lambda: (
         transformers.BertConfig(
             num_hidden_layers=2, hidden_size=32, num_attention_heads=4, intermediate_size=64, vocab_size=64

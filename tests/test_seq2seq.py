@@ -250,10 +250,12 @@ def test_evaluation_in_length_buckets_equals_full_rows_in_input_order(tmp_path, 
     )
     mesh = make_mesh("dp=4,mp=2")
     model = from_config(tiny_t5(tokenizer), "seq2seq-lm", mesh=mesh, seed=0)
-    trainer = Trainer(model, objective, config, OptimizerConfig(), arrays, {"": arrays}, mesh)
+    trainer = Trainer(
+        model, objective, config, OptimizerConfig(), arrays, {"": arrays}, mesh, predict_sets={"": arrays}
+    )
     shapes = {(b["input_ids"].shape[1], b["labels"].shape[1]) for b, _, _ in trainer.feed.eval_batches("")}
     assert len(shapes) > 1 and shapes <= {(s, t) for s in (8, 16, 32) for t in (8, 16)}
-    got = trainer.predict("")
+    got = trainer.predict()
     trainer.close()
     # the reference: every full-length row at once, in input order
     expected = objective.predict(trainer.model(), {k: jnp.asarray(v) for k, v in arrays.items()})

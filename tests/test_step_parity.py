@@ -67,6 +67,13 @@ def bert_config():
     )  # fmt: skip
 
 
+def llama_config():
+    return transformers.LlamaConfig(
+        num_hidden_layers=2, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=VOCAB, max_position_embeddings=64, pad_token_id=0, attention_bias=True,
+    )  # fmt: skip
+
+
 def causal_batch(seed=0, lengths=LENGTHS):
     ids, mask = padded_batch(VOCAB, lengths, seed=seed)
     labels = np.where(mask == 1, ids, -100)  # transformers' loss skips -100; jaxseq's skips mask-0 targets
@@ -100,6 +107,7 @@ def v11(config):
 CASES = {  # reference constructor, jaxseq task, objective, batch
     "gpt2": (lambda: transformers.GPT2LMHeadModel(gpt2_config()), "causal-lm", CausalLM, causal_batch),
     "gptj": (lambda: transformers.GPTJForCausalLM(gptj_config()), "causal-lm", CausalLM, causal_batch),
+    "llama": (lambda: transformers.LlamaForCausalLM(llama_config()), "causal-lm", CausalLM, causal_batch),
     "t5-v1.0": (
         lambda: transformers.T5ForConditionalGeneration(t5_config(gated=False)),
         "seq2seq-lm",
@@ -231,7 +239,7 @@ def assert_steps_match(ours, exact, f32, before):
 
 @pytest.mark.parametrize(
     "case, max_grad_norm",
-    [("gpt2", 0.1), ("gptj", 0.0), ("t5-v1.0", 1.0), ("t5-v1.1", 0.5), ("bert-classification", 100.0)],
+    [("gpt2", 0.1), ("gptj", 0.0), ("llama", 0.5), ("t5-v1.0", 1.0), ("t5-v1.1", 0.5), ("bert-classification", 100.0)],
 )
 def test_optimizer_step_parity(case, max_grad_norm, mesh, tmp_path):
     """Two steps: the first checks the gradients, clipping, update and weight decay (Adam's moments are the
@@ -296,19 +304,26 @@ def test_gradient_accumulation_equals_the_doubled_batch(lengths, mesh, tmp_path)
 LORA = {  # jaxseq task, PEFT task type, target modules, fan_in_fan_out (GPT-2's Conv1D stores [in, out])
     "gpt2": ("causal-lm", "CAUSAL_LM", ["c_attn"], True),
     "bert-classification": ("sequence-classification", "SEQ_CLS", ["query", "value"], False),
+    "llama": (
+        "causal-lm",
+        "CAUSAL_LM",
+        ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        False,
+    ),
 }
 
 
 @pytest.mark.parametrize("case", list(LORA))
 def test_lora_step_parity(case, mesh, tmp_path):
-    """Two LoRA steps (rank 4, alpha 8, no dropout) equal PEFT's with torch AdamW on the same adapters: B
-    starts random, not at zero, so A gets gradients too; BERT's classifier trains in full on both sides
-    (jaxseq's task head, PEFT's ``modules_to_save``). Same tolerances as the full-model steps."""
+    """Two LoRA steps (rank 4, alpha 8, no dropout) equal PEFT's with torch AdamW on the same adapters, named
+    by module as PEFT's ``target_modules`` (Llama: all seven projections): B starts random, not at zero, so A
+    gets gradients too; BERT's classifier trains in full on both sides (jaxseq's task head, PEFT's
+    ``modules_to_save``). Same tolerances as the full-model steps."""
     peft = pytest.importorskip("peft")
     task, peft_task, targets, fan_in_fan_out = LORA[case]
     ref = reference(case, tmp_path)
     model = load_pretrained(tmp_path, task, mesh=mesh)
-    lora = LoraConfig(lora_rank=4, lora_alpha=8.0, lora_dropout=0.0)
+    lora = LoraConfig(lora_rank=4, lora_alpha=8.0, lora_dropout=0.0, lora_targets=",".join(targets))
     program = jaxseq_program(model, CASES[case][2](), mesh, max_grad_norm=1.0, lora=lora)
     frozen = partition.shard(nnx.state(model), program.frozen_shardings)
     adapters = program.adapter_init(frozen)

@@ -81,6 +81,7 @@ def make_trainer(tmp_path, tokenizer, data, mesh_spec="dp=8", devices=None, **kw
         {"": dev},
         mesh,
         pack=kw.get("pack"),
+        predict_sets=kw.get("predict_sets"),
     )
 
 

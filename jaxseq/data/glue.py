@@ -15,6 +15,7 @@ from jaxseq.data.records import read_records, require_columns
 from jaxseq.errors import JaxseqError
 
 Example = tuple[str, str | None, float]  # (text_a, text_b, label)
+NO_LABEL = -1.0  # the label of a test example without one (as the Hub's GLUE test splits have it)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,6 +28,11 @@ class GlueTask:
     tsv_columns: tuple[str | int, str | int | None, str | int]  # text_a, text_b, label: header name or index
     tsv_header: bool = True
     eval_splits: tuple[str, ...] = ("validation",)
+
+    @property
+    def test_splits(self) -> tuple[str, ...]:
+        """The unlabelled splits ``--do_predict`` predicts (MNLI: matched and mismatched)."""
+        return tuple(split.replace("validation", "test") for split in self.eval_splits)
 
     @property
     def num_labels(self) -> int:
@@ -117,9 +123,12 @@ _TSV_FILES = {
     "validation": "dev.tsv",
     "validation_matched": "dev_matched.tsv",
     "validation_mismatched": "dev_mismatched.tsv",
+    "test": "test.tsv",
+    "test_matched": "test_matched.tsv",
+    "test_mismatched": "test_mismatched.tsv",
 }
 # Split suffixes of the metric keys, as run_glue writes them (MNLI mismatched: eval_accuracy_mm).
-SPLIT_SUFFIX = {"validation_mismatched": "_mm"}
+SPLIT_SUFFIX = {"validation_mismatched": "_mm", "test_mismatched": "_mm"}
 
 
 def get_task(name: str) -> GlueTask:
@@ -167,23 +176,27 @@ def _label_value(task: GlueTask, raw: str, where: str) -> float:
     return float(value)
 
 
-def read_glue_tsv(task: GlueTask, path: Path) -> list[Example]:
-    """A TSV in the GLUE download script's format: no CSV quoting, UTF-8 (MRPC starts with a BOM)."""
+def read_glue_tsv(task: GlueTask, path: Path, *, test: bool = False) -> list[Example]:
+    """A TSV in the GLUE download script's format: no CSV quoting, UTF-8 (MRPC starts with a BOM). ``test``: a
+    test split, whose labels may be absent (``NO_LABEL``); CoLA's test.tsv has a header, unlike its others."""
     if not path.is_file():
         raise JaxseqError(f"{path} does not exist; point --data_dir at a folder with {task.folder}/ (GLUE TSVs)")
     with open(path, encoding="utf-8-sig", newline="") as f:
         rows = list(csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE))
-    columns = task.tsv_columns
-    if task.tsv_header:
+    columns, header = task.tsv_columns, task.tsv_header
+    if test and not header and rows and rows[0][:1] == ["index"]:
+        columns, header = ("sentence", None, "label"), True
+    if header:
         header, rows = rows[0], rows[1:]
-        missing = [c for c in columns if c is not None and c not in header]
+        needed = columns[:2] if test else columns
+        missing = [c for c in needed if c is not None and c not in header]
         if missing:
             raise JaxseqError(f"{path} lacks column(s) {', '.join(map(repr, missing))}; its header is {header}")
-        columns = tuple(None if c is None else header.index(c) for c in columns)
-    return _examples(task, rows, columns, str(path))
+        columns = tuple(None if c is None or c not in header else header.index(c) for c in columns)
+    return _examples(task, rows, columns, str(path), test)
 
 
-def _examples(task, rows, columns, where) -> list[Example]:
+def _examples(task, rows, columns, where, test: bool = False) -> list[Example]:
     a, b, label = columns
     width = max(c for c in columns if c is not None) + 1
     out = []
@@ -192,18 +205,24 @@ def _examples(task, rows, columns, where) -> list[Example]:
             if not any(cell.strip() for cell in row):
                 continue
             raise JaxseqError(f"{where} row {i + 1} has {len(row)} fields, expected at least {width}")
-        out.append((row[a], None if b is None else row[b], _label_value(task, row[label], f"{where} row {i + 1}")))
+        if label is None or (test and row[label].strip() in ("", "-1")):  # an unlabelled test example
+            value = NO_LABEL
+        else:
+            value = _label_value(task, row[label], f"{where} row {i + 1}")
+        out.append((row[a], None if b is None else row[b], value))
     return out
 
 
-def read_user_file(task: GlueTask, path: Path) -> list[Example]:
-    """A user's csv/tsv (with a header) or json/jsonl file with the task's text columns and ``label``."""
+def read_user_file(task: GlueTask, path: Path, *, test: bool = False) -> list[Example]:
+    """A user's csv/tsv (with a header) or json/jsonl file with the task's text columns and ``label`` (which
+    a ``test`` file may lack)."""
     records = read_records(path)
     keys = [k for k in task.keys if k is not None]
-    require_columns(records, [*keys, "label"], path)
-    rows = [[str(r[k]) for k in keys] + [str(r["label"])] for r in records]
-    columns = (0, 1 if len(keys) == 2 else None, len(keys))
-    return _examples(task, rows, columns, str(path))
+    labelled = not test or (bool(records) and "label" in records[0])
+    require_columns(records, [*keys, *(["label"] if labelled else [])], path)
+    rows = [[str(r[k]) for k in keys] + ([str(r["label"])] if labelled else []) for r in records]
+    columns = (0, 1 if len(keys) == 2 else None, len(keys) if labelled else None)
+    return _examples(task, rows, columns, str(path), test)
 
 
 def read_hub_split(task: GlueTask, split: str) -> list[Example]:
@@ -224,14 +243,16 @@ def read_hub_split(task: GlueTask, split: str) -> list[Example]:
 
 
 def load_split(task: GlueTask, split: str, *, data_dir=None, file=None) -> list[Example]:
-    """Examples of one split from a user file, a GLUE folder, or the Hub (in that order of preference)."""
+    """Examples of one split from a user file, a GLUE folder, or the Hub (in that order of preference). Test
+    splits may be unlabelled (``NO_LABEL``)."""
+    test = split.startswith("test")
     if file is not None:
-        examples = read_user_file(task, Path(file))
+        examples = read_user_file(task, Path(file), test=test)
         where = str(file)
     elif data_dir is not None:
         root = Path(data_dir)
         folder = root / task.folder if (root / task.folder).is_dir() else root
-        examples = read_glue_tsv(task, folder / _TSV_FILES[split])
+        examples = read_glue_tsv(task, folder / _TSV_FILES[split], test=test)
         where = str(folder / _TSV_FILES[split])
     else:
         examples = read_hub_split(task, split)

@@ -26,7 +26,7 @@ import numpy as np
 TOKEN_ARRAYS = ("input_ids", "token_type_ids")
 
 
-def _assign(lengths: np.ndarray, seq: int) -> list[list[int]]:
+def first_fit_decreasing(lengths: np.ndarray, seq: int) -> list[list[int]]:
     """First-fit decreasing: example indices per row, each row holding at most ``seq`` tokens."""
     rows: list[list[int]] = []
     room: list[int] = []
@@ -49,7 +49,7 @@ def lengths(arrays: Mapping[str, np.ndarray]) -> np.ndarray:
 
 def rows_needed(batches: Iterable[Mapping[str, np.ndarray]]) -> int:
     """Rows enough to pack every batch (given as its arrays)."""
-    return max(len(_assign(lengths(b), b["input_ids"].shape[1])) for b in batches)
+    return max(len(first_fit_decreasing(lengths(b), b["input_ids"].shape[1])) for b in batches)
 
 
 COMPILE_STEPS = 25  # a compilation costs about this many steps of the largest shape (MiniLM on a CPU: ~20)
@@ -85,7 +85,7 @@ def pack(batch: Mapping[str, np.ndarray], rows: int, pool: str = "first", first_
     n, seq = ids.shape
     real = np.asarray(batch["attention_mask"]) != 0
     lengths = real.sum(axis=1)
-    assignment = _assign(lengths, seq)
+    assignment = first_fit_decreasing(lengths, seq)
     if len(assignment) > rows:
         raise ValueError(f"{n} examples need {len(assignment)} packed rows, more than the {rows} allowed")
     out = {name: np.zeros((rows, seq), np.int32) for name in (*TOKEN_ARRAYS, "attention_mask", "position_ids")}

@@ -1,4 +1,5 @@
-"""Model families (GPT-2, GPT-J, T5, BERT) as Flax NNX modules, and Hugging Face checkpoint I/O."""
+"""Model families (GPT-2, GPT-J, T5, BERT, Llama, Mistral, Qwen2) as Flax NNX modules, and Hugging Face
+checkpoint I/O."""
 
 from jaxseq.models.attention import use_attention
 from jaxseq.models.hub import from_config, load_config, load_pretrained, save_pretrained

@@ -1,7 +1,9 @@
 """What the families really share: attention masks, the attention kernels and the KV cache.
 
 Shapes follow ``jax.nn.dot_product_attention``: queries ``[batch, q_len, heads, head_dim]``, keys and
-values ``[batch, kv_len, heads, head_dim]``, masks ``[batch, 1, q_len, kv_len]`` (True = attend).
+values ``[batch, kv_len, kv_heads, head_dim]``, masks ``[batch, 1, q_len, kv_len]`` (True = attend). With
+grouped-query attention (Llama, Mistral, Qwen2) ``kv_heads`` divides ``heads`` and query head ``h`` reads
+key/value head ``h // (heads // kv_heads)``; the other families have ``kv_heads == heads``.
 
 Kernels (``ATTENTION_KERNELS``, chosen per model by ``use_attention``): ``xla`` (XLA's own attention: the
 ``[batch, heads, q, kv]`` scores in memory), ``splash`` (the Pallas TPU splash attention kernel shipped with
@@ -9,11 +11,12 @@ JAX: blockwise, the scores never stored; causal, padding and packed examples as 
 (cuDNN's fused attention on NVIDIA GPUs). ``auto`` takes the fused kernel of the backend where it applies.
 
 The KV cache is a plain pytree of fixed shapes, so it can be carried through ``lax.while_loop``:
-``Cache(layers=(KVCache(k, v), ...), index)`` where ``k``/``v`` are ``[batch, heads, max_len, head_dim]``
+``Cache(layers=(KVCache(k, v), ...), index)`` where ``k``/``v`` are ``[batch, kv_heads, max_len, head_dim]``
 (heads before positions, so the attention dots read the whole cache without transposing it every step;
 ``attend_cache`` is the attention over it) and ``index`` is the int32 position the next token is written
 to. With a cache, the attention mask the caller passes covers all ``max_len`` key positions (1 for real
-tokens written so far or about to be).
+tokens written so far or about to be). A layer with a sliding window keeps a rolling cache of its window
+instead (``ring_positions``).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
+from flax import nnx, struct
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
@@ -51,17 +54,22 @@ class AttentionKernel:
     interpret: bool = False
 
 
-class AttentionMask(NamedTuple):
+@struct.dataclass
+class AttentionMask:
     """A self-attention mask both ways: ``dense`` ``[batch or 1, 1, q_len, kv_len]`` booleans (the XLA
     kernel's) and the ``[batch, seq]`` padding mask / segment ids it was made from (the fused kernels'),
-    None where there is none or the attention is not self-attention over the same positions."""
+    None where there is none or the attention is not self-attention over the same positions; ``window``: a
+    causal sliding window (a query sees the ``window`` latest positions, itself included; Mistral's), which
+    ``dense`` already holds and the fused kernels build themselves. ``window`` is static (part of the
+    pytree's structure), so it survives ``jit`` and ``remat`` as the Python int the kernels need."""
 
     dense: jax.Array
     segments: jax.Array | None = None
+    window: int | None = struct.field(pytree_node=False, default=None)
 
 
 class KVCache(NamedTuple):
-    """Keys and values of one attention layer, ``[batch, heads, max_len, head_dim]``."""
+    """Keys and values of one attention layer, ``[batch, kv_heads, max_len, head_dim]``."""
 
     k: jax.Array
     v: jax.Array
@@ -133,9 +141,12 @@ def make_mask(
     causal: bool,
     index: jax.Array | int = 0,
     cross: bool = False,
+    window: int | None = None,
 ) -> jax.Array:
     """Boolean ``[batch or 1, 1, q_len, kv_len]`` mask from a ``[batch, kv_len]`` padding mask and, if
-    ``causal``, the rule key position <= query position.
+    ``causal``, the rule key position <= query position (and, with a sliding ``window``, > query position
+    - ``window``, as transformers' ``sliding_window_overlay``: positions are cache slots, so left padding
+    shifts queries and keys alike).
 
     The padding mask holds segment ids: 0 for padding, 1 for a row's tokens, and 1, 2, ... when several
     examples are packed into one row (``jaxseq.data.packing``). In self-attention without a cache
@@ -150,15 +161,18 @@ def make_mask(
             queries = key_mask[:, None, :, None]
             mask = mask & ((queries == keys) | (queries == 0))
     if causal:
-        q_pos = query_positions(q_len, index)
-        k_pos = jnp.arange(kv_len, dtype=jnp.int32)
-        mask = mask & (k_pos[None, :] <= q_pos[:, None])[None, None]
+        q_pos = query_positions(q_len, index)[:, None]
+        k_pos = jnp.arange(kv_len, dtype=jnp.int32)[None, :]
+        seen = k_pos <= q_pos
+        if window is not None:
+            seen = seen & (k_pos > q_pos - window)
+        mask = mask & seen[None, None]
     return mask
 
 
-def self_attention_mask(key_mask: jax.Array | None, seq: int, *, causal: bool) -> AttentionMask:
+def self_attention_mask(key_mask: jax.Array | None, seq: int, *, causal: bool, window=None) -> AttentionMask:
     """``make_mask`` of a self-attention without a cache, keeping the padding mask / segment ids too."""
-    return AttentionMask(make_mask(key_mask, seq, seq, causal=causal), key_mask)
+    return AttentionMask(make_mask(key_mask, seq, seq, causal=causal, window=window), key_mask, window)
 
 
 def decoder_mask(key_mask: jax.Array | None, seq: int, cache: Cache | None, index) -> AttentionMask | jax.Array:
@@ -167,6 +181,51 @@ def decoder_mask(key_mask: jax.Array | None, seq: int, cache: Cache | None, inde
     if cache is None:
         return self_attention_mask(key_mask, seq, causal=True)
     return make_mask(key_mask, seq, cache.layers[0].max_len, causal=True, index=index)
+
+
+# --------------------------------------------------------------------------- the rolling cache of a sliding window
+# A layer that attends over a sliding window of W positions keeps only the last W keys/values: a KVCache of length
+# L = min(W, max_len) whose slot s holds the latest position p = s (mod L) written so far. A call with t new
+# positions from ``index`` attends over the L slots as they were plus its own t keys (so a long prompt's early
+# queries still see keys that its later positions overwrite), then writes its last min(t, L) keys into their slots.
+
+
+def ring_positions(index: jax.Array | int, length: int) -> jax.Array:
+    """The position each of a rolling cache's ``length`` slots holds before a write at ``index`` (negative: empty)."""
+    slots = jnp.arange(length, dtype=jnp.int32)
+    return index - 1 - jnp.mod(index - 1 - slots, length)
+
+
+def ring_mask(key_mask: jax.Array | None, seq: int, length: int, index, window: int) -> AttentionMask:
+    """The mask of ``seq`` queries from ``index`` over a rolling cache's ``length`` slots followed by their own
+    ``seq`` keys (``attend_ring``): a key is seen if it is written, real in ``key_mask`` (which covers every
+    position, as with a plain cache), and among the ``window`` latest positions up to the query's."""
+    k_pos = jnp.concatenate([ring_positions(index, length), query_positions(seq, index)])
+    q_pos = query_positions(seq, index)[:, None]
+    seen = (k_pos[None, :] >= 0) & (k_pos[None, :] <= q_pos) & (k_pos[None, :] > q_pos - window)
+    mask = seen[None, None]
+    if key_mask is not None:
+        real = jnp.take(key_mask, jnp.clip(k_pos, 0, key_mask.shape[1] - 1), axis=1) != 0
+        mask = mask & real[:, None, None, :]
+    return AttentionMask(mask, None, window)
+
+
+def attend_ring(q: jax.Array, cache: KVCache, k: jax.Array, v: jax.Array, mask, *, scale: float) -> jax.Array:
+    """Attention (XLA, no dropout) of ``q`` over a rolling cache's slots, before this call's write, and the call's
+    own keys/values ``k``/``v`` (``[batch, t, kv_heads, dim]``); ``mask`` from ``ring_mask``."""
+    new = KVCache.of(k, v, q.dtype)
+    k, v = (jnp.concatenate([old.astype(q.dtype), t], axis=2) for old, t in zip(cache, new))
+    return _written_out(q, k, v, "bhkd", mask.dense, None, scale, 0.0, None)
+
+
+def update_ring(cache: KVCache, k: jax.Array, v: jax.Array, index) -> KVCache:
+    """Write the last ``min(t, length)`` of ``t`` new keys/values (``[batch, t, heads, dim]``, positions from
+    ``index``) into their slots of a rolling cache (distinct slots, so the scatter has no duplicates)."""
+    length, t = cache.max_len, k.shape[1]
+    kept = min(t, length)
+    new = KVCache.of(k[:, t - kept :], v[:, t - kept :], cache.k.dtype)
+    slots = jnp.mod(index + t - kept + jnp.arange(kept, dtype=jnp.int32), length)
+    return KVCache(*(old.at[:, :, slots].set(n) for old, n in zip(cache, new)))
 
 
 def attend(
@@ -183,31 +242,26 @@ def attend(
     causal: bool = False,
 ) -> jax.Array:
     """Scaled dot-product attention with ``kernel`` (``causal``: the mask is causal, which the fused
-    kernels build themselves). XLA: ``jax.nn.dot_product_attention``; with attention dropout, the same math
-    written out so the probabilities can drop."""
+    kernels build themselves, with its sliding window if it has one). XLA: ``jax.nn.dot_product_attention``;
+    with attention dropout, the same math written out so the probabilities can drop."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     segments = mask.segments if isinstance(mask, AttentionMask) else None
+    window = mask.window if isinstance(mask, AttentionMask) else None
     mask = mask.dense if isinstance(mask, AttentionMask) else mask
     fused = kernel.name != "xla" and bias is None and (rngs is None or dropout_rate == 0.0)
     if fused and kernel.name == "splash" and _splash_fits(q, k, kernel):
-        return splash_attention(q, k, v, segments, scale=scale, causal=causal, kernel=kernel)
+        return splash_attention(q, k, v, segments, scale=scale, causal=causal, window=window, kernel=kernel)
     if fused and kernel.name == "cudnn":  # right-padded rows (use_attention refuses packed ones): key lengths
         lengths = None if segments is None else jnp.sum(segments != 0, axis=-1).astype(jnp.int32)
         return jax.nn.dot_product_attention(
-            q, k, v, scale=scale, is_causal=causal, key_value_seq_lengths=lengths, implementation="cudnn"
-        )
+            q, k, v, scale=scale, is_causal=causal, key_value_seq_lengths=lengths,
+            local_window_size=None if window is None else (window - 1, 0), implementation="cudnn",
+        )  # fmt: skip
     # XLA:CPU has no float16 x float16 -> float32 dot, which jax.nn.dot_product_attention asks for
     cpu_half = q.dtype == jnp.float16 and jax.default_backend() == "cpu"
     if (rngs is None or dropout_rate == 0.0) and not cpu_half:
         return jax.nn.dot_product_attention(q, k, v, bias=bias, mask=mask, scale=scale)
-    logits = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32) * scale
-    if bias is not None:
-        logits = logits + bias.astype(jnp.float32)
-    if mask is not None:
-        logits = jnp.where(mask, logits, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
-    probs = dropout(probs, dropout_rate, rngs)
-    return jnp.einsum("bhqk,bkhd->bqhd", probs, v)
+    return _written_out(q, k, v, "bkhd", mask, bias, scale, dropout_rate, rngs)
 
 
 def attend_cache(
@@ -217,13 +271,25 @@ def attend_cache(
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     mask = mask.dense if isinstance(mask, AttentionMask) else mask
     k, v = cache.k.astype(q.dtype), cache.v.astype(q.dtype)
-    logits = jnp.einsum("bqhd,bhkd->bhqk", q, k, preferred_element_type=jnp.float32) * scale
+    return _written_out(q, k, v, "bhkd", mask, bias, scale, 0.0, None)
+
+
+def _written_out(q, k, v, kv_layout: str, mask, bias, scale, dropout_rate, rngs) -> jax.Array:
+    """Attention as plain einsums, float32 scores: queries ``[batch, q_len, heads, dim]``, keys/values in
+    ``kv_layout`` (``bkhd``: ``[batch, kv_len, kv_heads, dim]``; ``bhkd``: a cache's). Query heads are grouped
+    by the key/value head they read, so grouped-query keys are never repeated in memory."""
+    batch, q_len, heads, dim = q.shape
+    kv_heads = k.shape[kv_layout.index("h")]
+    q = q.reshape(batch, q_len, kv_heads, heads // kv_heads, dim)
+    logits = jnp.einsum(f"bqhgd,{kv_layout}->bhgqk", q, k, preferred_element_type=jnp.float32) * scale
+    logits = logits.reshape(batch, heads, q_len, -1)
     if bias is not None:
         logits = logits + bias.astype(jnp.float32)
     if mask is not None:
         logits = jnp.where(mask, logits, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
-    return jnp.einsum("bhqk,bhkd->bqhd", probs, v)
+    probs = dropout(probs, dropout_rate, rngs).reshape(batch, kv_heads, heads // kv_heads, q_len, -1)
+    return jnp.einsum(f"bhgqk,{kv_layout}->bqhgd", probs, v).reshape(batch, q_len, heads, dim)
 
 
 def split_heads(x: jax.Array, heads: int) -> jax.Array:
@@ -266,22 +332,31 @@ def _splash_blocks(q_len: int, kv_len: int):
     )  # fmt: skip
 
 
-def splash_attention(q, k, v, segments, *, scale: float, causal: bool, kernel: AttentionKernel) -> jax.Array:
+def splash_attention(
+    q, k, v, segments, *, scale: float, causal: bool, window: int | None = None, kernel: AttentionKernel
+) -> jax.Array:
     """``attend`` with the Pallas TPU splash attention kernel (``[batch, len, heads, head_dim]`` in and out):
-    causal or full, padding and packed examples as segment ids (a query sees only keys of its own segment;
-    padding, segment 0, sees only padding, and its output is discarded). Run per device under ``shard_map``
-    when the kernel has a mesh: each device takes its rows (dp, fsdp) and its heads (mp)."""
+    causal (within a sliding ``window`` if given) or full, grouped-query keys/values as the kernel takes
+    them, padding and packed examples as segment ids (a query sees only keys of its own segment; padding,
+    segment 0, sees only padding, and its output is discarded). Run per device under ``shard_map`` when the
+    kernel has a mesh: each device takes its rows (dp, fsdp) and its heads (mp); key/value heads that do not
+    divide over mp are repeated to one per query head first."""
     from jax.experimental.pallas.ops.tpu import splash_attention as splash
 
     q = (q * scale).astype(q.dtype)  # splash does not scale
-    q, k, v = (jnp.swapaxes(t, 1, 2) for t in (q, k, v))  # [batch, heads, len, dim]
     mesh = kernel.mesh
+    if mesh is not None and k.shape[2] % mesh.shape["mp"]:
+        k, v = (jnp.repeat(t, q.shape[2] // t.shape[2], axis=2) for t in (k, v))
+    q, k, v = (jnp.swapaxes(t, 1, 2) for t in (q, k, v))  # [batch, heads, len, dim]
     heads, q_len, kv_len = q.shape[1], q.shape[2], k.shape[2]
     local_heads = heads if mesh is None else heads // mesh.shape["mp"]
 
     def local(q, k, v, segments):
         shape = (q_len, kv_len)
-        mask = splash.CausalMask(shape) if causal else splash.FullMask(shape)
+        if window is not None:
+            mask = splash.LocalMask(shape, window_size=(window - 1, 0), offset=0)
+        else:
+            mask = splash.CausalMask(shape) if causal else splash.FullMask(shape)
         mha = splash.make_splash_mha(
             splash.MultiHeadMask([mask] * local_heads),
             head_shards=1,

@@ -132,7 +132,10 @@ class DecoderLM(nnx.Module):
     pass, its final hidden states (the chunked loss feeds them to ``logits`` a chunk of positions at a time,
     ``jaxseq.train.objectives.CausalLM``) and its KV cache. ``logits`` runs over the padded vocabulary
     (``layers.padded_vocab_size``, which shards on any mesh); the loss leaves the padding out
-    (``objectives.cross_entropy``) and ``__call__`` returns the ``config.vocab_size`` real entries."""
+    (``objectives.cross_entropy``) and ``__call__`` returns the ``config.vocab_size`` real entries.
+    ``base_name``: the attribute holding the base model (``transformer``; Llama's is ``model``)."""
+
+    base_name = "transformer"
 
     def __call__(self, input_ids, attention_mask=None, position_ids=None, *, cache=None, rngs=None):
         """Logits over the ``config.vocab_size`` tokens, as transformers returns them."""
@@ -141,10 +144,10 @@ class DecoderLM(nnx.Module):
 
     def hidden_states(self, input_ids, attention_mask=None, position_ids=None, *, cache=None, rngs=None):
         """The final hidden states (``BaseOutput``), before the head."""
-        return self.transformer(input_ids, attention_mask, position_ids, cache=cache, rngs=rngs)
+        return getattr(self, self.base_name)(input_ids, attention_mask, position_ids, cache=cache, rngs=rngs)
 
     def init_cache(self, batch: int, max_len: int, dtype=None) -> Cache:
-        return self.transformer.init_cache(batch, max_len, dtype)
+        return getattr(self, self.base_name).init_cache(batch, max_len, dtype)
 
 
 class GPT2LMHeadModel(DecoderLM):
@@ -186,17 +189,19 @@ def last_token_index(input_ids, pad_token_id):
 class LastTokenClassifier(nnx.Module):
     """A decoder (``base``) scoring the hidden state of each row's last non-padding token
     (``config.pad_token_id``), as transformers' GPT-style classifiers do; or, for rows of packed
-    examples (``jaxseq.data.packing``), the hidden states at the flat positions ``pool_index``."""
+    examples (``jaxseq.data.packing``), the hidden states at the flat positions ``pool_index``. ``base`` is
+    held in the attribute ``base_name`` (as in ``DecoderLM``)."""
 
     base: type
+    base_name = "transformer"
     pooled_token = "last"  # which token of a packed example pool_index points at
     task_head = r"^score/"  # what fine-tuning adds to the pretrained model (trained in full beside LoRA)
 
     def __init__(self, config, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
         self.config = config
-        self.transformer = self.base(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        setattr(self, self.base_name, self.base(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs))
         self.score = Linear(
-            config.n_embd,
+            config.hidden_size,
             config.num_labels,
             use_bias=False,
             dtype=dtype,
@@ -206,7 +211,7 @@ class LastTokenClassifier(nnx.Module):
         )
 
     def __call__(self, input_ids, attention_mask=None, position_ids=None, *, pool_index=None, rngs=None):
-        h = self.transformer(input_ids, attention_mask, position_ids, rngs=rngs).last_hidden_state
+        h = getattr(self, self.base_name)(input_ids, attention_mask, position_ids, rngs=rngs).last_hidden_state
         if pool_index is None:
             last = last_token_index(input_ids, self.config.pad_token_id)
             pooled = jnp.take_along_axis(h, last[:, None, None], axis=1)[:, 0]

@@ -24,7 +24,13 @@ from jaxseq.sharding import check_divisible, gather, make_shardings, match_parti
 logger = logging.getLogger("jaxseq")
 
 _HUB_PATTERNS = ["*.json", "*.txt", "*.model", "tokenizer*"]
-_WEIGHT_PATTERNS = (["*.safetensors", "*.safetensors.index.json"], ["pytorch_model*.bin*"], ["flax_model*.msgpack*"])
+# transformers' own weight files, whole or sharded (``model-00001-of-00004.safetensors`` + the index): not the
+# other copies some repositories hold beside them (Mistral's ``consolidated.safetensors``, Llama 3's ``original/``)
+_WEIGHT_PATTERNS = (
+    ["model*.safetensors", "model.safetensors.index.json"],
+    ["pytorch_model*.bin*"],
+    ["flax_model*.msgpack*"],
+)
 
 
 # --------------------------------------------------------------------------- where the files are

@@ -4,6 +4,7 @@ and how transformer blocks run: remat policies and per-block weight gathering.""
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -52,11 +53,48 @@ def padded_vocab_size(vocab_size: int) -> int:
     return -(-vocab_size // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
 
 
+def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, out_sharding=None):
+    """``jax.lax.dot_general``, except that a product of bfloat16 (or float16) operands accumulated into float32
+    (an LM head's logits) keeps its backward pass in the operands' dtype: the float32 cotangent is rounded to
+    it first, as PyTorch autocast's half-precision logits are. JAX's own transpose multiplies the float32
+    cotangent by the half-precision operand in float32: TF32 GEMMs on an H100 (GPT-2 small's tied head, 16 x
+    1024 tokens: 7.8 of the 44.5 ms step, `bench/gpu.py`), multi-pass products on a TPU."""
+    half = lhs.dtype == rhs.dtype and lhs.dtype in (jnp.bfloat16, jnp.float16)
+    if half and preferred_element_type == jnp.float32 and out_sharding is None:
+        return _widened_dot(lhs, rhs, dimension_numbers, precision)
+    return jax.lax.dot_general(
+        lhs, rhs, dimension_numbers, precision, preferred_element_type=preferred_element_type, out_sharding=out_sharding
+    )
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _widened_dot(lhs, rhs, dimension_numbers, precision):
+    return jax.lax.dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type=jnp.float32)
+
+
+def _widened_dot_forward(lhs, rhs, dimension_numbers, precision):
+    return _widened_dot(lhs, rhs, dimension_numbers, precision), (lhs, rhs)
+
+
+def _widened_dot_backward(dimension_numbers, precision, operands, cotangent):
+    lhs, rhs = operands
+    _, transpose = jax.vjp(lambda a, b: jax.lax.dot_general(a, b, dimension_numbers, precision), lhs, rhs)
+    return transpose(cotangent.astype(lhs.dtype))  # the unused forward product is dead code under jit
+
+
+_widened_dot.defvjp(_widened_dot_forward, _widened_dot_backward)
+
+
 class Linear(nnx.Linear):
     """``nnx.Linear`` applied to its input flattened to rows, ``[..., in] -> [rows, in] @ [in, out]``: the same
     numbers, but the backward pass's weight gradient becomes a plain ``x^T dy`` product of row-major arrays.
     Given ``[batch, seq, in]`` inputs, XLA's CPU backend instead transposes ``dy`` and runs a slower dot
-    (GPT-2 small's training step: about 4% faster flattened, `bench/train_vs_pytorch.py`)."""
+    (GPT-2 small's training step: about 4% faster flattened, `bench/train_vs_pytorch.py`). Products go
+    through ``dot_general`` above (half-precision heads accumulated in float32 keep a half-precision
+    backward pass)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, dot_general=kwargs.pop("dot_general", dot_general), **kwargs)
 
     def __call__(self, inputs, out_sharding=None):
         if inputs.ndim <= 2:
@@ -75,7 +113,7 @@ def tied_logits(h: jax.Array, embedding: jax.Array, dtype) -> jax.Array:
     multiplied in ``dtype`` (the compute dtype; None: as stored) and accumulated in float32."""
     dtype = dtype or embedding.dtype
     dims = (((h.ndim - 1,), (1,)), ((), ()))
-    return jax.lax.dot_general(h.astype(dtype), embedding.astype(dtype), dims, preferred_element_type=jnp.float32)
+    return dot_general(h.astype(dtype), embedding.astype(dtype), dims, preferred_element_type=jnp.float32)
 
 
 def dropout(x: jax.Array, rate: float, rngs: nnx.Rngs | None) -> jax.Array:

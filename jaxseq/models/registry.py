@@ -1,14 +1,16 @@
 """Which model families jaxseq has: ``model_type`` (as in a Hugging Face ``config.json``) -> ``Family``
 (NNX classes per task, partition rules, checkpoint names). Adding a family is one module with a ``FAMILY``
-and one line here."""
+(or ``FAMILIES``, for families that share one architecture, as Llama, Mistral and Qwen2) and one line here."""
 
 from __future__ import annotations
 
 from jaxseq.errors import JaxseqError
-from jaxseq.models import bert, gpt2, gptj, t5
+from jaxseq.models import bert, gpt2, gptj, llama, t5
 from jaxseq.models.family import Family
 
-FAMILIES: dict[str, Family] = {f.model_type: f for f in (gpt2.FAMILY, gptj.FAMILY, t5.FAMILY, bert.FAMILY)}
+FAMILIES: dict[str, Family] = {
+    f.model_type: f for f in (gpt2.FAMILY, gptj.FAMILY, t5.FAMILY, bert.FAMILY, *llama.FAMILIES)
+}
 TASKS = ("base", "causal-lm", "seq2seq-lm", "sequence-classification", "masked-lm")
 
 

@@ -31,9 +31,13 @@ class Checkpointer:
     ):
         self.directory = Path(directory).absolute()
         keep = [policies.LatestN(n=max(keep_last, 1))]
+        best = {}
         if best_metric:
             keep.append(policies.BestN(get_metric_fn=lambda m: m[best_metric], reverse=not greater_is_better, n=1))
+            # also writes each checkpoint's metrics beside it, so a resumed run still knows the best
+            best = dict(best_fn=lambda m: m[best_metric], best_mode="max" if greater_is_better else "min")
         options = ocp.CheckpointManagerOptions(
+            **best,
             preservation_policy=policies.AnyPreservationPolicy(keep),
             enable_async_checkpointing=True,
             cleanup_tmp_directories=True,
@@ -55,6 +59,18 @@ class Checkpointer:
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
+
+    def metrics(self, step: int) -> dict[str, float]:
+        """The metrics saved with the checkpoint of ``step`` (empty if none were)."""
+        return dict(self.manager.metrics(step) or {})
+
+    def best_step(self, metric: str, greater_is_better: bool = True) -> int | None:
+        """The step of the kept checkpoint with the best ``metric`` (the earliest of equals), or None."""
+        scored = [(s, m[metric]) for s in self.manager.all_steps() if metric in (m := self.metrics(s))]
+        if not scored:
+            return None
+        sign = 1 if greater_is_better else -1
+        return max(scored, key=lambda sv: (sign * sv[1], -sv[0]))[0]
 
     def restore(self, step: int, abstract_state) -> tuple[object, dict]:
         """``abstract_state``: the state's tree of ``jax.ShapeDtypeStruct`` with the target shardings."""

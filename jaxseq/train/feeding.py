@@ -33,12 +33,13 @@ class Feeder:
     rows (``jaxseq.data.packing``), pooling each example's ``"first"`` or ``"last"`` token; the row counts are
     sized once for the whole run (``size_packing``): a few static shapes, one compiled program each. Unpacked
     evaluation sorts the examples by length and cuts each batch to one of a few widths (``length_buckets``,
-    multiples of ``bucket_multiple``): one compiled program per width."""
+    multiples of ``bucket_multiple``): one compiled program per width. ``train_data=None``: evaluation and
+    prediction only."""
 
     def __init__(
         self,
         mesh: jax.sharding.Mesh,
-        train_data: Rows | Mapping[str, np.ndarray],
+        train_data: Rows | Mapping[str, np.ndarray] | None,
         eval_sets: Mapping[str, Rows | Mapping[str, np.ndarray]],
         *,
         per_device_train_batch_size: int,
@@ -49,7 +50,7 @@ class Feeder:
         bucket_multiple: int = 8,
     ):
         self.mesh, self.seed, self.pack, self.bucket_multiple = mesh, seed, pack, bucket_multiple
-        self.train_data = as_rows(train_data)
+        self.train_data = None if train_data is None else as_rows(train_data)
         self.eval_sets = {name: as_rows(data) for name, data in eval_sets.items()}
         self.accumulate = gradient_accumulation_steps
         self.dp = data_parallel_size(mesh)
@@ -60,9 +61,9 @@ class Feeder:
         self._eval_mine = self._local_slice(self.eval_batch)
         # how many distinct slices the processes take of a batch (1 with one process)
         self._groups = self.micro_batch // (self._mine.stop - self._mine.start)
-        n = len(self.train_data)
+        n = 0 if train_data is None else len(self.train_data)
         self.steps_per_epoch = steps_per_epoch(n, self.global_batch)
-        if self.steps_per_epoch == 0:
+        if self.steps_per_epoch == 0 and train_data is not None:
             raise JaxseqError(
                 f"{n} training examples do not fill one global batch of {self.global_batch}; lower "
                 "--per_device_train_batch_size or --gradient_accumulation_steps"
@@ -79,6 +80,18 @@ class Feeder:
         each process sizes only its shards (tokenizing only those) and the processes agree on the largest."""
         if not self.pack:
             return
+        if self.train_data is not None:
+            self._size_train_packing(total_steps)
+        self.eval_packed_rows = {
+            name: self._rows_for(
+                data.take(index[self._eval_mine]) for index, _ in eval_indices(len(data), self.eval_batch)
+            )
+            for name, data in self.eval_sets.items()
+        }
+
+    def _size_train_packing(self, total_steps: int) -> None:
+        """The row count of each step (``packing.row_buckets`` of what the steps' shards need, the processes'
+        needs combined)."""
         indices = train_indices(len(self.train_data), self.global_batch, self.seed)
         needed = np.array(
             [
@@ -97,12 +110,6 @@ class Feeder:
         self.row_buckets = [self.dp * int(b) for b in buckets]
         self.packed_rows = self.row_buckets[-1]
         self._step_rows = self.dp * buckets[np.searchsorted(buckets, needed)]
-        self.eval_packed_rows = {
-            name: self._rows_for(
-                data.take(index[self._eval_mine]) for index, _ in eval_indices(len(data), self.eval_batch)
-            )
-            for name, data in self.eval_sets.items()
-        }
 
     def _rows_for(self, batches) -> int:
         """Packed rows of a whole batch: ``dp`` times the most any shard of this process's ``batches`` (or of

@@ -1,5 +1,6 @@
-"""Where a run reports: tqdm progress bars that count finished work, ``metrics.jsonl``, TensorBoard events
-and a loss plot. Only process 0 writes (the others get a logger that writes nothing)."""
+"""Where a run reports: tqdm progress bars that count finished work, ``metrics.jsonl``, the ``--report_to``
+trackers (TensorBoard events by default; ``jaxseq.train.trackers``) and a loss plot. Only process 0 writes
+(the others get a logger that writes nothing)."""
 
 from __future__ import annotations
 
@@ -13,10 +14,23 @@ import jax
 from tqdm.auto import tqdm
 
 from jaxseq.files import atomic_write
+from jaxseq.train.trackers import open_trackers
 
 
 class RunLogger:
-    def __init__(self, output_dir: Path, total_steps: int, initial_step: int = 0, enabled: bool | None = None):
+    def __init__(
+        self,
+        output_dir: Path,
+        total_steps: int,
+        initial_step: int = 0,
+        enabled: bool | None = None,
+        report_to: tuple[str, ...] = ("tensorboard",),
+        run_name: str | None = None,
+        project: str = "jaxseq",
+        run_config: dict | None = None,
+    ):
+        """``report_to``: the tracker backends (``jaxseq.train.trackers``); ``run_name`` (default: the output
+        folder's name), ``project`` and ``run_config`` (flat hyperparameters) are what they record the run as."""
         self.enabled = jax.process_index() == 0 if enabled is None else enabled
         self.output_dir = Path(output_dir)
         self.records: list[dict] = []
@@ -29,14 +43,15 @@ class RunLogger:
             dynamic_ncols=True,
             bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}<{left}, {rate_fmt}{postfix}]",
         )
+        self.trackers = []
         self._pauses: list[float] = []
-        self._tb = None
         self._jsonl = None
         if self.enabled:
-            from tensorboardX import SummaryWriter
-
             self.output_dir.mkdir(parents=True, exist_ok=True)
-            self._tb = SummaryWriter(str(self.output_dir / "tensorboard"))
+            name = run_name or self.output_dir.absolute().name
+            self.trackers = open_trackers(
+                report_to, self.output_dir, name=name, project=project, config=run_config or {}
+            )
             self._jsonl = open(self.output_dir / "metrics.jsonl", "a", encoding="utf-8")  # noqa: SIM115 (open for the run)
 
     def log(self, step: int, values: dict[str, float]) -> None:
@@ -48,9 +63,9 @@ class RunLogger:
             return
         self._jsonl.write(json.dumps(record) + "\n")
         self._jsonl.flush()
-        for key, value in values.items():
-            if math.isfinite(value):
-                self._tb.add_scalar(key, value, step)
+        finite = {k: v for k, v in values.items() if math.isfinite(v)}
+        for tracker in self.trackers:
+            tracker.log(step, finite)
         shown = {k.split("/", 1)[1]: f"{v:.4g}" for k, v in values.items() if k.startswith("train/")}
         if shown:
             self.bar.set_postfix(shown, refresh=False)
@@ -58,7 +73,7 @@ class RunLogger:
     def resume(self, step: int) -> None:
         """Continue a run restored at ``step``: keep its records up to ``step`` (for the plot) and drop the
         later ones an interrupted run logged before it died, which the resumed run logs again (in
-        ``metrics.jsonl`` and, through a purge marker, in TensorBoard)."""
+        ``metrics.jsonl`` and, through a purge marker, in TensorBoard; other trackers start a new run)."""
         self.bar.update(step - self.bar.n)
         if not self.enabled:
             return
@@ -75,10 +90,8 @@ class RunLogger:
         atomic_write(path, "".join(json.dumps(r) + "\n" for r in kept))
         self.records = kept + self.records
         self._jsonl = open(path, "a", encoding="utf-8")  # noqa: SIM115 (open for the run)
-        from tensorboardX import SummaryWriter
-
-        self._tb.close()
-        self._tb = SummaryWriter(str(self.output_dir / "tensorboard"), purge_step=step + 1)
+        for tracker in self.trackers:
+            tracker.resume(step)
 
     def restart_clock(self) -> None:
         """Time the bar's rate and ETA from now and its current count on (after the first step's compilation)."""
@@ -136,7 +149,8 @@ class RunLogger:
     def close(self) -> None:
         self.bar.close()
         if self.enabled:
-            self._tb.close()
+            for tracker in self.trackers:
+                tracker.close()
             self._jsonl.close()
 
 

@@ -13,6 +13,10 @@ adapter into its kernel, ``W + (alpha / r) A B``, the same function without drop
 ``A`` starts as PEFT's does (Kaiming-uniform, bound ``1 / sqrt(in)``) and ``B`` at zero, so training starts
 from the pretrained model. Adapters are sharded after their kernel: ``A``'s input dimension like the
 kernel's first axis, ``B``'s output dimension like its last.
+
+A saved adapter (``--lora_adapter``, a PEFT folder as ``save_adapter`` or PEFT writes it) loads back: its
+rank, alpha, dropout, adapted layers and saved head decide the run's LoRA, and training continues from its
+weights; ``merge_adapter`` folds it into a model's weights for evaluation, generation or export.
 """
 
 from __future__ import annotations
@@ -35,9 +39,14 @@ from jaxseq.files import atomic_folder
 from jaxseq.models.layers import Conv1D, dropout_with_key
 from jaxseq.models.registry import family_for
 from jaxseq.models.weights import resize_vocab, torch_layout
-from jaxseq.partition import gather, path_string
+from jaxseq.partition import gather, get_partition_rules, match_partition_rules, path_string
 
 EXPORTS = ("merged", "adapter")
+ADAPTER_HELP = (
+    "a LoRA adapter folder in PEFT's format (adapter_config.json + adapter_model.safetensors, as "
+    "--lora_export adapter writes it) for this base model"
+)
+_PREFIX = "base_model.model."
 # PEFT's task_type by the transformers class a model mirrors
 _PEFT_TASKS = {
     "ForSequenceClassification": "SEQ_CLS",
@@ -54,14 +63,19 @@ class LoraConfig:
     lora_dropout: float = arg(0.0, "dropout on the adapters' input during training, as PEFT's lora_dropout")
     lora_targets: str | None = arg(
         None,
-        "regex on parameter paths: the dense kernels it matches get adapters "
-        "(default: attention query and value as in PEFT, e.g. "
-        "'/(query|value)/kernel$' for BERT)",
+        "the dense layers that get adapters: module names as PEFT's target_modules, comma-separated "
+        "(e.g. 'q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj' for Llama), or a regex on parameter "
+        "paths (e.g. '/(query|value)/kernel$'; default: attention query and value as in PEFT)",
     )
     lora_trainable: str | None = arg(
         None,
         "regex on parameter paths trained in full beside the adapters (PEFT's "
         "modules_to_save; default: the classification head, if the model has one)",
+    )
+    lora_adapter: str | None = arg(
+        None,
+        f"{ADAPTER_HELP}: training continues from its weights, with its rank, alpha, dropout, adapted layers and "
+        "saved head (--lora_rank, --lora_targets, --lora_trainable are then taken from it)",
     )
     lora_export: str = arg(
         "merged",
@@ -84,7 +98,15 @@ class LoraConfig:
 
     @property
     def enabled(self) -> bool:
-        return self.lora_rank > 0
+        return self.lora_rank > 0 or bool(self.lora_adapter)
+
+
+def target_pattern(targets: str) -> str:
+    """The regex on kernel paths of ``--lora_targets``: module names (``q_proj,v_proj``) match the kernels of
+    the modules so named, anything else is a regex already."""
+    if re.fullmatch(r"\w+(\s*,\s*\w+)*", targets):
+        return "(^|/)(" + "|".join(name.strip() for name in targets.split(",")) + ")/kernel$"
+    return targets
 
 
 def _name(path) -> str:
@@ -99,11 +121,16 @@ class Lora:
     """The adapters of one model: which kernels, their shapes and shardings, and the names they export under."""
 
     def __init__(self, config: LoraConfig, model: nnx.Module, param_specs):
-        """``param_specs``: PartitionSpecs of the model's parameters (``nnx.split(model)[1]``'s structure)."""
+        """``param_specs``: PartitionSpecs of the model's parameters (``nnx.split(model)[1]``'s structure).
+        With ``config.lora_adapter`` the adapter's own settings and weights (``adapter_weights``) are used."""
+        self.adapter = read_adapter(config.lora_adapter) if config.lora_adapter else None
+        if self.adapter is not None:
+            config = _adapter_config(config, *self.adapter, torch_layout(model))
         self.config, self.rank = config, config.lora_rank
         self.scale = config.lora_alpha / config.lora_rank
         family = family_for(model.config.model_type)
-        pattern = config.lora_targets or family.lora_targets
+        targets = config.lora_targets or family.lora_targets
+        pattern = target_pattern(targets)
         dense = {path: m for path, m in nnx.iter_modules(model) if isinstance(m, nnx.Linear)}
         self.targets = {
             path: (m.in_features, m.out_features)
@@ -113,7 +140,7 @@ class Lora:
         if not self.targets:
             example = _name((*next(iter(dense)), "kernel")) if dense else "none"
             raise JaxseqError(
-                f"--lora_targets {pattern!r} matches no dense kernel of the {family.model_type} model "
+                f"--lora_targets {targets!r} matches no dense kernel of the {family.model_type} model "
                 f"(they look like {example!r})"
             )
         head = config.lora_trainable if config.lora_trainable is not None else getattr(type(model), "task_head", "")
@@ -137,6 +164,7 @@ class Lora:
         self.fan_in_fan_out = any(isinstance(dense[p], Conv1D) for p in self.targets)
         self.architecture = type(model).hf_architecture
         self.family, self.vocab_size = family, model.config.vocab_size
+        self.shapes = {path: v.get_value().shape for path, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
 
     # ------------------------------------------------------------------ the trainable tree
 
@@ -154,6 +182,35 @@ class Lora:
             )
             out[(*path, "lora_B")] = jnp.zeros((self.rank, fan_out), dtype)
         out.update({path: flat[path] for path in self.full})
+        return _tree(out)
+
+    def adapter_weights(self) -> dict:
+        """The trainable tree (``init``'s structure) holding the loaded adapter's weights, in float32 on the
+        host: ``A`` ``[in, r]``, ``B`` ``[r, out]``, the head in our layout, vocabularies padded as the model's."""
+        tensors = self.adapter[1]
+        out = {}
+        for path, (fan_in, fan_out) in self.targets.items():
+            module = self.layout[(*path, "kernel")][0].removesuffix(".weight")
+            for part, shape in (("lora_A", (self.rank, fan_in)), ("lora_B", (fan_out, self.rank))):
+                array = tensors[f"{_PREFIX}{module}.{part}.weight"].T
+                if part == "lora_B":
+                    array = self._padded((*path, "kernel"), array)
+                if array.shape != shape[::-1]:
+                    raise JaxseqError(
+                        f"--lora_adapter {module}.{part} is {list(array.T.shape)}, this model needs "
+                        f"{list(shape)}; pass the adapter of this base model"
+                    )
+                out[(*path, part)] = array.astype(np.float32)
+        for path in self.full:
+            name, transposed = self.layout[path]
+            array = tensors[_PREFIX + name]
+            array = self._padded(path, array.T if transposed else array)
+            if array.shape != self.shapes[path]:
+                raise JaxseqError(
+                    f"--lora_adapter {name} is {list(array.shape)}, this model's is {list(self.shapes[path])}; "
+                    "pass the adapter of this base model"
+                )
+            out[path] = array.astype(np.float32)
         return _tree(out)
 
     def merged(self, trainable: dict, frozen, *, fold: bool = True):
@@ -253,6 +310,82 @@ class Lora:
         vocabulary, if ``path`` runs over the padded one (``Family.vocab_params``)."""
         axis = self.family.vocab_axis(path)
         return array if axis is None else resize_vocab(array, axis, self.vocab_size)
+
+    def _padded(self, path, array: np.ndarray) -> np.ndarray:
+        """``_unpadded``'s inverse: ``array`` padded to the parameter's padded vocabulary."""
+        axis = self.family.vocab_axis(path)
+        return array if axis is None else resize_vocab(array, axis, self.shapes[path][axis])
+
+
+def read_adapter(folder: str | os.PathLike) -> tuple[dict, dict[str, np.ndarray]]:
+    """``(adapter_config.json, tensors)`` of a PEFT LoRA adapter folder; anything else is a one-line error."""
+    from safetensors.numpy import load_file
+
+    folder = Path(folder)
+    config_file, weights = folder / "adapter_config.json", folder / "adapter_model.safetensors"
+    if not (config_file.is_file() and weights.is_file()):
+        raise JaxseqError(
+            f"--lora_adapter {folder} holds no adapter_config.json and adapter_model.safetensors; pass the "
+            "--output_dir of a run with --lora_export adapter (or a PEFT LoRA adapter folder)"
+        )
+    config = json.loads(config_file.read_text())
+    unsupported = [
+        name
+        for name, on in (
+            (f"peft_type {config.get('peft_type')}", config.get("peft_type") != "LORA"),
+            ("use_dora", config.get("use_dora")),
+            ("use_rslora", config.get("use_rslora")),
+            ("rank_pattern", config.get("rank_pattern")),
+            ("alpha_pattern", config.get("alpha_pattern")),
+        )
+        if on
+    ]
+    if unsupported:
+        raise JaxseqError(f"--lora_adapter {folder} uses {', '.join(unsupported)}, which jaxseq's LoRA does not have")
+    return config, load_file(weights)
+
+
+def _adapter_config(config: LoraConfig, adapter: dict, tensors: dict, layout: dict) -> LoraConfig:
+    """``config`` with the adapter's rank, alpha and dropout, and regexes that match exactly the kernels it
+    adapts and the parameters it saved in full."""
+    rank = int(adapter["r"])
+    if config.lora_rank not in (0, rank):
+        raise JaxseqError(
+            f"--lora_rank {config.lora_rank} differs from the rank {rank} of --lora_adapter {config.lora_adapter}; "
+            "drop --lora_rank"
+        )
+    adapted, full = set(), set()
+    for key in tensors:
+        name = key.removeprefix(_PREFIX)
+        module, dot, part = name.rpartition(".lora_")
+        torch_name = f"{module}.weight" if dot else name
+        if torch_name not in layout or (dot and part not in ("A.weight", "B.weight")):
+            raise JaxseqError(
+                f"--lora_adapter {config.lora_adapter} has {key}, which is no parameter of this model; "
+                "pass the adapter of this base model"
+            )
+        (adapted if dot else full).add(_name(layout[torch_name][0]))
+    exactly = lambda names: "^(" + "|".join(map(re.escape, sorted(names))) + ")$" if names else ""
+    return dataclasses.replace(
+        config,
+        lora_rank=rank,
+        lora_alpha=float(adapter["lora_alpha"]),
+        lora_dropout=float(adapter.get("lora_dropout") or 0.0),
+        lora_targets=exactly(adapted),
+        lora_trainable=exactly(full),
+    )
+
+
+def merge_adapter(model: nnx.Module, folder: str | os.PathLike) -> nnx.Module:
+    """``model`` (in place, and returned) with the PEFT adapter in ``folder`` merged: each adapted kernel
+    ``W + (alpha / r) A B`` and the adapter's saved head in place of the model's, as PEFT's
+    ``merge_and_unload``. The weights keep their shardings."""
+    state = nnx.state(model)
+    specs = match_partition_rules(get_partition_rules(model.config.model_type), state)
+    lora = Lora(LoraConfig(lora_adapter=str(folder)), model, specs)
+    shardings = jax.tree.map(lambda x: x.sharding, state)
+    nnx.update(model, jax.jit(lora.merged, out_shardings=shardings)(lora.adapter_weights(), state))
+    return model
 
 
 class _AdapterDot:

@@ -15,6 +15,7 @@ from jaxseq.data.glue import GlueTask, compute_metrics
 from jaxseq.errors import JaxseqError
 from jaxseq.generation import greedy_tokens
 from jaxseq.metrics import perplexity
+from jaxseq.models.layers import padded_vocab_size
 from jaxseq.models.t5 import decoder_start_id, shift_right
 
 
@@ -23,6 +24,12 @@ class SequenceClassification:
 
     def __init__(self, task: GlueTask):
         self.task = task
+
+    @property
+    def metric_names(self) -> tuple[str, ...]:
+        """The keys ``metrics`` returns."""
+        names = self.task.metric_names
+        return ("loss", *names, *(("combined_score",) if len(names) > 1 else ()))
 
     def _logits(self, model, batch, rngs=None):
         extra = {k: batch[k] for k in ("token_type_ids", "position_ids", "pool_index") if k in batch}
@@ -75,23 +82,37 @@ class TokenLoss:
         losses, weights = self._token_losses(model, batch)
         return {"loss_sum": losses.sum(axis=-1), "tokens": weights.sum(axis=-1)}
 
+    metric_names = ("loss", "perplexity")
+
     def metrics(self, outputs: dict[str, np.ndarray]) -> dict[str, float]:
         loss = float(outputs["loss_sum"].astype(np.float64).sum() / max(outputs["tokens"].sum(), 1.0))
         return {"loss": loss, "perplexity": perplexity(loss)}
 
 
+AUTO_CHUNK = -1
+"""``CausalLM(chunk_tokens=AUTO_CHUNK)``: chunks sized for the devices (``CausalLM.for_batch_shards``)."""
+DEFAULT_CHUNK_TOKENS = 512
+GPU_LOGITS_SHARE = 16
+"""On a GPU the automatic loss keeps a device's float32 logits within 1/16 of its memory (5 GB of an H100's
+80), whole when they fit: chunking costs time there (GPT-2 small, 16 x 1024 tokens on an H100: 44.5 ms a
+step with whole logits, 49.1 in one checkpointed chunk, 54.0 in chunks of 4096 tokens, 67.2 of 512;
+``bench/gpu.py``). TPUs and CPUs keep chunks of ``DEFAULT_CHUNK_TOKENS`` (the v5e plans' memory)."""
+
+
 @dataclasses.dataclass
 class CausalLMConfig:
     loss_chunk_tokens: int = arg(
-        512,
+        AUTO_CHUNK,
         "the causal-LM loss (training, evaluation, perplexity) makes the float32 logits of at most this many "
         "tokens per device at a time (rows per device x positions; at least one position): 512 is 103 MB per "
-        "device for GPT-2's and GPT-J's ~50k-token vocabularies; 0: the whole batch's logits at once",
+        "device for GPT-2's and GPT-J's ~50k-token vocabularies; 0: the whole batch's logits at once; -1 "
+        "(auto): 512 on TPUs and CPUs, on GPUs whole when they take at most 1/16 of a device's memory, else "
+        "chunks that do",
     )
 
     def __post_init__(self):
-        if self.loss_chunk_tokens < 0:
-            raise JaxseqError(f"--loss_chunk_tokens must be at least 0, got {self.loss_chunk_tokens}")
+        if self.loss_chunk_tokens < AUTO_CHUNK:
+            raise JaxseqError(f"--loss_chunk_tokens must be -1 (auto) or at least 0, got {self.loss_chunk_tokens}")
 
     def objective(self) -> CausalLM:
         return CausalLM(self.loss_chunk_tokens or None)
@@ -101,7 +122,7 @@ class CausalLM(TokenLoss):
     """Next-token cross-entropy: position t predicts token t+1 of ``input_ids`` (a target whose
     ``attention_mask`` is 0, if the batch has one, is left out).
 
-    With ``chunk_tokens`` (and a model that has ``hidden_states`` and ``logits``: GPT-2, GPT-J) the loss is
+    With ``chunk_tokens`` (and a model that has ``hidden_states`` and ``logits``: the decoders) the loss is
     computed from the final hidden states a chunk of positions at a time, each chunk's float32 logits made and
     dropped inside a ``jax.checkpoint``: neither the forward nor the backward pass (nor evaluation and
     perplexity, which share this path) holds the ``[tokens, vocab]`` logits of the whole batch at once. Each
@@ -115,46 +136,71 @@ class CausalLM(TokenLoss):
     ``TrainProgram`` sets it (``for_batch_shards``). Left at 1 the chunks are sized as if one device held
     the whole batch: smaller than needed, never larger. ``chunk_tokens=None``: the plain full-logits loss."""
 
-    def __init__(self, chunk_tokens: int | None = 512, batch_shards: int = 1):
-        if chunk_tokens is not None and chunk_tokens < 1:
+    def __init__(
+        self, chunk_tokens: int | None = DEFAULT_CHUNK_TOKENS, batch_shards: int = 1, logits_bytes: int | None = None
+    ):
+        if chunk_tokens is not None and chunk_tokens < 1 and chunk_tokens != AUTO_CHUNK:
             raise JaxseqError(f"the loss chunk must be at least 1 token per device, got {chunk_tokens}")
         if batch_shards < 1:
             raise JaxseqError(f"the batch must be split over at least 1 device, got {batch_shards}")
-        self.chunk_tokens, self.batch_shards = chunk_tokens, batch_shards
+        self.chunk_tokens, self.batch_shards, self.logits_bytes = chunk_tokens, batch_shards, logits_bytes
 
-    def for_batch_shards(self, batch_shards: int) -> CausalLM:
-        """This loss for batches whose rows are split over ``batch_shards`` devices."""
-        return CausalLM(self.chunk_tokens, batch_shards)
+    def for_batch_shards(self, batch_shards: int, device: jax.Device | None = None) -> CausalLM:
+        """This loss for batches whose rows are split over ``batch_shards`` devices like ``device``; automatic
+        chunks (``AUTO_CHUNK``) become a GPU's share of memory for logits (``GPU_LOGITS_SHARE``), elsewhere
+        ``DEFAULT_CHUNK_TOKENS``."""
+        if self.chunk_tokens != AUTO_CHUNK:
+            return CausalLM(self.chunk_tokens, batch_shards)
+        stats = (device.memory_stats() or {}) if device is not None and device.platform == "gpu" else {}
+        if "bytes_limit" not in stats:
+            return CausalLM(DEFAULT_CHUNK_TOKENS, batch_shards)
+        return CausalLM(AUTO_CHUNK, batch_shards, logits_bytes=stats["bytes_limit"] // GPU_LOGITS_SHARE)
 
-    def chunk_positions(self, rows: int, seq: int) -> int:
+    def chunk_positions(self, rows: int, seq: int, chunk_tokens: int | None = None) -> int:
         """Positions per chunk of a ``[rows, seq]`` batch: the fewest equal chunks whose logits stay within
-        ``chunk_tokens`` tokens per device (``rows / batch_shards`` rows each, rounded up), at least one
-        position each; ``seq`` when one chunk does."""
+        ``chunk_tokens`` (default: this loss's) tokens per device (``rows / batch_shards`` rows each, rounded
+        up), at least one position each; ``seq`` when one chunk does."""
         rows_per_device = -(-rows // self.batch_shards)
-        widest = max(1, self.chunk_tokens // rows_per_device)
+        widest = max(1, (chunk_tokens or self.chunk_tokens) // rows_per_device)
         chunks = -(-seq // widest)
         return -(-seq // chunks)
 
+    def _chunk_tokens(self, rows: int, seq: int, vocab_size: int) -> int | None:
+        """Tokens per device of a loss chunk for a ``[rows, seq]`` batch, or None for the whole logits."""
+        if self.chunk_tokens != AUTO_CHUNK:
+            return self.chunk_tokens
+        if self.logits_bytes is None:  # never fitted to devices
+            return DEFAULT_CHUNK_TOKENS
+        fits = max(1, self.logits_bytes // (4 * padded_vocab_size(vocab_size)))
+        return None if -(-rows // self.batch_shards) * seq <= fits else fits
+
     def _token_losses(self, model, batch, rngs=None) -> tuple[jax.Array, jax.Array]:
         ids = batch["input_ids"].astype(jnp.int32)  # the data may be stored as uint16
-        mask = batch.get("attention_mask")
+        mask, positions = batch.get("attention_mask"), batch.get("position_ids")
         targets = jnp.roll(ids, -1, axis=1)
         weights = self._weights(batch)
-        if self.chunk_tokens and hasattr(model, "hidden_states"):
-            h = model.hidden_states(ids, mask, rngs=rngs).last_hidden_state
-            chunk = self.chunk_positions(*ids.shape)
+        chunk_tokens = self._chunk_tokens(*ids.shape, model.config.vocab_size)
+        if chunk_tokens and hasattr(model, "hidden_states"):
+            h = model.hidden_states(ids, mask, positions, rngs=rngs).last_hidden_state
+            chunk = self.chunk_positions(*ids.shape, chunk_tokens)
             losses = chunked_cross_entropy(model.logits, h, targets, chunk, model.config.vocab_size)
         else:
-            logits = model(ids, mask, rngs=rngs).logits
+            logits = model(ids, mask, positions, rngs=rngs).logits
             losses = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
         return losses * weights, weights
 
     def _weights(self, batch) -> jax.Array:
-        # the last position has no next token: it is scored against a wrapped-around target with weight 0,
-        # which spares slicing the logits (a copy of the step's largest array, and a pad in the backward)
+        """1 where position t's next token is a target: a real token (``attention_mask`` not 0, as
+        transformers' labels) and, with a ``loss_mask`` (chat: the assistant's tokens), one to learn; never
+        the first token of the next example of a packed row (``attention_mask``: segment ids 1, 2, ...). The
+        last position has no next token: it is scored against a wrapped-around target with weight 0, which
+        spares slicing the logits (a copy of the step's largest array, and a pad in the backward)."""
         ids, mask = batch["input_ids"], batch.get("attention_mask")
-        weights = jnp.ones(ids.shape, jnp.float32) if mask is None else jnp.roll(mask, -1, axis=1).astype(jnp.float32)
-        return weights.at[:, -1].set(0.0)
+        learn = batch.get("loss_mask", mask)
+        weights = jnp.ones(ids.shape, bool) if learn is None else (jnp.roll(learn, -1, axis=1) != 0)
+        if mask is not None:
+            weights = weights & ((mask == 0) | (jnp.roll(mask, -1, axis=1) == mask))
+        return weights.astype(jnp.float32).at[:, -1].set(0.0)
 
 
 def cross_entropy(logits: jax.Array, targets: jax.Array, classes: int | None = None) -> jax.Array:
@@ -202,6 +248,8 @@ class Seq2SeqLM(TokenLoss):
 
     def __init__(self, tokenizer=None, max_new_tokens: int = 0):
         self.tokenizer, self.max_new_tokens = tokenizer, max_new_tokens
+        if tokenizer is not None and max_new_tokens > 0:
+            self.metric_names = (*TokenLoss.metric_names, "exact_match")
 
     def _token_losses(self, model, batch, rngs=None) -> tuple[jax.Array, jax.Array]:
         config, labels = model.config, batch["labels"]

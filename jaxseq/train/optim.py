@@ -17,18 +17,31 @@ OPTIMIZERS = ("adamw", "adafactor", "lion", "sgd", "muon", "lbfgs")
 # Distributed Shampoo is left out: optax-shampoo 0.0.6 (the newest on PyPI) calls jax.tree_map, which
 # current JAX removed, and no maintained successor is published.
 SCHEDULES = ("linear", "cosine", "constant")
+# transformers' --optim names whose update is one of ours (its 8-bit and paged variants are other math)
+HF_OPTIMIZERS = {
+    **dict.fromkeys(("adamw_torch", "adamw_torch_fused", "adamw_hf", "adamw_apex_fused", "adamw_torch_xla"), "adamw"),
+    "lion_32bit": "lion",
+}
+# transformers' --lr_scheduler_type names of our schedules (ours warm up whenever --warmup_steps/ratio ask)
+HF_SCHEDULES = {"constant_with_warmup": "constant"}
 
 
 @dataclasses.dataclass
 class OptimizerConfig:
-    optimizer: str = arg("adamw", "optimizer", choices=OPTIMIZERS)
+    optimizer: str = arg(
+        "adamw",
+        "optimizer (--optim: transformers' flag)",
+        choices=OPTIMIZERS,
+        aliases=("optim",),
+        value_aliases=HF_OPTIMIZERS,
+    )
     learning_rate: float = arg(5e-5, "peak learning rate")
     weight_decay: float = arg(0.0, "decoupled weight decay (matrices only; biases and norms are not decayed)")
     adam_beta1: float = arg(0.9, "beta1 of AdamW / Lion")
     adam_beta2: float = arg(0.999, "beta2 of AdamW / Lion")
     adam_epsilon: float = arg(1e-8, "epsilon of AdamW")
     momentum: float = arg(0.9, "momentum of SGD (0 for none)")
-    lr_scheduler_type: str = arg("linear", "decay after warmup", choices=SCHEDULES)
+    lr_scheduler_type: str = arg("linear", "decay after warmup", choices=SCHEDULES, value_aliases=HF_SCHEDULES)
     warmup_steps: int = arg(0, "linear warmup updates (overrides --warmup_ratio)")
     warmup_ratio: float = arg(0.0, "warmup as a fraction of all updates")
     max_grad_norm: float = arg(1.0, "clip gradients to this global norm (0: no clipping)")

@@ -52,9 +52,10 @@ class Task(Protocol):
 
 def for_mesh(task: Task, mesh: jax.sharding.Mesh) -> Task:
     """``task`` for batches split over ``mesh``'s batch axes: a task whose memory depends on the rows each
-    device holds (``CausalLM``'s loss chunks) learns how many devices share the rows (``for_batch_shards``)."""
+    device holds (``CausalLM``'s loss chunks) learns how many devices share the rows and what they are
+    (``for_batch_shards``)."""
     bind = getattr(task, "for_batch_shards", None)
-    return task if bind is None else bind(data_parallel_size(mesh))
+    return task if bind is None else bind(data_parallel_size(mesh), mesh.devices.flat[0])
 
 
 def state_specs(param_specs, state: TrainState) -> TrainState:

@@ -23,6 +23,7 @@ from jaxseq import partition
 from jaxseq.config import arg
 from jaxseq.data.rows import Rows
 from jaxseq.errors import Interrupted, JaxseqError
+from jaxseq.files import RunLock
 from jaxseq.models.attention import ATTENTION_KERNELS, use_attention
 from jaxseq.models.layers import REMAT_POLICIES, enable_remat
 from jaxseq.train.checkpoint import Checkpointer
@@ -32,6 +33,10 @@ from jaxseq.train.lora import LoraConfig
 from jaxseq.train.optim import OptimizerConfig
 from jaxseq.train.step import Task, TrainProgram
 from jaxseq.train.throughput import Throughput
+from jaxseq.train.trackers import parse_report_to
+
+STRATEGIES = ("no", "steps", "epoch")
+PREDICT = "predict"  # the feeder's names of the predict sets start with this
 
 
 @dataclasses.dataclass
@@ -43,17 +48,43 @@ class TrainerConfig:
     num_train_epochs: float = arg(3.0, "epochs to train (ignored when --max_steps > 0)")
     max_steps: int = arg(-1, "total updates; > 0 overrides --num_train_epochs")
     logging_steps: int = arg(50, "log training loss/lr every N updates")
-    eval_steps: int = arg(0, "evaluate every N updates (0: at the end of every epoch)")
+    eval_strategy: str | None = arg(
+        None,
+        "when to evaluate while training: steps (every --eval_steps), epoch, or no (only once training ends); "
+        "default: steps if --eval_steps is set, else epoch",
+        choices=STRATEGIES,
+        aliases=("evaluation_strategy",),
+    )
+    eval_steps: int = arg(0, "evaluate every N updates (0 with --eval_strategy steps: every --logging_steps)")
+    save_strategy: str | None = arg(
+        None,
+        "when to save a checkpoint: steps (every --save_steps, and at the end), epoch (and at the end), or no "
+        "(never; Ctrl-C still saves); default: steps",
+        choices=STRATEGIES,
+    )
     save_steps: int = arg(0, "checkpoint every N updates (0: only at the end)")
     save_total_limit: int = arg(2, "keep this many latest checkpoints (plus the best one)")
-    metric_for_best_model: str | None = arg(None, "eval metric that picks the best checkpoint, e.g. accuracy")
-    greater_is_better: bool = arg(True, "whether a larger --metric_for_best_model is better")
+    metric_for_best_model: str | None = arg(
+        None,
+        "eval metric that picks the best checkpoint, e.g. accuracy or eval_accuracy (default with "
+        "--load_best_model_at_end: loss)",
+    )
+    greater_is_better: bool | None = arg(
+        None, "whether a larger --metric_for_best_model is better (default: true unless the metric is a loss)"
+    )
+    load_best_model_at_end: bool = arg(
+        False,
+        "after training, go back to the best checkpoint by --metric_for_best_model: it is what results report "
+        "and what is exported (saves must fall on evaluations: the same strategy, --save_steps a multiple of "
+        "--eval_steps)",
+    )
     remat: str = arg(
         "none",
         "what each transformer block keeps for the backward pass: none (everything), full (only its input: one "
         "more forward per block; a bare --remat), dots (matmul outputs), offload (those in host memory)",
         choices=REMAT_POLICIES,
         const="full",
+        switches={"gradient_checkpointing": "full"},
     )
     attention: str = arg(
         "auto",
@@ -63,13 +94,22 @@ class TrainerConfig:
     )
     seed: int = arg(42, "seed of initialisation, data order and dropout")
     resume_from_checkpoint: str | None = arg(
-        None, "checkpoint folder to resume from (a run also resumes from --output_dir/checkpoints by itself)"
+        None,
+        "checkpoints to resume from: a run's checkpoints folder (its latest step) or one step's folder in it, "
+        "e.g. out/checkpoints/500 (a run also resumes from --output_dir/checkpoints by itself)",
     )
     skip_nonfinite_updates: bool = arg(
         False,
         "skip an update whose loss or gradients are NaN/inf and count it (train/skipped_updates) instead "
         "of stopping the run",
     )
+    report_to: str = arg(
+        "tensorboard",
+        "where metrics go besides metrics.jsonl, comma-separated: none, tensorboard, wandb, trackio, mlflow or "
+        "all (every one installed); each reads its own settings (WANDB_MODE, TRACKIO_DIR, MLFLOW_TRACKING_URI, ...)",
+    )
+    run_name: str | None = arg(None, "the run's name in wandb, trackio and mlflow (default: the output folder's name)")
+    project: str = arg("jaxseq", "wandb and trackio project, mlflow experiment")
 
     def __post_init__(self):
         at_least = {
@@ -84,13 +124,28 @@ class TrainerConfig:
         for name, low in at_least.items():
             if getattr(self, name) < low:
                 raise JaxseqError(f"--{name} must be at least {low}, got {getattr(self, name)}")
+        if self.eval_strategy is None:
+            self.eval_strategy = "steps" if self.eval_steps else "epoch"
+        if self.eval_strategy == "steps" and not self.eval_steps:
+            self.eval_steps = self.logging_steps
+        self.save_strategy = self.save_strategy or "steps"
+        if self.load_best_model_at_end:
+            self.metric_for_best_model = self.metric_for_best_model or "loss"
+            if "no" in (self.eval_strategy, self.save_strategy):
+                raise JaxseqError(
+                    "--load_best_model_at_end needs checkpoints with evaluations: set --eval_strategy and "
+                    "--save_strategy to steps or epoch"
+                )
+        if self.metric_for_best_model:  # transformers names it eval_accuracy, the checkpoints accuracy
+            self.metric_for_best_model = self.metric_for_best_model.removeprefix("eval_")
+            if self.greater_is_better is None:
+                self.greater_is_better = not self.metric_for_best_model.endswith("loss")
         if self.max_steps <= 0 and not self.num_train_epochs > 0:
             raise JaxseqError(f"--num_train_epochs must be above 0 (or set --max_steps), got {self.num_train_epochs}")
-        if isinstance(self.remat, bool):  # remat: true in a YAML file written before the policies
-            self.remat = "full" if self.remat else "none"
         if self.remat not in REMAT_POLICIES:
             raise JaxseqError(f"--remat {self.remat!r} is not one of {', '.join(REMAT_POLICIES)}")
         check_writable_dir(self.output_dir, "--output_dir")
+        self.backends = parse_report_to(self.report_to)
 
 
 def check_writable_dir(path: str | os.PathLike, flag: str) -> None:
@@ -110,7 +165,7 @@ class Trainer:
         task: Task,
         config: TrainerConfig,
         optimizer: OptimizerConfig,
-        train_data: Rows | Mapping[str, np.ndarray],
+        train_data: Rows | Mapping[str, np.ndarray] | None,
         eval_sets: Mapping[str, Rows | Mapping[str, np.ndarray]],
         mesh: jax.sharding.Mesh,
         rules=None,
@@ -121,23 +176,31 @@ class Trainer:
         flops_per_example: float | None = None,
         peak_flops: float | None = None,
         lora: LoraConfig | None = None,
+        packed_rows: bool = False,
+        predict_sets: Mapping[str, Rows | Mapping[str, np.ndarray]] | None = None,
     ):
         """``train_data`` and each eval set: arrays by name, or ``jaxseq.data.rows`` that tokenize on demand
-        (each process then tokenizes only the examples its devices take). ``lora``: train LoRA adapters
+        (each process then tokenizes only the examples its devices take); ``train_data=None`` evaluates and
+        predicts only. ``predict_sets``: sets ``predict`` runs through the evaluation batches (their labels
+        may be placeholders). ``lora``: train LoRA adapters
         (``jaxseq.train.lora``) instead of every weight; the model's own weights stay frozen, bit for bit.
         ``loss_scaling``: dynamic loss scaling, for models computing in float16. ``pack``: pack short
         examples into shared rows (``jaxseq.data.packing``), pooling each example's ``"first"`` or
         ``"last"`` token; the row counts are sized once for the whole run, so shapes stay static.
+        ``packed_rows``: the data's rows already hold several examples each (segment ids in
+        ``attention_mask``, as ``jaxseq.data.chat`` packs them).
         ``tokens_per_example``, ``flops_per_example`` (model FLOPs of one example's forward and backward) and
         ``peak_flops`` (FLOP/s of all devices): when given, the training log adds tokens/s, model FLOP/s and
         MFU (see ``jaxseq.train.throughput``)."""
         self.task, self.config, self.mesh = task, config, mesh
         self.output_dir = Path(config.output_dir)
-        self.attention = use_attention(model, config.attention, mesh, packed=pack is not None)
+        self.eval_names = list(eval_sets)
+        predict_sets = {f"{PREDICT}{k}": v for k, v in (predict_sets or {}).items()}
+        self.attention = use_attention(model, config.attention, mesh, packed=pack is not None or packed_rows)
         self.feed = Feeder(
             mesh,
             train_data,
-            eval_sets,
+            {**eval_sets, **predict_sets},
             per_device_train_batch_size=config.per_device_train_batch_size,
             per_device_eval_batch_size=config.per_device_eval_batch_size,
             gradient_accumulation_steps=config.gradient_accumulation_steps,
@@ -147,7 +210,9 @@ class Trainer:
         )
         self.global_batch, self.steps_per_epoch = self.feed.global_batch, self.feed.steps_per_epoch
         self.throughput = Throughput(self.global_batch, tokens_per_example, flops_per_example, peak_flops)
-        if config.max_steps > 0:
+        if train_data is None:
+            self.total_steps = 0
+        elif config.max_steps > 0:
             self.total_steps = config.max_steps
         else:
             self.total_steps = max(1, math.ceil(config.num_train_epochs * self.steps_per_epoch))
@@ -158,7 +223,7 @@ class Trainer:
             task,
             mesh,
             optimizer,
-            total_steps=self.total_steps,
+            total_steps=max(self.total_steps, 1),
             seed=config.seed,
             accumulate=config.gradient_accumulation_steps,
             rules=rules,
@@ -175,6 +240,8 @@ class Trainer:
         if self.lora:
             self.frozen = partition.shard(params, program.frozen_shardings)
             params = program.adapter_init(self.frozen)
+            if self.lora.adapter is not None:  # --lora_adapter: go on from its weights
+                params = partition.shard(self.lora.adapter_weights(), jax.tree.map(lambda x: x.sharding, params))
         self.state = program.init_state(params)
         self._train_step = lambda state, batch: program.step(state, self.frozen, batch)
         self._eval_step = program.eval_step
@@ -184,37 +251,99 @@ class Trainer:
             best_metric=config.metric_for_best_model and f"eval/{config.metric_for_best_model}",
             greater_is_better=config.greater_is_better,
         )
+        self._check_best_metric(task)
         self._check_resume_source()  # before the logger writes anything into output_dir
-        self.logger = logger or RunLogger(self.output_dir, self.total_steps)
+        self.lock = RunLock(self.output_dir)
+        if jax.process_index() == 0:
+            self.lock.acquire()
+        self.logger = logger or RunLogger(
+            self.output_dir,
+            self.total_steps,
+            report_to=config.backends,
+            run_name=config.run_name,
+            project=config.project,
+            run_config={**dataclasses.asdict(config), **dataclasses.asdict(optimizer)},
+        )
         self.logger.write(f"attention kernel: {self.attention}")
 
     # ------------------------------------------------------------------ loop
 
+    def _due(self, step: int, strategy: str, every: int) -> bool:
+        """Whether ``--eval_strategy``/``--save_strategy`` ``strategy`` acts at ``step`` (always at the end)."""
+        if strategy == "no":
+            return False
+        every = self.steps_per_epoch if strategy == "epoch" else every
+        return step == self.total_steps or (bool(every) and step % every == 0)
+
+    def _pauses_after(self, step: int) -> int:
+        """How many of the steps after ``step`` evaluate or save (the progress bar's ETA counts them)."""
+        config = self.config
+        return sum(
+            1
+            for s in range(step + 1, self.total_steps + 1)
+            if (self.eval_names and self._due(s, config.eval_strategy, config.eval_steps))
+            or self._due(s, config.save_strategy, config.save_steps)
+        )
+
+    def _check_best_metric(self, task: Task) -> None:
+        """--metric_for_best_model must name an eval metric; with --load_best_model_at_end every save must
+        fall on an evaluation (so that every checkpoint can compete). Checked before anything is written."""
+        config = self.config
+        metric = config.metric_for_best_model
+        names = getattr(task, "metric_names", None)
+        if metric and self.total_steps and not self.eval_names:
+            raise JaxseqError(f"--metric_for_best_model {metric} needs evaluations: give the run an eval set")
+        if metric and names is not None and self.total_steps:
+            known = [f"{name}{suffix}" for suffix in self.eval_names for name in names]
+            if metric not in known:
+                raise JaxseqError(
+                    f"--metric_for_best_model {metric} is not an eval metric of this run; choose one of "
+                    f"{', '.join(known)} (with or without the eval_ prefix)"
+                )
+        if config.load_best_model_at_end:
+            for step in range(1, self.total_steps + 1):
+                if self._due(step, config.save_strategy, config.save_steps) and not self._due(
+                    step, config.eval_strategy, config.eval_steps
+                ):
+                    raise JaxseqError(
+                        f"--load_best_model_at_end: the checkpoint of step {step} would have no evaluation; use "
+                        "the same --save_strategy as --eval_strategy, with --save_steps a multiple of --eval_steps"
+                    )
+
     def _check_resume_source(self) -> None:
         """The checkpoint this run would resume from must hold this run's arrays: another model's (or
         optimizer's) checkpoint in the output dir is reported from its metadata, before anything is loaded."""
-        source = self.config.resume_from_checkpoint
-        checkpointer = self.checkpointer
-        if source and Path(source).absolute() != checkpointer.directory:
-            if not Path(source).is_dir():
-                raise JaxseqError(f"--resume_from_checkpoint {source} is not a folder; drop it to start afresh")
-            checkpointer = Checkpointer(source)
-        step = checkpointer.latest_step()
+        checkpointer, step = self._resume_source()
         if step is not None:
             checkpointer.check_fits(step, self.program.abstract_state)
+
+    def _resume_source(self) -> tuple[Checkpointer, int | None]:
+        """Where this run resumes from: ``--resume_from_checkpoint`` (a run's ``checkpoints`` folder: its
+        latest step; or one step's folder in it) or else the output dir's latest checkpoint (None: none)."""
+        source = self.config.resume_from_checkpoint
+        if not source or Path(source).absolute() == self.checkpointer.directory:
+            return self.checkpointer, self.checkpointer.latest_step()
+        path = Path(source)
+        if not path.is_dir():
+            raise JaxseqError(f"--resume_from_checkpoint {source} is not a folder; drop it to start afresh")
+        if path.name.isdigit() and (path / "record").is_dir():  # one saved step: checkpoints/STEP
+            return Checkpointer(path.parent), int(path.name)
+        checkpointer = Checkpointer(path)
+        return checkpointer, checkpointer.latest_step()
 
     def restore_if_any(self) -> int:
         """Resume from ``resume_from_checkpoint`` or the latest checkpoint in the output dir; returns the step."""
         source = self.config.resume_from_checkpoint
-        checkpointer = self.checkpointer
-        if source and Path(source).absolute() != checkpointer.directory:
-            checkpointer = Checkpointer(source)
-        step = checkpointer.latest_step()
+        checkpointer, step = self._resume_source()
         if step is None:
             if source:
                 raise JaxseqError(f"no checkpoint in {source}; drop --resume_from_checkpoint to start afresh")
             return 0
         state, record = checkpointer.restore(step, self.program.abstract_state)
+        self.state = state
+        if self.feed.train_data is None:  # evaluation only: no data order to continue
+            self.logger.write(f"loaded {checkpointer.directory / str(step)} (step {step})")
+            return step
         # the data order is a function of these and the step: a resumed run must see the same ones
         now = {
             "global batch": self.global_batch,
@@ -234,7 +363,6 @@ class Trainer:
                 f"{', '.join(f'{name} {now[name]}' for name in changed)}); resume with the same settings and data "
                 "or use a fresh --output_dir"
             )
-        self.state = state
         self.logger.resume(step)
         self.logger.write(f"resumed from {checkpointer.directory / str(step)} (step {step})")
         return step
@@ -265,8 +393,9 @@ class Trainer:
 
     def _train(self) -> dict[str, float]:
         config = self.config
+        if self.feed.train_data is None:
+            raise JaxseqError("this run has no training data; pass it, or only evaluate and predict")
         start = self.restore_if_any()
-        eval_every = config.eval_steps or self.steps_per_epoch
         batches = self.feed.batches(start)
         pending: list[dict] = []
         eval_metrics: dict[str, float] = {}
@@ -291,8 +420,8 @@ class Trainer:
             if logged:
                 self._log_train(step, pending, started)
                 pending = []
-            evaluate_now = step % eval_every == 0 or step == self.total_steps
-            save_now = (config.save_steps and step % config.save_steps == 0) or step == self.total_steps
+            evaluate_now = bool(self.eval_names) and self._due(step, config.eval_strategy, config.eval_steps)
+            save_now = self._due(step, config.save_strategy, config.save_steps)
             if evaluate_now or save_now:  # not training: keep it out of the throughput figures
                 jax.block_until_ready(self.state)
                 self._progress.drain()
@@ -305,14 +434,18 @@ class Trainer:
                 if save_now:
                     self.save(step, eval_metrics if evaluate_now else None)
                 self.throughput.resume(step)
-                self.logger.paused(time.perf_counter() - paused, self._pauses_after(step, eval_every))
+                self.logger.paused(time.perf_counter() - paused, self._pauses_after(step))
             if step < self.total_steps and self._signalled(logged):
                 self._stop_for_signal(step, pending, started, saved=bool(save_now))
         runtime = time.perf_counter() - started
         self._report_tokenized()
-        if not eval_metrics:  # resumed from a finished run: nothing trained, still report where it stands
+        if not eval_metrics and self.eval_names:  # --eval_strategy no, or resumed from a finished run
             eval_metrics = self.evaluate()
+            if step > start:
+                self.logger.log(step, {f"eval/{k}": v for k, v in eval_metrics.items()})
         self.checkpointer.wait()
+        if config.load_best_model_at_end:
+            eval_metrics = self._load_best(eval_metrics)
         trained = max(self.total_steps - start, 0)
         return {
             "train_runtime": runtime,
@@ -325,14 +458,17 @@ class Trainer:
             **{f"eval_{k}": v for k, v in eval_metrics.items()},
         }
 
-    def _pauses_after(self, step: int, eval_every: int) -> int:
-        """How many of the steps after ``step`` evaluate or save (the progress bar's ETA counts them)."""
-        save_every = self.config.save_steps
-        return sum(
-            1
-            for s in range(step + 1, self.total_steps + 1)
-            if s % eval_every == 0 or (save_every and s % save_every == 0) or s == self.total_steps
-        )
+    def _load_best(self, last: dict[str, float]) -> dict[str, float]:
+        """Go back to the best checkpoint by --metric_for_best_model (if it is not the current state);
+        returns its eval metrics, which are those of the state now held."""
+        metric = self.config.metric_for_best_model
+        best = self.checkpointer.best_step(f"eval/{metric}", self.config.greater_is_better)
+        if best is None or (best == self.checkpointer.latest_step() and last):
+            return last
+        self.state, _ = self.checkpointer.restore(best, self.program.abstract_state)
+        metrics = {k.removeprefix("eval/"): v for k, v in self.checkpointer.metrics(best).items()}
+        self.logger.write(f"loaded the best checkpoint: step {best} ({metric} {metrics[metric]:.4g})")
+        return metrics
 
     def _report_tokenized(self) -> None:
         counts = self.feed.tokenized_counts()
@@ -412,27 +548,32 @@ class Trainer:
     def evaluate(self) -> dict[str, float]:
         """Metrics over every example of every eval set (keys suffixed by set, as the task names them)."""
         results = {}
-        for name in self.feed.eval_sets:
-            for key, value in self.task.metrics(self.predict(name)).items():
+        for name in self.eval_names:
+            for key, value in self.task.metrics(self._outputs(name)).items():
                 results[f"{key}{name}"] = value
         return results
 
-    def predict(self, name: str) -> dict[str, np.ndarray]:
-        """The task's per-example outputs (``Task.predict``) over eval set ``name``, in the set's input order
-        whatever the batching (packed rows, length buckets). Per-token outputs of batches cut to different
+    def predict(self, name: str = "") -> dict[str, np.ndarray]:
+        """The task's per-example outputs (``prediction``, ...) over predict set ``name``, in order, through
+        the evaluation batches, with a progress bar."""
+        return self._outputs(f"{PREDICT}{name}", bar=f"predict{name}")
+
+    def _outputs(self, name: str, bar: str | None = None) -> dict[str, np.ndarray]:
+        """The eval step's outputs for every example of set ``name`` (padding rows dropped), in the set's input
+        order whatever the batching (packed rows, length buckets). Per-token outputs of batches cut to different
         widths are right-padded with -1 to the widest. One batch stays in flight while the previous one is
-        read back; the bar counts batches read back."""
+        read back; the bar (``bar``, else ``eval<name>``) counts batches read back."""
         params, parts, order = self.eval_params(), collections.defaultdict(list), []
         inflight: collections.deque = collections.deque()
         batches = -(-len(self.feed.eval_sets[name]) // self.feed.eval_batch)
-        with self.logger.progress(batches, f"eval{name}") as bar:
+        with self.logger.progress(batches, bar or f"eval{name}") as progress:
 
             def read_back():
                 outputs, index, valid = inflight.popleft()
                 for key, value in partition.gather(outputs).items():
                     parts[key].append(np.asarray(value)[valid])
                 order.append(index[valid])
-                bar.update(1)
+                progress.update(1)
 
             for batch, index, valid in self.feed.eval_batches(name):
                 inflight.append((self._eval_step(params, self.frozen, batch), index, valid))
@@ -440,6 +581,8 @@ class Trainer:
                     read_back()
             while inflight:
                 read_back()
+        if not order:
+            return {}
         rows = np.concatenate(order)
         merged = {}
         for key, values in parts.items():
@@ -475,7 +618,10 @@ class Trainer:
         try:
             self.checkpointer.close()
         finally:
-            self.logger.close()
+            try:
+                self.logger.close()
+            finally:
+                self.lock.release()
 
 
 def _concatenate_padded(arrays: list[np.ndarray]) -> np.ndarray:

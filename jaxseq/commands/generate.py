@@ -1,0 +1,199 @@
+"""Generate text with a Hugging Face GPT-2, GPT-J, Llama, Mistral, Qwen2 or T5 checkpoint in jaxseq (sharded over
+every device).
+
+    jaxseq generate --model_name_or_path gpt2 --prompt "The meaning of life is" --max_new_tokens 32
+    jaxseq generate --model_name_or_path out/model --prompt_file prompts.jsonl \\
+        --output_file completions.jsonl --do_sample --temperature 0.8 --top_p 0.9 --mesh dp=2,mp=4
+    cat prompts.txt | jaxseq generate --model_name_or_path gpt2
+
+Prompts come from --prompt (repeat it for several), --prompt_file (one prompt per line, or JSONL with a
+"prompt" field) or stdin (one per line). With --output_file each prompt becomes a JSONL record (prompt,
+completion, prompt_tokens, completion_tokens); otherwise each prompt and its completion are printed.
+Greedy unless --do_sample; a completion ends at the tokenizer's EOS token or after --max_new_tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxseq.cli import RuntimeConfig, parse, script, start
+from jaxseq.config import arg
+from jaxseq.distributed import DistributedConfig
+from jaxseq.errors import JaxseqError
+from jaxseq.generation import generate
+from jaxseq.models.hub import load_config, load_pretrained, parse_overrides, resolve
+from jaxseq.models.registry import families_with, family_for
+from jaxseq.models.source import PretrainedModel, load_tokenizer
+from jaxseq.sharding import gather
+from jaxseq.train.lora import ADAPTER_HELP, merge_adapter
+
+
+@dataclasses.dataclass
+class GenerateConfig:
+    prompt: list[str] | None = arg(None, "a prompt; repeat the flag for several")
+    prompt_file: str | None = arg(None, "file of prompts: one per line, or JSONL (*.jsonl) with a 'prompt' field")
+    batch_size: int = arg(8, "prompts per generation call (similar lengths are batched together)")
+    max_new_tokens: int = arg(64, "tokens to generate at most per prompt")
+    min_new_tokens: int = arg(0, "tokens to generate before EOS may end a completion")
+    do_sample: bool = arg(False, "sample the next token instead of taking the most likely one")
+    temperature: float = arg(1.0, "sampling temperature (lower is more deterministic)")
+    top_k: int = arg(0, "sample among the k most likely tokens only (0 = all)")
+    top_p: float = arg(1.0, "sample from the smallest set of tokens holding this probability mass (1 = all)")
+    seed: int = arg(0, "random seed of the sampling; the same seed gives the same completions")
+    output_file: str | None = arg(None, "write JSONL records here instead of printing the completions")
+    lora_adapter: str | None = arg(None, f"{ADAPTER_HELP}: merged into the weights before generating")
+
+
+SECTIONS = (PretrainedModel, GenerateConfig, RuntimeConfig, DistributedConfig)
+
+
+def read_prompts(cfg: GenerateConfig, stdin=None) -> list[str]:
+    """The prompts of --prompt, --prompt_file or stdin, in order; an empty one is an error."""
+    stdin = sys.stdin if stdin is None else stdin
+    if cfg.prompt and cfg.prompt_file:
+        raise JaxseqError("pass either --prompt or --prompt_file, not both")
+    if cfg.prompt:
+        prompts = [(f"--prompt #{i + 1}", p) for i, p in enumerate(cfg.prompt)]
+    elif cfg.prompt_file:
+        path = Path(cfg.prompt_file)
+        if not path.is_file():
+            raise JaxseqError(f"prompt file {path} does not exist")
+        lines = path.read_text().splitlines()
+        if path.suffix == ".jsonl":
+            prompts = [
+                (f"line {i + 1} of {path}", jsonl_prompt(line, i, path)) for i, line in enumerate(lines) if line.strip()
+            ]
+        else:
+            prompts = [(f"line {i + 1} of {path}", line) for i, line in enumerate(lines)]
+    elif not stdin.isatty():
+        prompts = [(f"line {i + 1} of stdin", line) for i, line in enumerate(stdin.read().splitlines())]
+    else:
+        raise JaxseqError("no prompts: pass --prompt TEXT, --prompt_file FILE, or pipe prompts on stdin")
+    if not prompts:
+        raise JaxseqError("no prompts: the prompt file or stdin is empty")
+    for where, text in prompts:
+        if not text.strip():
+            raise JaxseqError(f"the prompt at {where} is empty; every prompt needs some text")
+    return [text for _, text in prompts]
+
+
+def jsonl_prompt(line: str, index: int, path: Path) -> str:
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise JaxseqError(f"line {index + 1} of {path} is not valid JSON: {e.msg}") from None
+    if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
+        raise JaxseqError(f"line {index + 1} of {path} has no string 'prompt' field")
+    return record["prompt"]
+
+
+def batches(lengths: list[int], size: int) -> list[list[int]]:
+    """Prompt indices in batches of ``size``, shortest prompts first, so a batch pads little."""
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    return [order[i : i + size] for i in range(0, len(order), size)]
+
+
+def completion_length(tokens, eos: int | None) -> int:
+    """Tokens of a completion up to and including its EOS (all of them if it never ends)."""
+    tokens = list(tokens)
+    return tokens.index(eos) + 1 if eos in tokens else len(tokens)
+
+
+@script
+def main(argv) -> int:
+    source, cfg, runtime, distributed = parse(__doc__, SECTIONS, argv)
+    if not source.model_name_or_path:
+        raise JaxseqError("pass --model_name_or_path (a Hub id such as gpt2, or a local model folder)")
+    if cfg.batch_size < 1:
+        raise JaxseqError(f"--batch_size must be at least 1, got {cfg.batch_size}")
+    prompts = read_prompts(cfg)
+
+    mesh = start(runtime, distributed)  # a multi-host run: every process reads the same prompts, process 0 writes
+    folder = resolve(source.model_name_or_path)
+    config = load_config(folder)
+    family_for(config.model_type)  # one that jaxseq has
+    task = next((t for t in ("causal-lm", "seq2seq-lm") if config.model_type in families_with(t)), None)
+    if task is None:
+        raise JaxseqError(
+            f"{config.model_type} models cannot generate text; "
+            "use a GPT-2, GPT-J, Llama, Mistral, Qwen2 or T5 checkpoint"
+        )
+    overrides = parse_overrides(source.config_overrides, config)
+    tokenizer = load_tokenizer(source.tokenizer_name or folder, fast=False)
+    eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else config.eos_token_id
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+
+    encoded = [tokenizer(p)["input_ids"] for p in prompts]
+    limit = getattr(config, "n_positions", None) if task == "causal-lm" else None
+    for i, ids in enumerate(encoded):
+        if not ids:
+            raise JaxseqError(f"prompt {i + 1} has no tokens after tokenization")
+        if limit and len(ids) + cfg.max_new_tokens > limit:
+            raise JaxseqError(
+                f"prompt {i + 1} has {len(ids)} token(s); with --max_new_tokens {cfg.max_new_tokens} that exceeds "
+                f"the model's {limit} positions; shorten the prompt or lower --max_new_tokens"
+            )
+    model = load_pretrained(folder, task, mesh=mesh, dtype=jnp.dtype(runtime.dtype), **overrides)
+    if cfg.lora_adapter:
+        merge_adapter(model, cfg.lora_adapter)
+    if len(tokenizer) > model.config.vocab_size:
+        raise JaxseqError(
+            f"the tokenizer has {len(tokenizer)} tokens but the model only {model.config.vocab_size}; "
+            "pass the model's own tokenizer"
+        )
+
+    completions = [None] * len(prompts)
+    started, generated = time.perf_counter(), 0
+    for k, batch in enumerate(batches([len(ids) for ids in encoded], cfg.batch_size)):
+        rows = [encoded[i] for i in batch]
+        rows += [rows[-1]] * (cfg.batch_size - len(rows))  # a full batch reuses the compiled program
+        width = max(map(len, rows))
+        ids = np.array([[pad or 0] * (width - len(r)) + r for r in rows], np.int32)
+        mask = np.array([[0] * (width - len(r)) + [1] * len(r) for r in rows], np.int32)
+        out = generate(
+            model,
+            ids,
+            mask,
+            max_new_tokens=cfg.max_new_tokens,
+            min_new_tokens=cfg.min_new_tokens,
+            do_sample=cfg.do_sample,
+            temperature=cfg.temperature,
+            top_k=cfg.top_k,
+            top_p=cfg.top_p,
+            eos_token_id=eos,
+            pad_token_id=pad,
+            seed=int(np.random.SeedSequence([cfg.seed, k]).generate_state(1)[0]),  # each batch its own draws
+        )
+        for i, tokens in zip(batch, gather(out.sequences)):
+            n = completion_length(tokens, eos)
+            text = tokenizer.decode(tokens[:n], skip_special_tokens=True)
+            completions[i] = {
+                "prompt": prompts[i],
+                "completion": text,
+                "prompt_tokens": len(encoded[i]),
+                "completion_tokens": n,
+            }
+            generated += n
+    seconds = time.perf_counter() - started
+
+    if jax.process_index() != 0:
+        return 0
+    if cfg.output_file:
+        path = Path(cfg.output_file)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("".join(json.dumps(c, ensure_ascii=False) + "\n" for c in completions))
+    else:
+        print("\n\n".join(c["prompt"] + c["completion"] for c in completions))
+    print(
+        f"{len(prompts)} prompts, {generated} tokens generated in {seconds:.1f}s (compilation included)",
+        file=sys.stderr,
+    )
+    return 0

@@ -1,0 +1,273 @@
+"""Fine-tune a Hugging Face model on a GLUE task with jaxseq (sharded over every device you have).
+
+    jaxseq glue --task_name sst2 --output_dir out/sst2
+    jaxseq glue --config glue_sst2 --mesh dp=2,mp=4
+    jaxseq glue --task_name sst2 --model_name_or_path out/sst2 --do_eval --do_predict --output_dir out/sst2-test
+
+Reads GLUE from the Hub (datasets) or a local folder of GLUE TSVs (--data_dir), or your own
+csv/tsv/json files (--train_file/--validation_file/--test_file). Writes to --output_dir: eval_results.json,
+all_results.json, metrics.jsonl, TensorBoard events, training_curves.png, the config used,
+orbax checkpoints, and the fine-tuned model with its tokenizer as a Hugging Face folder; with --do_predict,
+predict_results_<task>.txt. Without --do_train, --do_eval or --do_predict it trains and evaluates; with any
+of them, only what they name (transformers' run_glue.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxseq.cli import PlanConfig, RuntimeConfig, finish, parse, plan_run, script, start
+from jaxseq.config import arg, save_config
+from jaxseq.data.glue import SPLIT_SUFFIX, TASKS, encode, get_task, load_split
+from jaxseq.data.rows import EncodedRows
+from jaxseq.distributed import DistributedConfig
+from jaxseq.errors import JaxseqError
+from jaxseq.files import atomic_write
+from jaxseq.hub_push import HubConfig
+from jaxseq.models.hub import apply_overrides
+from jaxseq.models.source import ModelSource, build_model, check, load_tokenizer, model_config
+from jaxseq.train.lora import LoraConfig
+from jaxseq.train.objectives import SequenceClassification
+from jaxseq.train.optim import OptimizerConfig
+from jaxseq.train.results import export_model, write_results
+from jaxseq.train.trainer import Trainer, TrainerConfig
+
+DEFAULT_MODEL = "sentence-transformers/all-MiniLM-L6-v2"
+
+
+@dataclasses.dataclass
+class GlueConfig:
+    task_name: str = arg("sst2", "GLUE task", choices=tuple(TASKS))
+    data_dir: str | None = arg(
+        None,
+        "local folder of GLUE TSVs (the GLUE download script's layout); default: the nyu-mll/glue dataset on the Hub",
+    )
+    train_file: str | None = arg(
+        None, "your own training file (csv, tsv, json, jsonl) with the task's text columns and 'label'"
+    )
+    validation_file: str | None = arg(None, "your own validation file, same format as --train_file")
+    test_file: str | None = arg(None, "your own file to predict (--do_predict), same format, 'label' optional")
+    max_seq_length: int = arg(128, "tokens per example (longer texts are truncated, shorter padded)")
+    max_train_samples: int | None = arg(None, "use only the first N training examples")
+    max_eval_samples: int | None = arg(None, "use only the first N examples of each eval split")
+    max_predict_samples: int | None = arg(None, "predict only the first N examples of each test split")
+    pack_sequences: bool = arg(
+        True,
+        "pack several short examples into each row of --max_seq_length, in training, evaluation and prediction "
+        "(same math per example, much less padding: several times faster on short texts); --no_pack_sequences: "
+        "one example per row",
+    )
+    do_train: bool | None = arg(None, "train (default: train and evaluate unless --do_eval or --do_predict is given)")
+    do_eval: bool | None = arg(
+        None,
+        "evaluate on the validation split(s); alone, the model of --model_name_or_path "
+        "(or the checkpoint of --resume_from_checkpoint)",
+    )
+    do_predict: bool | None = arg(
+        None, "predict the test split(s) (or --test_file) into OUTPUT_DIR/predict_results_<task>.txt, as run_glue.py"
+    )
+
+    def stages(self) -> tuple[bool, bool, bool]:
+        """(train, evaluate, predict): what the flags ask for; none of them given: train and evaluate."""
+        given = (self.do_train, self.do_eval, self.do_predict)
+        if all(flag is None for flag in given):
+            return True, True, False
+        return tuple(bool(flag) for flag in given)
+
+
+SECTIONS = (
+    ModelSource,
+    GlueConfig,
+    RuntimeConfig,
+    PlanConfig,
+    TrainerConfig,
+    OptimizerConfig,
+    LoraConfig,
+    HubConfig,
+    DistributedConfig,
+)
+
+
+def load_examples(glue: GlueConfig):
+    """(task, training examples or None, eval sets, predict sets) for the stages asked for; sets are keyed
+    by their metric suffix (MNLI mismatched: ``_mm``)."""
+    task = get_task(glue.task_name)
+    do_train, do_eval, do_predict = glue.stages()
+
+    def splits(names, file, limit):
+        if file:
+            found = {"": load_split(task, names[0], file=file)}
+        else:
+            found = {SPLIT_SUFFIX.get(split, ""): load_split(task, split, data_dir=glue.data_dir) for split in names}
+        return {k: v[:limit] for k, v in found.items()} if limit else found
+
+    train = None
+    if do_train:
+        train = load_split(task, "train", data_dir=glue.data_dir, file=glue.train_file)[: glue.max_train_samples]
+    evals = splits(task.eval_splits, glue.validation_file, glue.max_eval_samples) if do_eval else {}
+    tests = splits(task.test_splits, glue.test_file, glue.max_predict_samples) if do_predict else {}
+    return task, train, evals, tests
+
+
+def write_predictions(task, output_dir: Path, suffix: str, predictions: np.ndarray) -> Path:
+    """``predict_results_<task>.txt`` (MNLI mismatched: ``<task>-mm``) as run_glue.py writes it: a header
+    ``index\tprediction``, then label names, or scores with three decimals for a regression."""
+    path = output_dir / f"predict_results_{task.name}{suffix.replace('_', '-')}.txt"
+    if task.is_regression:
+        lines = [f"{i}\t{value:3.3f}" for i, value in enumerate(predictions)]
+    else:
+        lines = [f"{i}\t{task.labels[int(value)]}" for i, value in enumerate(predictions)]
+    return atomic_write(path, "index\tprediction\n" + "".join(line + "\n" for line in lines))
+
+
+def glue_model_config(source: ModelSource):
+    """The model's config (with --config_overrides), its folder and the overrides; offline, the error says
+    how to run without the Hub."""
+    try:
+        return model_config(source, "sequence-classification")
+    except JaxseqError as e:
+        if "cannot download" in str(e):
+            raise JaxseqError(
+                f"{e}. To run offline, pass --model_name_or_path /path/to/hf-model-folder and "
+                "--data_dir /path/to/glue-tsvs"
+            ) from None
+        raise
+
+
+def max_positions(config) -> int | None:
+    for name in ("max_position_embeddings", "n_positions"):
+        if getattr(config, name, None):
+            return int(getattr(config, name))
+    return None
+
+
+@script
+def main(argv) -> int:
+    source, glue, runtime, plan, trainer_config, optimizer_config, lora_config, hub, distributed = parse(
+        __doc__, SECTIONS, argv
+    )
+    check(source, default_model=DEFAULT_MODEL)
+    if plan.compile_topology:
+        task = get_task(glue.task_name)
+        config, _, _ = model_config(source, "sequence-classification", weights=False)
+        config = apply_overrides(config, num_labels=task.num_labels)
+        row = dict.fromkeys(("input_ids", "attention_mask"), ((glue.max_seq_length,), np.int32))
+        if config.model_type == "bert":
+            row["token_type_ids"] = ((glue.max_seq_length,), np.int32)
+        row["labels"] = ((), np.float32 if task.is_regression else np.int32)
+        plan_run(
+            plan,
+            runtime,
+            trainer_config,
+            optimizer_config,
+            lora_config,
+            config=config,
+            task="sequence-classification",
+            objective=SequenceClassification(task),
+            row=row,
+            seq_len=glue.max_seq_length,
+            causal=config.model_type != "bert",
+        )
+        return 0
+    mesh = start(runtime, distributed)
+    do_train, do_eval, _ = glue.stages()
+    task, train_examples, eval_examples, test_examples = load_examples(glue)
+    config, folder, overrides = glue_model_config(source)
+    limit = max_positions(config)
+    if limit is not None and glue.max_seq_length > limit:
+        raise JaxseqError(f"--max_seq_length {glue.max_seq_length} exceeds the model's {limit} positions; lower it")
+    tokenizer = load_tokenizer(source.tokenizer_name or folder, fast=False)
+    if len(tokenizer) > config.vocab_size:
+        raise JaxseqError(
+            f"the tokenizer has {len(tokenizer)} tokens but the model only {config.vocab_size}; "
+            "pass the model's own tokenizer"
+        )
+    overrides = {**overrides, "num_labels": task.num_labels}
+    if tokenizer.pad_token is None:  # GPT-2 style: pad with EOS, and classify at the last real token
+        tokenizer.pad_token = tokenizer.eos_token
+    if getattr(config, "pad_token_id", None) is None:
+        overrides["pad_token_id"] = tokenizer.pad_token_id
+    if not task.is_regression:
+        overrides["id2label"] = dict(enumerate(task.labels))
+        overrides["label2id"] = {name: i for i, name in enumerate(task.labels)}
+    model = build_model(
+        source,
+        "sequence-classification",
+        apply_overrides(config, **overrides),
+        folder,
+        overrides,
+        mesh=mesh,
+        dtype=jnp.dtype(runtime.dtype),
+        seed=trainer_config.seed,
+    )
+    # tokenized when a batch first needs them, by the process that takes them: each process only its share
+    tokenize = functools.partial(encode, task, tokenizer=tokenizer, max_seq_length=glue.max_seq_length)
+    train_data = None if train_examples is None else EncodedRows(train_examples, tokenize)
+    eval_sets = {k: EncodedRows(v, tokenize) for k, v in eval_examples.items()}
+    test_sets = {k: EncodedRows(v, tokenize) for k, v in test_examples.items()}
+
+    trainer = Trainer(
+        model,
+        SequenceClassification(task),
+        trainer_config,
+        optimizer_config,
+        train_data,
+        eval_sets,
+        mesh,
+        loss_scaling=runtime.dtype == "float16",
+        pack=getattr(model, "pooled_token", None) if glue.pack_sequences else None,
+        lora=lora_config,
+        predict_sets=test_sets,
+    )
+    if jax.process_index() == 0:  # after Trainer has checked any checkpoint already in output_dir
+        save_config(
+            trainer.output_dir / "config.yaml", source, glue, runtime, trainer_config, optimizer_config, lora_config
+        )
+    trainer.logger.write(trainer.describe())
+    trainer.logger.write(
+        f"{task.name}: {len(train_examples or ())} train / {sum(map(len, eval_examples.values()))} eval / "
+        f"{sum(map(len, test_examples.values()))} test examples, "
+        f"{trainer.total_steps} steps of global batch {trainer.global_batch} on {jax.device_count()} devices "
+        f"(mesh {dict(mesh.shape)})"
+    )
+    if trainer.feed.row_buckets:
+        trainer.logger.write(
+            f"packing {trainer.feed.micro_batch} examples into {' or '.join(map(str, trainer.feed.row_buckets))} "
+            f"rows per micro-batch (of {glue.max_seq_length} tokens)"
+        )
+    eval_samples = len(next(iter(eval_examples.values()), ()))
+    restored = not do_train and trainer.config.resume_from_checkpoint is not None
+    try:
+        if do_train:
+            results = trainer.train()
+        else:
+            if restored:
+                trainer.restore_if_any()
+            results = {f"eval_{k}": v for k, v in trainer.evaluate().items()} if do_eval else {}
+        predictions = {suffix: trainer.predict(suffix)["prediction"] for suffix in test_sets}
+    finally:
+        trainer.close()
+    if jax.process_index() == 0:
+        for suffix, predicted in predictions.items():
+            trainer.logger.write(f"wrote {write_predictions(task, trainer.output_dir, suffix, predicted)}")
+    if do_train:
+        finish(
+            trainer,
+            results,
+            tokenizer=tokenizer,
+            base_model=source.model_name_or_path,
+            hub=hub,
+            train_samples=len(train_examples),
+            eval_samples=eval_samples,
+        )
+    elif do_eval:
+        write_results(trainer.output_dir, results, train_samples=0, eval_samples=eval_samples)
+    if restored:  # a saved step, exported: any checkpoint becomes a Hugging Face folder
+        export_model(trainer, trainer.output_dir, tokenizer, base_model=source.model_name_or_path)
+    return 0

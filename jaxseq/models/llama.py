@@ -1,0 +1,353 @@
+"""Llama (Touvron et al. 2023) and the two families that reuse its architecture with a few switches, Mistral
+(Jiang et al. 2023) and Qwen2 (Yang et al. 2024), as Flax NNX modules whose parameter paths mirror
+transformers' PyTorch names (``model/layers/0/self_attn/q_proj/kernel`` is ``model.layers.0.self_attn.q_proj.weight``).
+
+A pre-norm decoder: RMSNorm; rotary embeddings over whole heads (transformers' "rotate half", not GPT-J's
+neighbouring pairs) with ``rope_theta`` and the scalings of ``rope_parameters`` (``ROPE_TYPES``);
+grouped-query attention (``num_key_value_heads`` key/value heads, each read by ``num_attention_heads /
+num_key_value_heads`` query heads; the KV cache holds the key/value heads only, and a sliding-window layer's
+holds only its window: ``attention.ring_positions``); a SwiGLU MLP
+(``down(silu(gate(x)) * up(x))``); an LM head tied to the token embeddings or not. What differs between the
+families is read from the config as transformers reads it: the biases (``attention_biases``) and the
+sliding windows (``layer_windows``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from jaxseq.errors import JaxseqError
+from jaxseq.models.attention import (
+    AttentionKernel,
+    AttentionMask,
+    Cache,
+    KVCache,
+    attend,
+    attend_cache,
+    attend_ring,
+    make_mask,
+    merge_heads,
+    ring_mask,
+    run_blocks,
+    self_attention_mask,
+    split_heads,
+    update_kv,
+    update_ring,
+)
+from jaxseq.models.family import Family
+from jaxseq.models.gpt2 import DecoderLM, LastTokenClassifier
+from jaxseq.models.layers import Linear, activation, normal, padded_vocab_size, tied_logits
+from jaxseq.models.outputs import BaseOutput
+
+ROPE_TYPES = ("default", "linear", "llama3")
+
+
+def head_dim(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def attention_biases(config) -> tuple[bool, bool]:
+    """Whether q/k/v and o_proj have biases: Qwen2's q/k/v always and its o_proj never; Llama's all four
+    if ``attention_bias``; Mistral's none."""
+    if config.model_type == "qwen2":
+        return True, False
+    bias = bool(getattr(config, "attention_bias", False))
+    return bias, bias
+
+
+def layer_windows(config) -> tuple[int | None, ...]:
+    """Each layer's sliding window (None: full causal attention), as transformers applies the config:
+    Mistral slides every layer over ``sliding_window`` (if set); Qwen2 the layers its ``layer_types`` call
+    ``sliding_attention`` (by default those from ``max_window_layers`` on, and only with
+    ``use_sliding_window``, without which transformers sets ``sliding_window`` to None); Llama none."""
+    window = getattr(config, "sliding_window", None)
+    layers = config.num_hidden_layers
+    if config.model_type == "mistral":
+        return (window,) * layers
+    if config.model_type == "qwen2" and window is not None:
+        kinds = list(config.layer_types or ())
+        if len(kinds) < layers:
+            raise JaxseqError(
+                f"the config's layer_types names {len(kinds)} layers but num_hidden_layers is {layers}; "
+                "give layer_types one entry per layer (or leave it out)"
+            )
+        return tuple(window if kind == "sliding_attention" else None for kind in kinds[:layers])
+    return (None,) * layers
+
+
+# --------------------------------------------------------------------------- rotary embeddings
+
+
+def rope_frequencies(config) -> np.ndarray:
+    """float32 inverse frequencies ``[head_dim / 2]`` of the rotary embeddings, computed as transformers'
+    ``ROPE_INIT_FUNCTIONS`` compute them from ``config.rope_parameters`` (``rope_type``, ``rope_theta``,
+    ``factor``, and llama3's ``low_freq_factor``, ``high_freq_factor``, ``original_max_position_embeddings``)."""
+    params = getattr(config, "rope_parameters", None) or {}
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind not in ROPE_TYPES:
+        raise JaxseqError(f"rope type {kind!r} is not supported; jaxseq supports {', '.join(ROPE_TYPES)}")
+    dim = head_dim(config)
+    base = np.float32(params.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
+    inv_freq = np.float32(1.0) / base ** (np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim))
+    if kind == "linear":
+        return inv_freq / np.float32(params["factor"])
+    if kind == "llama3":
+        factor, low, high = params["factor"], params["low_freq_factor"], params["high_freq_factor"]
+        old_context = params["original_max_position_embeddings"]
+        wavelen = np.float32(2 * math.pi) / inv_freq
+        # long wavelengths slow down by factor, short ones stay, those between blend the two smoothly
+        scaled = np.where(wavelen > old_context / low, inv_freq / np.float32(factor), inv_freq)
+        smooth = (np.float32(old_context) / wavelen - np.float32(low)) / np.float32(high - low)
+        blended = (1 - smooth) * scaled / np.float32(factor) + smooth * scaled
+        medium = ~(wavelen < old_context / high) & ~(wavelen > old_context / low)
+        return np.where(medium, blended, scaled).astype(np.float32)
+    return inv_freq
+
+
+def rotary(position_ids: jax.Array, inv_freq: np.ndarray) -> tuple[jax.Array, jax.Array]:
+    """float32 ``(sin, cos)`` ``[batch, seq, 1, head_dim]`` for ``[batch, seq]`` positions: each frequency's
+    angle for the first half of the features and again for the second (transformers' ``cat((freqs, freqs))``)."""
+    angles = position_ids.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)
+    angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]
+    return jnp.sin(angles), jnp.cos(angles)
+
+
+def apply_rotary(x: jax.Array, sin: jax.Array, cos: jax.Array) -> jax.Array:
+    """``x * cos + rotate_half(x) * sin`` in float32 for ``[batch, seq, heads, head_dim]``: feature ``i`` of
+    the first half turns with feature ``i`` of the second."""
+    x32 = x.astype(jnp.float32)
+    first, second = jnp.split(x32, 2, axis=-1)
+    return (x32 * cos + jnp.concatenate([-second, first], axis=-1) * sin).astype(x.dtype)
+
+
+# --------------------------------------------------------------------------- modules
+
+
+class LlamaAttention(nnx.Module):
+    """Grouped-query causal self-attention over ``window`` (None: every earlier position); with a ``cache``, a
+    sliding window's is a rolling one of ``window`` positions."""
+
+    dropout_field = "attention_dropout"  # the config's attention dropout (see attention.use_attention)
+
+    def __init__(self, config, window: int | None = None, *, dtype, param_dtype, rngs: nnx.Rngs):
+        d, dim = config.hidden_size, head_dim(config)
+        heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+        qkv_bias, o_bias = attention_biases(config)
+        kw = dict(kernel_init=normal(config.initializer_range), dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.q_proj = Linear(d, heads * dim, use_bias=qkv_bias, **kw)
+        self.k_proj = Linear(d, kv_heads * dim, use_bias=qkv_bias, **kw)
+        self.v_proj = Linear(d, kv_heads * dim, use_bias=qkv_bias, **kw)
+        self.o_proj = Linear(heads * dim, d, use_bias=o_bias, **kw)
+        self.num_heads, self.num_kv_heads, self.scale = heads, kv_heads, dim**-0.5
+        self.window, self.dropout_rate = window, config.attention_dropout
+        self.dtype, self.attention = dtype, AttentionKernel()
+
+    def __call__(self, x, masks, rope, *, cache: KVCache | None = None, index=0, rngs=None):
+        """``masks``: the model's masks, one per window; this layer reads its own."""
+        mask = next(m for m in masks if m.window == self.window)
+        q = split_heads(self.q_proj(x), self.num_heads)
+        k, v = (split_heads(proj(x), self.num_kv_heads) for proj in (self.k_proj, self.v_proj))
+        q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        if cache is not None and self.window is not None:
+            y = attend_ring(q, cache, k, v, mask, scale=self.scale)
+            cache = update_ring(cache, k, v, index)
+        elif cache is not None:
+            cache = update_kv(cache, k, v, index)
+            y = attend_cache(q, cache, mask, scale=self.scale)
+        else:
+            y = attend(
+                q, k, v, mask, scale=self.scale, dropout_rate=self.dropout_rate, rngs=rngs, kernel=self.attention,
+                causal=True,
+            )  # fmt: skip
+        return self.o_proj(merge_heads(y)), cache
+
+
+class LlamaMLP(nnx.Module):
+    def __init__(self, config, *, dtype, param_dtype, rngs: nnx.Rngs):
+        d, inner, bias = config.hidden_size, config.intermediate_size, bool(getattr(config, "mlp_bias", False))
+        kw = dict(
+            use_bias=bias, kernel_init=normal(config.initializer_range), dtype=dtype, param_dtype=param_dtype, rngs=rngs
+        )
+        self.gate_proj = Linear(d, inner, **kw)
+        self.up_proj = Linear(d, inner, **kw)
+        self.down_proj = Linear(inner, d, **kw)
+        self.act = activation(config.hidden_act)
+
+    def __call__(self, x):
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+class LlamaDecoderLayer(nnx.Module):
+    def __init__(self, config, window: int | None = None, *, dtype, param_dtype, rngs: nnx.Rngs):
+        kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.input_layernorm = nnx.RMSNorm(config.hidden_size, epsilon=config.rms_norm_eps, **kw)
+        self.self_attn = LlamaAttention(config, window, **kw)
+        self.post_attention_layernorm = nnx.RMSNorm(config.hidden_size, epsilon=config.rms_norm_eps, **kw)
+        self.mlp = LlamaMLP(config, **kw)
+
+    def __call__(self, x, masks, rope, *, cache=None, index=0, rngs=None):
+        a, cache = self.self_attn(self.input_layernorm(x), masks, rope, cache=cache, index=index, rngs=rngs)
+        x = x + a
+        return x + self.mlp(self.post_attention_layernorm(x)), cache
+
+
+class LlamaModel(nnx.Module):
+    """The decoder stack. ``attention_mask`` is ``[batch, seq]`` (1 = token, 0 = padding; or packed
+    examples' segment ids); with a ``cache`` it covers the cache's ``max_len`` positions instead (see
+    ``jaxseq.models.attention``). ``position_ids`` default to ``0, 1, ...`` after the cache's index; pass
+    them for left padding."""
+
+    hf_architecture = "LlamaModel"
+
+    def __init__(self, config, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
+        rope_frequencies(config)  # an unsupported rope type stops here, in one line
+        self.config, self.dtype = config, dtype
+        kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.embed_tokens = nnx.Embed(
+            padded_vocab_size(config.vocab_size),
+            config.hidden_size,
+            embedding_init=normal(config.initializer_range),
+            **kw,
+        )
+        self.windows = layer_windows(config)
+        self.layers = nnx.List([LlamaDecoderLayer(config, window, **kw) for window in self.windows])
+        self.norm = nnx.RMSNorm(config.hidden_size, epsilon=config.rms_norm_eps, **kw)
+        self.remat = "none"  # see layers.enable_remat
+
+    def __call__(self, input_ids, attention_mask=None, position_ids=None, *, cache=None, rngs=None):
+        seq = input_ids.shape[1]
+        index = 0 if cache is None else cache.index
+        if position_ids is None:
+            position_ids = (index + jnp.arange(seq, dtype=jnp.int32))[None, :]
+        rope = rotary(position_ids, rope_frequencies(self.config))
+        masks = tuple(self.mask(attention_mask, seq, cache, index, window) for window in dict.fromkeys(self.windows))
+        x, cache = run_blocks(
+            self.layers, self.remat, self.embed_tokens(input_ids), masks, rope, cache=cache, rngs=rngs
+        )
+        return BaseOutput(self.norm(x), cache)
+
+    def mask(self, attention_mask, seq: int, cache: Cache | None, index, window: int | None) -> AttentionMask:
+        """The causal mask of the layers that attend over ``window``: over this call's positions, the cache's
+        ``max_len`` positions, or a sliding window's rolling cache and this call's positions."""
+        if cache is None:
+            return self_attention_mask(attention_mask, seq, causal=True, window=window)
+        length = cache.layers[self.windows.index(window)].max_len
+        if window is None:
+            return AttentionMask(make_mask(attention_mask, seq, length, causal=True, index=index))
+        return ring_mask(attention_mask, seq, length, index, window)
+
+    def init_cache(self, batch: int, max_len: int, dtype=None) -> Cache:
+        """Zero keys/values of the ``num_key_value_heads`` key/value heads of every layer, for ``max_len``
+        positions, or the ``sliding_window`` latest of them in a sliding layer's rolling cache."""
+        c, dtype = self.config, dtype or self.dtype
+        layers = tuple(
+            KVCache.zeros(batch, min(window or max_len, max_len), c.num_key_value_heads, head_dim(c), dtype)
+            for window in self.windows
+        )
+        return Cache(layers, jnp.zeros((), jnp.int32))
+
+
+class LlamaForCausalLM(DecoderLM):
+    """The decoder with its language-model head (a separate weight unless ``tie_word_embeddings``)."""
+
+    hf_architecture = "LlamaForCausalLM"
+    base_name = "model"
+
+    def __init__(self, config, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
+        self.config = config
+        self.model = LlamaModel(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        if not config.tie_word_embeddings:
+            self.lm_head = Linear(
+                config.hidden_size,
+                padded_vocab_size(config.vocab_size),
+                use_bias=False,
+                dtype=dtype,
+                param_dtype=param_dtype,
+                preferred_element_type=jnp.float32,
+                kernel_init=normal(config.initializer_range),
+                rngs=rngs,
+            )
+
+    def logits(self, h):
+        """float32 logits of hidden states ``[..., hidden_size]`` over the padded vocabulary, multiplied in
+        the compute dtype and accumulated in float32."""
+        if self.config.tie_word_embeddings:
+            return tied_logits(h, self.model.embed_tokens.embedding[...], self.model.dtype)
+        return self.lm_head(h)
+
+
+class LlamaForSequenceClassification(LastTokenClassifier):
+    hf_architecture = "LlamaForSequenceClassification"
+    base = LlamaModel
+    base_name = "model"
+
+
+# Mistral and Qwen2: the same modules under transformers' class names (what an export's config names)
+
+
+class MistralModel(LlamaModel):
+    hf_architecture = "MistralModel"
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    hf_architecture = "MistralForCausalLM"
+
+
+class MistralForSequenceClassification(LlamaForSequenceClassification):
+    hf_architecture = "MistralForSequenceClassification"
+
+
+class Qwen2Model(LlamaModel):
+    hf_architecture = "Qwen2Model"
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    hf_architecture = "Qwen2ForCausalLM"
+
+
+class Qwen2ForSequenceClassification(LlamaForSequenceClassification):
+    hf_architecture = "Qwen2ForSequenceClassification"
+
+
+# Megatron-style, as GPT-2: q/k/v, gate and up split by output column over mp, o and down by input row; the
+# other kernel dimension over fsdp; embeddings and the head by vocabulary. k/v's columns are kv_heads x head_dim:
+# whole key/value heads per device when mp divides num_key_value_heads, else each head's features split over mp
+# (mp divides kv_heads * head_dim), which GSPMD gathers where attention needs them: the same numbers either way
+# (tests/test_llama.py runs one key/value head on mp=2).
+PARTITION_RULES = (
+    (r"embed_tokens/embedding$", P("mp", "fsdp")),
+    (r"(q_proj|k_proj|v_proj|gate_proj|up_proj)/kernel$", P("fsdp", "mp")),
+    (r"(q_proj|k_proj|v_proj|gate_proj|up_proj)/bias$", P("mp")),
+    (r"(o_proj|down_proj)/kernel$", P("mp", "fsdp")),
+    (r"(o_proj|down_proj)/bias$", P()),
+    (r"(input_layernorm|post_attention_layernorm|norm)/scale$", P()),
+    (r"lm_head/kernel$", P("fsdp", "mp")),
+    (r"score/kernel$", P("fsdp", None)),
+)
+
+
+def _family(model_type: str, base: type, causal_lm: type, classifier: type) -> Family:
+    return Family(
+        model_type=model_type,
+        tasks={"base": base, "causal-lm": causal_lm, "sequence-classification": classifier},
+        base_prefix="model",
+        heads=(r"^lm_head\.", r"^score\."),
+        lora_targets=r"/(q_proj|v_proj)/kernel$",
+        vocab_params=((r"embed_tokens/embedding$", 0), (r"lm_head/kernel$", 1)),
+        aliases={"lm_head.weight": "model.embed_tokens.weight"},
+        ignore=(r"\.rotary_emb\.inv_freq$",),
+        partition_rules=PARTITION_RULES,
+    )
+
+
+FAMILIES = (
+    _family("llama", LlamaModel, LlamaForCausalLM, LlamaForSequenceClassification),
+    _family("mistral", MistralModel, MistralForCausalLM, MistralForSequenceClassification),
+    _family("qwen2", Qwen2Model, Qwen2ForCausalLM, Qwen2ForSequenceClassification),
+)
