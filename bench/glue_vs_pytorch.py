@@ -9,8 +9,8 @@ see the examples in the same order (jaxseq's, a function of the seed); only thei
 Wall time counts the training loop only (jaxseq's also holds its compilation and the final evaluation);
 evaluation is on the full dev set. Prints both dev accuracies and the wall-time ratio.
 
-jaxseq runs with --pack_sequences (several short examples per row of 64, the same math per example;
---no_pack turns it off); PyTorch pads every example to 64 as run_glue.py does by default.
+jaxseq runs with packing, the script's default (several short examples per row of 64, the same math per
+example; --no_pack passes --no_pack_sequences); PyTorch pads every example to 64 as run_glue.py does by default.
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ def run_jaxseq(args, out: Path, extra: tuple[str, ...] = ()) -> dict:
             "--compilation_cache_dir",
             "",
         ]
-        + ([] if args.no_pack else ["--pack_sequences"])
+        + (["--no_pack_sequences"] if args.no_pack else [])
         + list(extra)
     )
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
@@ -143,7 +143,7 @@ def main() -> int:
     parser.add_argument("--model", type=Path, default=SHARED / "models" / "all-MiniLM-L6-v2")
     parser.add_argument("--glue", type=Path, default=SHARED / "data" / "glue")
     parser.add_argument("--train_samples", type=int, default=8000)
-    parser.add_argument("--no_pack", action="store_true", help="run jaxseq without --pack_sequences")
+    parser.add_argument("--no_pack", action="store_true", help="run jaxseq with --no_pack_sequences")
     parser.add_argument("--json", type=Path, help="also write the figures here")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:

@@ -130,6 +130,15 @@ def build_parser(description: str, *sections: type) -> argparse.ArgumentParser:
                     default=argparse.SUPPRESS,
                     help=f"same as --{field.name} {value} (transformers' flag)",
                 )
+            if tp is bool:  # --no_X is --X false
+                group.add_argument(
+                    f"--no_{field.name}",
+                    dest=field.name,
+                    action=_Switch,
+                    value=False,
+                    default=argparse.SUPPRESS,
+                    help=f"same as --{field.name} false",
+                )
     return parser
 
 

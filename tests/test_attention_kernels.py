@@ -157,3 +157,15 @@ def test_splash_asked_for_by_name_refuses_lengths_off_its_tiles_and_auto_falls_b
             module.attention = dataclasses.replace(module.attention, required=False)
     np.testing.assert_array_equal(np.asarray(model(ids[:, :100], mask[:, :100]).logits), np.asarray(want))
     assert "multiples of 128" in caplog.text and "runs on XLA" in caplog.text
+
+
+def test_packed_rows_on_a_gpu_take_xla_with_auto_saying_why_and_refuse_cudnn_by_name(caplog):
+    from types import SimpleNamespace
+
+    gpu = SimpleNamespace(devices=np.array([SimpleNamespace(platform="gpu")]))  # a mesh's view of its devices
+    model = from_config(bert(), "sequence-classification", dtype=jnp.bfloat16)
+    assert use_attention(model, "auto", gpu) == "cudnn"  # unpacked rows: cuDNN's fused attention
+    assert use_attention(model, "auto", gpu, packed=True) == "xla"
+    assert "attention: XLA (cuDNN attention cannot keep packed examples apart" in caplog.text
+    with pytest.raises(JaxseqError, match=r"cannot keep packed examples apart; add --no_pack_sequences"):
+        use_attention(model, "cudnn", gpu, packed=True)

@@ -148,3 +148,41 @@ def test_bad_input_is_one_line_and_leaves_nothing(case, tmp_path):
     assert message in lines[0]
     assert "Traceback" not in result.stderr
     assert not (out / "model.safetensors").exists()
+
+
+@pytest.mark.parametrize(
+    ("argv", "packs"),
+    [
+        ([], True),
+        (["--no_pack_sequences"], False),
+        (["--pack_sequences", "false"], False),
+        (["--no_pack_sequences", "--pack_sequences"], True),  # the last flag wins
+        (["--config", "{yaml}"], False),
+        (["--config", "{yaml}", "--pack_sequences"], True),
+    ],
+)
+def test_packing_is_on_by_default_and_no_pack_sequences_turns_it_off(tmp_path, argv, packs):
+    from jaxseq.cli import parse
+    from jaxseq.commands import glue as command
+
+    (tmp_path / "c.yaml").write_text("pack_sequences: false\n")
+    argv = [a.format(yaml=tmp_path / "c.yaml") for a in argv]
+    glue = parse(command.__doc__, command.SECTIONS, [*argv, "--output_dir", str(tmp_path / "out")])[1]
+    assert glue.pack_sequences is packs
+
+
+@pytest.mark.slow
+def test_default_packing_trains_and_evaluates_as_unpacked_rows(tmp_path):
+    # dropout off: packed rows draw other dropout masks than unpacked ones; the math is otherwise the same
+    no_dropout = ["--config_overrides", "hidden_dropout_prob=0,attention_probs_dropout_prob=0"]
+    runs = {}
+    for name, extra in {"packed": [], "unpacked": ["--no_pack_sequences"]}.items():
+        result = run_script(*quick_args(tmp_path / name, "sst2", *no_dropout, *extra, "--compilation_cache_dir", ""))
+        assert result.returncode == 0, result.stderr[-3000:]
+        records = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        results = json.loads((tmp_path / name / "eval_results.json").read_text())
+        runs[name] = (result.stdout, [r["train/loss"] for r in records if "train/loss" in r], results)
+    assert "packing 16 examples into" in runs["packed"][0] and "packing" not in runs["unpacked"][0]
+    assert runs["packed"][1] == pytest.approx(runs["unpacked"][1], abs=1e-4)
+    for key in ("eval_loss", "eval_accuracy"):
+        assert runs["packed"][2][key] == pytest.approx(runs["unpacked"][2][key], abs=1e-4)

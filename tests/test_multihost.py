@@ -117,7 +117,8 @@ def params(output_dir: Path) -> dict[str, np.ndarray]:
     return load_file(output_dir / "model.safetensors")
 
 
-def test_two_processes_match_one_and_their_checkpoint_restores_in_one(tmp_path, tiny_gpt2):
+@pytest.mark.parametrize("packing", ["--pack_sequences", "--no_pack_sequences"])  # unpacked: eval in length buckets
+def test_two_processes_match_one_and_their_checkpoint_restores_in_one(tmp_path, tiny_gpt2, packing):
     args = [
         "--model_name_or_path",
         tiny_gpt2,
@@ -130,7 +131,7 @@ def test_two_processes_match_one_and_their_checkpoint_restores_in_one(tmp_path, 
         "--max_eval_samples",
         24,
         "--max_seq_length",
-        32,
+        32 if packing == "--pack_sequences" else 64,  # unpacked: eval batches cut to the widest they need
         "--mesh",
         "dp=4,mp=2",
         "--per_device_train_batch_size",
@@ -147,7 +148,7 @@ def test_two_processes_match_one_and_their_checkpoint_restores_in_one(tmp_path, 
         1e-4,
         "--seed",
         0,
-        "--pack_sequences",
+        packing,
     ]
     one, two, outputs = one_and_two(args, tmp_path)
     assert "8 devices" in outputs[0]  # process 0 reports the global device count

@@ -7,7 +7,7 @@ import pytest
 
 transformers = pytest.importorskip("transformers")
 
-from jaxseq.data import packing  # noqa: E402
+from jaxseq.data import batches, packing  # noqa: E402
 from jaxseq.data.glue import encode, get_task, load_split  # noqa: E402
 from jaxseq.models import load_pretrained  # noqa: E402
 from tests.conftest import shared_asset  # noqa: E402
@@ -49,6 +49,23 @@ def test_pack_keeps_every_token_and_points_at_the_pooled_one(minilm_sst2, pool):
         packing.pack(arrays, rows - 1, pool)
 
 
+def test_row_buckets_hold_every_batch_in_a_few_counts():
+    needed = np.array([7] * 500 + [8] * 400 + [10] * 100)
+    assert packing.row_buckets(needed) == [7, 8, 10]  # 7700 rows computed instead of 10000
+    assert packing.row_buckets(needed, most=2) == [8, 10]
+    assert packing.row_buckets(np.array([4] * 10 + [5] * 990)) == [5]  # 4 would save 0.2% for a compilation
+    assert packing.row_buckets(needed[::100]) == [10]  # 10 batches: a compilation costs more than it saves
+
+
+def test_eval_width_buckets_merge_rare_widths_upward(monkeypatch):
+    assert batches.length_buckets(128) == [16, 32, 64, 128]
+    assert batches.length_buckets(512, multiple=128) == [128, 256, 512]
+    ends = [10, 12, 13, 14, 20, 30, 40, 40]  # of each batch's longest row
+    assert batches.bucket_widths(ends, [16, 32, 64, 128]).tolist() == [16] * 4 + [64] * 4  # 32: 2 batches
+    monkeypatch.setattr(batches, "BUCKET_BATCHES", 1)
+    assert batches.bucket_widths(ends, [16, 32, 64, 128]).tolist() == [16] * 4 + [32] * 2 + [64] * 2
+
+
 def test_packed_minilm_gives_the_unpacked_logits(minilm_sst2):
     folder, arrays = minilm_sst2
     model = load_pretrained(folder, "sequence-classification", num_labels=2, seed=0)
@@ -70,15 +87,49 @@ def test_packed_gpt2_gives_the_unpacked_logits(tokenizer, sst2):  # noqa: F811 (
     np.testing.assert_allclose(np.asarray(got), np.asarray(expected), atol=1e-5)
 
 
-def test_packed_training_follows_unpacked_on_a_mesh(tmp_path, tokenizer, sst2):  # noqa: F811 (fixtures)
+def test_packed_training_follows_unpacked_on_a_mesh(tmp_path, tokenizer, sst2, monkeypatch):  # noqa: F811 (fixtures)
+    monkeypatch.setattr(packing, "COMPILE_STEPS", 0)  # a row count per need, even in a run of 4 steps
     # dropout off: packed rows draw different dropout masks; two micro-batches each packed on their own
     kw = dict(per_device_train_batch_size=4, gradient_accumulation_steps=2, max_steps=4, dropout=0.0)
     plain = make_trainer(tmp_path / "plain", tokenizer, sst2, "dp=2,mp=4", **kw)
     packed = make_trainer(tmp_path / "packed", tokenizer, sst2, "dp=2,mp=4", pack="last", **kw)
-    assert packed.feed.packed_rows % 2 == 0 and packed.feed.packed_rows < plain.feed.micro_batch
+    rows = [batch["input_ids"].shape[1] for batch, _ in zip(packed.feed.batches(), range(4))]  # [2, rows, seq]
+    assert len(set(rows)) > 1 and set(rows) <= set(packed.feed.row_buckets)  # steps packed into two row counts
+    assert all(r % 2 == 0 and r < plain.feed.micro_batch for r in rows)
     np.testing.assert_allclose(train_losses(packed), train_losses(plain), atol=1e-5)
     a, b = plain.logger.records[-1], packed.logger.records[-1]
     assert a.keys() == b.keys() and "eval/accuracy" in a
     for key in a:
         if key.startswith("eval/"):
             np.testing.assert_allclose(b[key], a[key], atol=1e-5)
+
+
+def test_packed_and_bucketed_evaluation_and_prediction_equal_unpacked_rows_in_input_order(
+    tmp_path,
+    tokenizer,  # noqa: F811 (fixture)
+    sst2,  # noqa: F811 (fixture)
+    monkeypatch,
+):
+    monkeypatch.setattr(batches, "BUCKET_BATCHES", 1)  # a program per width, even for 5 batches
+    _, _, dev = sst2
+    kw = dict(max_steps=1, predict_sets={"": dev})
+    plain = make_trainer(tmp_path / "plain", tokenizer, sst2, "dp=2,mp=4", **kw)  # length buckets
+    packed = make_trainer(tmp_path / "packed", tokenizer, sst2, "dp=2,mp=4", pack="last", **kw)
+    # the reference: the same weights on every unpacked, full-length row at once, in input order
+    expected = np.asarray(plain.model()(jnp.asarray(dev["input_ids"]), jnp.asarray(dev["attention_mask"])))
+    widths = sorted({b["input_ids"].shape[1] for b, _, _ in plain.feed.eval_batches("")})
+    assert len(widths) > 1 and set(widths) <= {8, 16, 32}  # batches sorted by length and cut to buckets
+    assert "pool_index" in next(packed.feed.eval_batches(""))[0]  # evaluated on packed rows
+    for trainer in (plain, packed):
+        for _ in range(2):
+            out = trainer.predict()
+            np.testing.assert_array_equal(out["labels"], dev["labels"])
+            np.testing.assert_allclose(out["logits"], expected, atol=1e-5)
+            np.testing.assert_array_equal(out["prediction"], out["logits"].argmax(-1))
+        trainer.close()
+    assert plain.program.eval_step._cache_size() == len(widths)  # one program per bucket, reused
+    a, b = plain.evaluate(), packed.evaluate()
+    assert a.keys() == b.keys() and "accuracy" in a
+    for key in a:
+        np.testing.assert_allclose(b[key], a[key], atol=1e-5)
+    assert a["accuracy"] == pytest.approx(float(np.mean(expected.argmax(-1) == dev["labels"])))

@@ -230,3 +230,37 @@ def test_seq2seq_model_flops_split_encoder_and_decoder_tokens(tied):
     expected += 6 * decoder * rows * target + 12 * 3 * width * target * rows * target / 2  # decoder, causal
     expected += 12 * 3 * width * source * rows * target  # cross-attention: each target token over the source
     assert seq2seq_model_flops(model, rows, source, target) == expected
+
+
+def test_evaluation_in_length_buckets_equals_full_rows_in_input_order(tmp_path, tokenizer, monkeypatch):
+    from jaxseq.data import batches
+    from jaxseq.mesh import make_mesh
+    from jaxseq.models import from_config
+    from jaxseq.train.optim import OptimizerConfig
+    from jaxseq.train.trainer import Trainer, TrainerConfig
+
+    monkeypatch.setattr(batches, "BUCKET_BATCHES", 1)  # a program per width, even for 5 batches
+    rng = random.Random(5)
+    words = [rng.choices(WORDS, k=rng.randint(1, 12)) for _ in range(37)]
+    pairs = [(f"copy: {' '.join(w)}", " ".join(w)) for w in words]
+    arrays = encode_pairs(pairs, tokenizer, 32, 16)
+    objective = Seq2SeqLM(tokenizer, max_new_tokens=6)
+    config = TrainerConfig(
+        output_dir=str(tmp_path), per_device_train_batch_size=2, per_device_eval_batch_size=2, max_steps=1
+    )
+    mesh = make_mesh("dp=4,mp=2")
+    model = from_config(tiny_t5(tokenizer), "seq2seq-lm", mesh=mesh, seed=0)
+    trainer = Trainer(
+        model, objective, config, OptimizerConfig(), arrays, {"": arrays}, mesh, predict_sets={"": arrays}
+    )
+    shapes = {(b["input_ids"].shape[1], b["labels"].shape[1]) for b, _, _ in trainer.feed.eval_batches("")}
+    assert len(shapes) > 1 and shapes <= {(s, t) for s in (8, 16, 32) for t in (8, 16)}
+    got = trainer.predict()
+    trainer.close()
+    # the reference: every full-length row at once, in input order
+    expected = objective.predict(trainer.model(), {k: jnp.asarray(v) for k, v in arrays.items()})
+    np.testing.assert_array_equal(got["tokens"], np.asarray(expected["tokens"]))
+    np.testing.assert_allclose(got["loss_sum"], np.asarray(expected["loss_sum"]), rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(got["generated"], np.asarray(expected["generated"]))
+    assert objective.decode(got["references"]) == [target for _, target in pairs]
+    assert trainer.program.eval_step._cache_size() == len(shapes)  # one program per bucket

@@ -5,6 +5,7 @@ import dataclasses
 import json
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -80,6 +81,7 @@ def make_trainer(tmp_path, tokenizer, data, mesh_spec="dp=8", devices=None, **kw
         {"": dev},
         mesh,
         pack=kw.get("pack"),
+        predict_sets=kw.get("predict_sets"),
     )
 
 
@@ -237,3 +239,86 @@ def test_float16_training_with_loss_scaling(tmp_path, tokenizer, sst2):
     records = [r for r in trainer.logger.records if "train/loss_scale" in r]
     assert records[0]["train/loss_scale"] == 2.0**15 and records[-1]["train/skipped_updates"] == 0
     assert np.isfinite(losses).all() and losses[-1] < losses[0]
+
+
+@jax.jit
+def slow_on_device(x):
+    """``x`` after tens of milliseconds of device work: dispatch returns at once, the result comes later."""
+    m = jnp.full((256, 256), 1e-3, jnp.float32)
+    y = jax.lax.fori_loop(0, 200, lambda i, a: jnp.tanh(a @ m), jnp.ones((256, 256), jnp.float32))
+    return x + 0 * y[0, 0]
+
+
+def test_progress_bars_count_finished_steps_not_dispatched_ones(tmp_path, tokenizer, sst2):
+    trainer = make_trainer(tmp_path, tokenizer, sst2, max_steps=12, logging_steps=6, eval_steps=6)
+    losses, outputs = [], []  # every dispatched step's loss / eval batch's outputs, in order
+    step, eval_step = trainer._train_step, trainer._eval_step
+
+    def slow_step(state, batch):
+        state, metrics = step(state, batch)
+        losses.append(slow_on_device(metrics["loss"]))
+        return state, {**metrics, "loss": losses[-1]}
+
+    def slow_eval_step(params, frozen, batch):
+        out = eval_step(params, frozen, batch)
+        outputs.append(slow_on_device(out["loss"]))
+        return {**out, "loss": outputs[-1]}
+
+    trainer._train_step, trainer._eval_step = slow_step, slow_eval_step
+    seen = {"train": [], "eval": []}
+
+    def counting(bar, kind, done):
+        update, first = bar.update, len(done)  # this bar counts the work dispatched from now on
+
+        def counted(n=1):
+            update(n)
+            # when the bar shows n, the first n steps (batches) it counts have finished on the devices
+            seen[kind].append((bar.n, len(done) - first, all(x.is_ready() for x in done[first : first + bar.n])))
+
+        bar.update = counted
+        return bar
+
+    counting(trainer.logger.bar, "train", losses)
+    progress = trainer.logger.progress
+    trainer.logger.progress = lambda *a, **kw: counting(progress(*a, **kw), "eval", outputs)
+    trainer.train()
+    trainer.close()
+    assert [n for n, _, _ in seen["train"]] == list(range(1, 13))
+    assert all(finished for _, _, finished in seen["train"]), seen["train"]
+    assert any(n < dispatched for n, dispatched, _ in seen["train"])  # the host did run ahead of the devices
+    batches = -(-len(sst2[2]["labels"]) // trainer.feed.eval_batch)
+    assert [n for n, _, _ in seen["eval"]] == list(range(1, batches + 1)) * 2
+    assert all(finished for _, _, finished in seen["eval"]), seen["eval"]
+
+
+def test_eta_stays_within_a_fifth_of_the_time_left(tmp_path):
+    # a simulated run on a fake clock: 30 s compiling the first step, then 1 s a step and 10 s of evaluation
+    # after every 100th; from 10% of the run on, the bar's ETA is within 20% of the time really left
+    import re
+
+    from jaxseq.train.logs import RunLogger
+
+    total = 500
+    finish_times, now = {1: 30.0}, 30.0
+    for step in range(2, total + 1):
+        now += 1.0
+        finish_times[step] = now
+        now += 10.0 if step % 100 == 0 else 0.0
+    end = now
+    logger = RunLogger(tmp_path, total, enabled=True)
+    clock = [0.0]
+    logger.bar._time = lambda: clock[0]
+    logger.bar.start_t = logger.bar.last_print_t = 0.0
+    for step in range(1, total + 1):
+        if step > 1 and (step - 1) % 100 == 0:  # what the trainer reports after each evaluation
+            clock[0] = finish_times[step - 1] + 10.0
+            logger.paused(10.0, pauses_left=(total - step + 1) // 100)
+        clock[0] = finish_times[step]
+        logger.bar.update(1)
+        if step == 1:
+            logger.restart_clock()
+        if step >= total // 10 and step < total:
+            eta = re.search(r"<([\d:]+)", str(logger.bar)).group(1)
+            seconds = sum(int(part) * 60**i for i, part in enumerate(reversed(eta.split(":"))))
+            assert abs(seconds - (end - clock[0])) <= 0.2 * (end - clock[0]), (step, seconds, end - clock[0])
+    logger.close()

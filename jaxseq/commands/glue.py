@@ -58,9 +58,10 @@ class GlueConfig:
     max_eval_samples: int | None = arg(None, "use only the first N examples of each eval split")
     max_predict_samples: int | None = arg(None, "predict only the first N examples of each test split")
     pack_sequences: bool = arg(
-        False,
-        "pack several short examples into each row of --max_seq_length (same "
-        "math per example, much less padding: several times faster on short texts)",
+        True,
+        "pack several short examples into each row of --max_seq_length, in training, evaluation and prediction "
+        "(same math per example, much less padding: several times faster on short texts); --no_pack_sequences: "
+        "one example per row",
     )
     do_train: bool | None = arg(None, "train (default: train and evaluate unless --do_eval or --do_predict is given)")
     do_eval: bool | None = arg(
@@ -220,7 +221,7 @@ def main(argv) -> int:
         eval_sets,
         mesh,
         loss_scaling=runtime.dtype == "float16",
-        pack=model.pooled_token if glue.pack_sequences else None,
+        pack=getattr(model, "pooled_token", None) if glue.pack_sequences else None,
         lora=lora_config,
         predict_sets=test_sets,
     )
@@ -235,10 +236,10 @@ def main(argv) -> int:
         f"{trainer.total_steps} steps of global batch {trainer.global_batch} on {jax.device_count()} devices "
         f"(mesh {dict(mesh.shape)})"
     )
-    if trainer.feed.pack:
+    if trainer.feed.row_buckets:
         trainer.logger.write(
-            f"packing {trainer.feed.micro_batch} examples into {trainer.feed.packed_rows} rows per "
-            f"micro-batch (of {glue.max_seq_length} tokens)"
+            f"packing {trainer.feed.micro_batch} examples into {' or '.join(map(str, trainer.feed.row_buckets))} "
+            f"rows per micro-batch (of {glue.max_seq_length} tokens)"
         )
     eval_samples = len(next(iter(eval_examples.values()), ()))
     restored = not do_train and trainer.config.resume_from_checkpoint is not None

@@ -13,7 +13,8 @@ A packed batch of ``n`` examples in ``rows`` rows of length ``seq`` holds:
   ``labels`` and every other per-example array stay as they are.
 
 Per example the math is the same as unpacked; only the layout changes. Rows are filled first-fit
-decreasing; the row count is fixed for a whole run (one compilation), the largest any batch needs.
+decreasing; the row counts are fixed for a whole run: a few of them (``row_buckets``), each batch taking the
+smallest that holds it, one compilation each.
 """
 
 from __future__ import annotations
@@ -49,6 +50,30 @@ def lengths(arrays: Mapping[str, np.ndarray]) -> np.ndarray:
 def rows_needed(batches: Iterable[Mapping[str, np.ndarray]]) -> int:
     """Rows enough to pack every batch (given as its arrays)."""
     return max(len(first_fit_decreasing(lengths(b), b["input_ids"].shape[1])) for b in batches)
+
+
+COMPILE_STEPS = 25  # a compilation costs about this many steps of the largest shape (MiniLM on a CPU: ~20)
+
+
+def row_buckets(needed: np.ndarray, most: int = 3, gain: float = 0.05) -> list[int]:
+    """A few row counts for batches that need ``needed`` rows each (each batch takes the smallest count that
+    holds it): the largest, plus smaller ones (at most ``most`` in all) while each saves at least ``gain`` of
+    the rows computed and more than its compilation costs (``COMPILE_STEPS`` batches of the largest)."""
+    needed = np.asarray(needed)
+
+    def rows(counts):
+        counts = np.sort(counts)
+        return int(counts[np.searchsorted(counts, needed)].sum())
+
+    largest = int(needed.max())
+    buckets = [largest]
+    while len(buckets) < most:
+        options = [(rows([*buckets, c]), int(c)) for c in np.unique(needed) if c not in buckets]
+        saving = rows(buckets) - min(options)[0] if options else 0
+        if saving <= 0 or saving < max(gain * rows(buckets), COMPILE_STEPS * largest):
+            break
+        buckets.append(min(options)[1])
+    return sorted(buckets)
 
 
 def pack(batch: Mapping[str, np.ndarray], rows: int, pool: str = "first", first_row: int = 0) -> dict[str, np.ndarray]:

@@ -403,7 +403,7 @@ def use_attention(
     if why_not and choice != "auto":
         raise JaxseqError(why_not)
     if why_not:
-        logger.info("attention: XLA (%s)", why_not)
+        logger.warning("attention: XLA (%s)", why_not)
         name = "xla"
     kernel = AttentionKernel(name, mesh if name == "splash" else None, required=choice != "auto", interpret=interpret)
     for layer in layers:

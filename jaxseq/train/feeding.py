@@ -12,7 +12,17 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxseq.data import packing
-from jaxseq.data.batches import eval_indices, steps_per_epoch, train_indices
+from jaxseq.data.batches import (
+    MASKED_ARRAYS,
+    bucket_widths,
+    bucketed_eval_indices,
+    ends,
+    eval_indices,
+    length_buckets,
+    steps_per_epoch,
+    train_indices,
+    trim,
+)
 from jaxseq.data.rows import Rows, as_rows
 from jaxseq.errors import JaxseqError
 from jaxseq.mesh import batch_spec, data_parallel_size
@@ -21,8 +31,10 @@ from jaxseq.mesh import batch_spec, data_parallel_size
 class Feeder:
     """The training and evaluation batches of one run on ``mesh``. ``pack``: pack short examples into shared
     rows (``jaxseq.data.packing``), pooling each example's ``"first"`` or ``"last"`` token; the row counts are
-    sized once for the whole run (``size_packing``), so shapes stay static. ``train_data=None``: evaluation
-    and prediction only."""
+    sized once for the whole run (``size_packing``): a few static shapes, one compiled program each. Unpacked
+    evaluation sorts the examples by length and cuts each batch to one of a few widths (``length_buckets``,
+    multiples of ``bucket_multiple``): one compiled program per width. ``train_data=None``: evaluation and
+    prediction only."""
 
     def __init__(
         self,
@@ -35,8 +47,9 @@ class Feeder:
         gradient_accumulation_steps: int,
         seed: int,
         pack: str | None = None,
+        bucket_multiple: int = 8,
     ):
-        self.mesh, self.seed, self.pack = mesh, seed, pack
+        self.mesh, self.seed, self.pack, self.bucket_multiple = mesh, seed, pack, bucket_multiple
         self.train_data = None if train_data is None else as_rows(train_data)
         self.eval_sets = {name: as_rows(data) for name, data in eval_sets.items()}
         self.accumulate = gradient_accumulation_steps
@@ -55,26 +68,48 @@ class Feeder:
                 f"{n} training examples do not fill one global batch of {self.global_batch}; lower "
                 "--per_device_train_batch_size or --gradient_accumulation_steps"
             )
-        self.packed_rows: int | None = None
+        self.packed_rows: int | None = None  # the most rows a micro-batch is packed into
+        self.row_buckets: list[int] = []  # every row count micro-batches are packed into
+        self._step_rows = np.zeros(0, np.int64)  # the row count of each step's micro-batches
         self.eval_packed_rows: dict[str, int | None] = dict.fromkeys(self.eval_sets)
 
     def size_packing(self, total_steps: int) -> None:
-        """Packed rows per micro-batch (the most any micro-batch of the run needs) and per eval batch. Every
-        data-parallel shard packs its own examples into its own rows, so the layout depends on the mesh,
-        not on how many processes share it; each process sizes only its shards (tokenizing only those)
-        and the processes agree on the largest."""
+        """Packed rows of each step's micro-batches (one of a few counts, ``packing.row_buckets`` of what the
+        steps need) and of every eval batch (the most any needs). Every data-parallel shard packs its own
+        examples into its own rows, so the layout depends on the mesh, not on how many processes share it;
+        each process sizes only its shards (tokenizing only those) and the processes agree on the largest."""
         if not self.pack:
             return
         if self.train_data is not None:
-            indices = train_indices(len(self.train_data), self.global_batch, self.seed)
-            run = (next(indices).reshape(self.accumulate, -1)[:, self._mine] for _ in range(total_steps))
-            self.packed_rows = self._rows_for(self.train_data.take(m) for b in run for m in b)
+            self._size_train_packing(total_steps)
         self.eval_packed_rows = {
             name: self._rows_for(
                 data.take(index[self._eval_mine]) for index, _ in eval_indices(len(data), self.eval_batch)
             )
             for name, data in self.eval_sets.items()
         }
+
+    def _size_train_packing(self, total_steps: int) -> None:
+        """The row count of each step (``packing.row_buckets`` of what the steps' shards need, the processes'
+        needs combined)."""
+        indices = train_indices(len(self.train_data), self.global_batch, self.seed)
+        needed = np.array(
+            [
+                packing.rows_needed(
+                    shard
+                    for m in next(indices).reshape(self.accumulate, -1)
+                    for shard in self._shards(self.train_data.take(m[self._mine]))
+                )
+                for _ in range(total_steps)
+            ],
+            np.int32,
+        )
+        if jax.process_count() > 1:
+            needed = np.max(np.asarray(multihost_utils.process_allgather(needed)), axis=0)
+        buckets = np.array(packing.row_buckets(needed))
+        self.row_buckets = [self.dp * int(b) for b in buckets]
+        self.packed_rows = self.row_buckets[-1]
+        self._step_rows = self.dp * buckets[np.searchsorted(buckets, needed)]
 
     def _rows_for(self, batches) -> int:
         """Packed rows of a whole batch: ``dp`` times the most any shard of this process's ``batches`` (or of
@@ -97,18 +132,39 @@ class Feeder:
         """The training batches from ``start_step`` on, on the devices: ``[rows, ...]`` arrays, or
         ``[micro-batches, rows, ...]`` with gradient accumulation."""
         micro = self.accumulate
-        for index in train_indices(len(self.train_data), self.global_batch, self.seed, start_step):
-            parts = [self._local(self.train_data, m[self._mine], self.packed_rows) for m in index.reshape(micro, -1)]
+        indices = train_indices(len(self.train_data), self.global_batch, self.seed, start_step)
+        for step, index in enumerate(indices, start_step):
+            rows = int(self._step_rows[step]) if step < len(self._step_rows) else self.packed_rows
+            parts = [self._local(self.train_data, m[self._mine], rows) for m in index.reshape(micro, -1)]
             yield self.device_batch(
                 parts[0] if micro == 1 else {k: np.stack([p[k] for p in parts]) for k in parts[0]}, stacked=micro > 1
             )
 
-    def eval_batches(self, name: str) -> Iterator[tuple[dict[str, jax.Array], np.ndarray]]:
-        """``(batch, valid)`` over every example of eval set ``name``; the last batch is padded and ``valid``
-        marks its real rows."""
+    def eval_batches(self, name: str) -> Iterator[tuple[dict[str, jax.Array], np.ndarray, np.ndarray]]:
+        """``(batch, index, valid)`` over every example of eval set ``name``: ``index`` is the example of each
+        row of the batch (the last batch is padded with repeats) and ``valid`` marks the real rows. Packed:
+        in input order. Unpacked with padding masks: sorted by length, each batch cut to its bucket's width."""
         data = self.eval_sets[name]
-        for index, valid in eval_indices(len(data), self.eval_batch):
-            yield self.device_batch(self._local(data, index[self._eval_mine], self.eval_packed_rows[name])), valid
+        packed_rows = self.eval_packed_rows[name]
+        masks = [] if packed_rows or not len(data) else [m for m in MASKED_ARRAYS if m in data.take(np.arange(1))]
+        if not masks:
+            for index, valid in eval_indices(len(data), self.eval_batch):
+                yield self.device_batch(self._local(data, index[self._eval_mine], packed_rows)), index, valid
+            return
+        # every process sorts every example (tokenizing the whole set), so all agree on the batches' shapes
+        full = data.take(np.arange(len(data)))
+        row_ends = np.stack([ends(full[m]) for m in masks], axis=1)
+        batches = list(bucketed_eval_indices(row_ends, self.eval_batch))
+        widths = {
+            m: bucket_widths(
+                [row_ends[index, i].max() for index, _ in batches],
+                length_buckets(full[m].shape[1], self.bucket_multiple),
+            )
+            for i, m in enumerate(masks)
+        }
+        for b, (index, valid) in enumerate(batches):
+            local = trim(data.take(index[self._eval_mine]), {m: int(w[b]) for m, w in widths.items()})
+            yield self.device_batch(local), index, valid
 
     def _local(self, data: Rows, index: np.ndarray, packed_rows: int | None) -> dict[str, np.ndarray]:
         """This process's examples ``index`` of one batch; if ``packed_rows`` is given, each data-parallel

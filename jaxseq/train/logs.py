@@ -1,9 +1,10 @@
-"""Where a run reports: a tqdm progress bar, ``metrics.jsonl``, the ``--report_to`` trackers (TensorBoard
-events by default; ``jaxseq.train.trackers``) and a loss plot. Only process 0 writes (the others get a
-logger that writes nothing)."""
+"""Where a run reports: tqdm progress bars that count finished work, ``metrics.jsonl``, the ``--report_to``
+trackers (TensorBoard events by default; ``jaxseq.train.trackers``) and a loss plot. Only process 0 writes
+(the others get a logger that writes nothing)."""
 
 from __future__ import annotations
 
+import collections
 import json
 import math
 import time
@@ -33,15 +34,17 @@ class RunLogger:
         self.enabled = jax.process_index() == 0 if enabled is None else enabled
         self.output_dir = Path(output_dir)
         self.records: list[dict] = []
-        self.bar = tqdm(
+        self.bar = StepBar(
             total=total_steps,
             initial=initial_step,
             desc="train",
             unit="step",
             disable=not self.enabled,
             dynamic_ncols=True,
+            bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}<{left}, {rate_fmt}{postfix}]",
         )
         self.trackers = []
+        self._pauses: list[float] = []
         self._jsonl = None
         if self.enabled:
             self.output_dir.mkdir(parents=True, exist_ok=True)
@@ -90,8 +93,21 @@ class RunLogger:
         for tracker in self.trackers:
             tracker.resume(step)
 
-    def advance(self, steps: int = 1) -> None:
-        self.bar.update(steps)
+    def restart_clock(self) -> None:
+        """Time the bar's rate and ETA from now and its current count on (after the first step's compilation)."""
+        if not self.bar.disable:
+            self.bar.initial, self.bar.start_t, self.bar.paused = self.bar.n, self.bar._time(), 0.0
+
+    def paused(self, seconds: float, pauses_left: int) -> None:
+        """Note ``seconds`` spent outside training steps (evaluating, saving), with ``pauses_left`` such pauses
+        to come: the bar's rate leaves them out and its ETA adds their expected time (the mean so far)."""
+        self._pauses.append(seconds)
+        self.bar.paused += seconds
+        self.bar.ahead = sum(self._pauses) / len(self._pauses) * pauses_left
+
+    def progress(self, total: int, desc: str, unit: str = "batch") -> tqdm:
+        """A transient bar under the training bar (evaluation, prediction), shown on process 0 only."""
+        return tqdm(total=total, desc=desc, unit=unit, leave=False, disable=not self.enabled, dynamic_ncols=True)
 
     def write(self, message: str) -> None:
         if self.enabled:
@@ -136,3 +152,46 @@ class RunLogger:
             for tracker in self.trackers:
                 tracker.close()
             self._jsonl.close()
+
+
+class StepBar(tqdm):
+    """The training bar: its rate is steps per second of time spent in steps (``paused`` seconds of
+    evaluations and checkpoints left out) and its ETA (``{left}`` in ``bar_format``) is the steps left at that
+    rate plus ``ahead``, the time the pauses still to come are expected to take."""
+
+    paused = ahead = 0.0
+
+    @property
+    def format_dict(self):
+        d = super().format_dict
+        done, busy = d["n"] - d["initial"], d["elapsed"] - self.paused
+        d["rate"] = done / busy if done > 0 and busy > 0 else None
+        d["left"] = self.format_interval((d["total"] - d["n"]) / d["rate"] + self.ahead) if d["rate"] else "?"
+        return d
+
+
+class Finished:
+    """Advances ``bar`` as dispatched work finishes on the devices, not when the host dispatches it (JAX
+    returns at once and runs steps in the background): a step counts once every array of its outputs is
+    ready. At most ``lag`` steps stay in flight (the oldest is waited for), enough to keep the devices busy."""
+
+    def __init__(self, bar: tqdm, lag: int = 2):
+        self.bar, self.lag = bar, lag
+        self._inflight: collections.deque = collections.deque()
+
+    def dispatched(self, outputs) -> None:
+        """Note one more dispatched step whose outputs are ``outputs`` (a pytree of arrays)."""
+        self._inflight.append(outputs)
+        while self._inflight and (len(self._inflight) > self.lag or _ready(self._inflight[0])):
+            jax.block_until_ready(self._inflight.popleft())
+            self.bar.update(1)
+
+    def drain(self) -> None:
+        """Wait for every step in flight, counting each."""
+        while self._inflight:
+            jax.block_until_ready(self._inflight.popleft())
+            self.bar.update(1)
+
+
+def _ready(tree) -> bool:
+    return all(x.is_ready() for x in jax.tree.leaves(tree) if isinstance(x, jax.Array))

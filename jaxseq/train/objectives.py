@@ -46,7 +46,8 @@ class SequenceClassification:
     def predict(self, model, batch: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
         logits = self._logits(model, batch)
         prediction = logits[:, 0] if self.task.is_regression else jnp.argmax(logits, axis=-1)
-        return {"prediction": prediction, "labels": batch["labels"], "loss": self._losses(logits, batch["labels"])}
+        losses = self._losses(logits, batch["labels"])
+        return {"logits": logits, "prediction": prediction, "labels": batch["labels"], "loss": losses}
 
     def metrics(self, outputs: dict[str, np.ndarray]) -> dict[str, float]:
         return {
@@ -271,9 +272,7 @@ class Seq2SeqLM(TokenLoss):
                 eos_token_id=model.config.eos_token_id,
                 pad_token_id=model.config.pad_token_id,
             )
-            outputs["references"] = jnp.where(
-                batch["decoder_attention_mask"] > 0, batch["labels"], model.config.pad_token_id
-            )
+            outputs["references"] = jnp.where(batch["decoder_attention_mask"] > 0, batch["labels"], -1)
         return outputs
 
     def metrics(self, outputs: dict[str, np.ndarray]) -> dict[str, float]:
@@ -285,4 +284,6 @@ class Seq2SeqLM(TokenLoss):
         return results
 
     def decode(self, ids: np.ndarray) -> list[str]:
-        return [text.strip() for text in self.tokenizer.batch_decode(ids, skip_special_tokens=True)]
+        """Texts of token rows; negative ids (no token: masked or bucket padding) are dropped."""
+        rows = [[int(t) for t in row if t >= 0] for row in np.asarray(ids)]
+        return [text.strip() for text in self.tokenizer.batch_decode(rows, skip_special_tokens=True)]

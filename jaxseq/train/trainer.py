@@ -4,6 +4,7 @@ orbax checkpoints and exact resume (the data order is a function of seed and ste
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 import os
@@ -17,7 +18,6 @@ import jax
 import numpy as np
 from flax import nnx
 from jax.experimental import multihost_utils
-from tqdm.auto import tqdm
 
 from jaxseq import partition
 from jaxseq.config import arg
@@ -28,7 +28,7 @@ from jaxseq.models.attention import ATTENTION_KERNELS, use_attention
 from jaxseq.models.layers import REMAT_POLICIES, enable_remat
 from jaxseq.train.checkpoint import Checkpointer
 from jaxseq.train.feeding import Feeder
-from jaxseq.train.logs import RunLogger
+from jaxseq.train.logs import Finished, RunLogger
 from jaxseq.train.lora import LoraConfig
 from jaxseq.train.optim import OptimizerConfig
 from jaxseq.train.step import Task, TrainProgram
@@ -196,6 +196,7 @@ class Trainer:
         self.output_dir = Path(config.output_dir)
         self.eval_names = list(eval_sets)
         predict_sets = {f"{PREDICT}{k}": v for k, v in (predict_sets or {}).items()}
+        self.attention = use_attention(model, config.attention, mesh, packed=pack is not None or packed_rows)
         self.feed = Feeder(
             mesh,
             train_data,
@@ -205,6 +206,7 @@ class Trainer:
             gradient_accumulation_steps=config.gradient_accumulation_steps,
             seed=config.seed,
             pack=pack,
+            bucket_multiple=128 if self.attention == "splash" else 8,  # splash takes whole tiles of 128
         )
         self.global_batch, self.steps_per_epoch = self.feed.global_batch, self.feed.steps_per_epoch
         self.throughput = Throughput(self.global_batch, tokens_per_example, flops_per_example, peak_flops)
@@ -216,7 +218,6 @@ class Trainer:
             self.total_steps = max(1, math.ceil(config.num_train_epochs * self.steps_per_epoch))
         self.feed.size_packing(self.total_steps)
         enable_remat(model, config.remat)
-        self.attention = use_attention(model, config.attention, mesh, packed=pack is not None or packed_rows)
         self.program = program = TrainProgram(
             model,
             task,
@@ -273,6 +274,16 @@ class Trainer:
             return False
         every = self.steps_per_epoch if strategy == "epoch" else every
         return step == self.total_steps or (bool(every) and step % every == 0)
+
+    def _pauses_after(self, step: int) -> int:
+        """How many of the steps after ``step`` evaluate or save (the progress bar's ETA counts them)."""
+        config = self.config
+        return sum(
+            1
+            for s in range(step + 1, self.total_steps + 1)
+            if (self.eval_names and self._due(s, config.eval_strategy, config.eval_steps))
+            or self._due(s, config.save_strategy, config.save_steps)
+        )
 
     def _check_best_metric(self, task: Task) -> None:
         """--metric_for_best_model must name an eval metric; with --load_best_model_at_end every save must
@@ -390,18 +401,21 @@ class Trainer:
         eval_metrics: dict[str, float] = {}
         started = time.perf_counter()
         compile_seconds = None
+        self._progress = Finished(self.logger.bar)  # the bar counts finished steps, not dispatched ones
         step = start
         while step < self.total_steps:
             t0 = time.perf_counter()
             self.state, metrics = self._train_step(self.state, next(batches))
+            self._progress.dispatched(metrics)
             if compile_seconds is None:
                 jax.block_until_ready(metrics["loss"])
                 compile_seconds = time.perf_counter() - t0
                 self.logger.write(f"first step (compile included): {compile_seconds:.1f}s")
                 self.throughput.start(step + 1)
+                self._progress.drain()
+                self.logger.restart_clock()  # rate and ETA from the compiled steps on
             pending.append(metrics)
             step += 1
-            self.logger.advance()
             logged = step % config.logging_steps == 0 or step == self.total_steps
             if logged:
                 self._log_train(step, pending, started)
@@ -410,14 +424,17 @@ class Trainer:
             save_now = self._due(step, config.save_strategy, config.save_steps)
             if evaluate_now or save_now:  # not training: keep it out of the throughput figures
                 jax.block_until_ready(self.state)
+                self._progress.drain()
                 self._check_finite(step, partition.gather(pending))  # never evaluate or save a NaN state
                 self.throughput.pause(step)
+                paused = time.perf_counter()
                 if evaluate_now:
                     eval_metrics = self.evaluate()
                     self.logger.log(step, {f"eval/{k}": v for k, v in eval_metrics.items()})
                 if save_now:
                     self.save(step, eval_metrics if evaluate_now else None)
                 self.throughput.resume(step)
+                self.logger.paused(time.perf_counter() - paused, self._pauses_after(step))
             if step < self.total_steps and self._signalled(logged):
                 self._stop_for_signal(step, pending, started, saved=bool(save_now))
         runtime = time.perf_counter() - started
@@ -507,6 +524,7 @@ class Trainer:
         )
 
     def _log_train(self, step: int, pending: list[dict], started: float) -> None:
+        self._progress.drain()
         host = partition.gather(pending)
         self._check_finite(step, host)
         latest = ("learning_rate", "loss_scale", "skipped_updates")  # states, not per-step amounts
@@ -541,16 +559,37 @@ class Trainer:
         return self._outputs(f"{PREDICT}{name}", bar=f"predict{name}")
 
     def _outputs(self, name: str, bar: str | None = None) -> dict[str, np.ndarray]:
-        """The eval step's outputs for every example of set ``name`` (padding rows dropped)."""
-        outputs: dict[str, list] = {}
-        total = len(self.feed.eval_sets[name])
-        with tqdm(total=total, desc=bar, unit="example", disable=bar is None or not self.logger.enabled) as progress:
-            for batch, valid in self.feed.eval_batches(name):
-                predicted = partition.gather(self._eval_step(self.eval_params(), self.frozen, batch))
-                for key, value in predicted.items():
-                    outputs.setdefault(key, []).append(np.asarray(value)[valid])
-                progress.update(int(np.sum(valid)))
-        return {k: np.concatenate(v) for k, v in outputs.items()}
+        """The eval step's outputs for every example of set ``name`` (padding rows dropped), in the set's input
+        order whatever the batching (packed rows, length buckets). Per-token outputs of batches cut to different
+        widths are right-padded with -1 to the widest. One batch stays in flight while the previous one is
+        read back; the bar (``bar``, else ``eval<name>``) counts batches read back."""
+        params, parts, order = self.eval_params(), collections.defaultdict(list), []
+        inflight: collections.deque = collections.deque()
+        batches = -(-len(self.feed.eval_sets[name]) // self.feed.eval_batch)
+        with self.logger.progress(batches, bar or f"eval{name}") as progress:
+
+            def read_back():
+                outputs, index, valid = inflight.popleft()
+                for key, value in partition.gather(outputs).items():
+                    parts[key].append(np.asarray(value)[valid])
+                order.append(index[valid])
+                progress.update(1)
+
+            for batch, index, valid in self.feed.eval_batches(name):
+                inflight.append((self._eval_step(params, self.frozen, batch), index, valid))
+                if len(inflight) > 1:
+                    read_back()
+            while inflight:
+                read_back()
+        if not order:
+            return {}
+        rows = np.concatenate(order)
+        merged = {}
+        for key, values in parts.items():
+            stacked = _concatenate_padded(values)
+            merged[key] = np.empty_like(stacked)
+            merged[key][rows] = stacked
+        return merged
 
     def describe(self) -> str:
         """Table of every trained parameter's shape, dtype, spec and bytes per device (printed at start)."""
@@ -583,6 +622,15 @@ class Trainer:
                 self.logger.close()
             finally:
                 self.lock.release()
+
+
+def _concatenate_padded(arrays: list[np.ndarray]) -> np.ndarray:
+    """``arrays`` joined on the first axis, any shorter trailing axis right-padded with -1 to the longest."""
+    widest = np.max([a.shape[1:] for a in arrays], axis=0) if arrays[0].ndim > 1 else ()
+    padded = [
+        np.pad(a, [(0, 0), *((0, w - d) for w, d in zip(widest, a.shape[1:]))], constant_values=-1) for a in arrays
+    ]
+    return np.concatenate(padded)
 
 
 def _count(tree) -> int:
