@@ -335,7 +335,9 @@ def test_script_writes_the_completions_of_pytorch_greedy(gpt2_with_tokenizer, tm
             "",
         ]
     )
-    assert code == 0, capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert code == 0, err
+    assert "generating" in err and "3/3" in err and "tokens/s" in err  # the bar counts finished prompts
     records = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["prompt"] for r in records] == texts
     for record in records:

@@ -23,6 +23,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+from tqdm.auto import tqdm
 
 from jaxseq.cli import RuntimeConfig, parse, script, start
 from jaxseq.config import arg
@@ -152,6 +153,8 @@ def main(argv) -> int:
 
     completions = [None] * len(prompts)
     started, generated = time.perf_counter(), 0
+    bar = tqdm(total=len(prompts), desc="generating", unit="prompt", file=sys.stderr, dynamic_ncols=True,
+               disable=jax.process_index() != 0)  # fmt: skip
     for k, batch in enumerate(batches([len(ids) for ids in encoded], cfg.batch_size)):
         rows = [encoded[i] for i in batch]
         rows += [rows[-1]] * (cfg.batch_size - len(rows))  # a full batch reuses the compiled program
@@ -182,6 +185,9 @@ def main(argv) -> int:
                 "completion_tokens": n,
             }
             generated += n
+        bar.update(len(batch))  # after the batch's tokens came back: finished prompts
+        bar.set_postfix_str(f"{generated / (time.perf_counter() - started):.0f} tokens/s")
+    bar.close()
     seconds = time.perf_counter() - started
 
     if jax.process_index() != 0:
