@@ -31,6 +31,12 @@ T5_XL = (
     "d_model=2048,d_ff=5120,num_layers=24,num_decoder_layers=24,num_heads=32,d_kv=64,"
     "feed_forward_proj=gated-gelu,tie_word_embeddings=false"
 )
+LLAMA3_8B = (
+    "hidden_size=4096,intermediate_size=14336,num_hidden_layers=32,num_attention_heads=32,num_key_value_heads=8,"
+    "vocab_size=128256,max_position_embeddings=8192"
+)
+LLAMA_CHAT = ["--model_type", "llama", "--config_overrides", LLAMA3_8B, "--max_seq_length", 2048]
+LORA_ALL = ["--lora_rank", 16, "--lora_targets", "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"]
 # model -> (script, flags): AdamW, float32 master weights and optimizer state, bf16 compute, full remat
 MODELS = {
     "gptj-6b": ("pretrain_clm.py", ["--model_type", "gptj", "--block_size", 2048]),
@@ -50,6 +56,9 @@ MODELS = {
         "finetune_glue.py",
         ["--model_type", "bert", "--config_overrides", BERT_LARGE, "--max_seq_length", 512, "--task_name", "mrpc"],
     ),
+    # chat fine-tuning (jaxseq chat) of the Llama-3-8B shape: every weight, and LoRA on all seven projections
+    "llama3-8b": ("finetune_chat.py", LLAMA_CHAT),
+    "llama3-8b-lora": ("finetune_chat.py", [*LLAMA_CHAT, *LORA_ALL]),
     # the attention kernel side by side (every row above runs --attention auto: splash on TPU where it applies)
     "gpt2-small-splash": (
         "pretrain_clm.py",
@@ -81,13 +90,15 @@ MODELS = {
 KERNEL_ROWS = ("gpt2-small-splash", "gpt2-small-xla", "gptj-6b-xla", "gptj-6b-8k-splash", "gptj-6b-8k-xla")
 # Cloud TPU slice -> mesh: every chip one fsdp shard (a v4-8 is 4 chips of 32 GiB). Each model has a v5e-8 and a
 # v4-8 row, and the v5e slices that bracket its smallest fit (Cloud has no v5e-2: v5e-1, v5e-4, v5e-8, ...).
-MESH = {"v5e-1": "fsdp=1", "v5e-4": "fsdp=4", "v5e-8": "fsdp=8", "v4-8": "fsdp=4"}
+MESH = {"v5e-1": "fsdp=1", "v5e-4": "fsdp=4", "v5e-8": "fsdp=8", "v4-8": "fsdp=4", "v5p-8": "fsdp=4"}
 SLICES = {
     "gptj-6b": ["v5e-8", "v5e-4", "v4-8"],
     "gpt2-xl": ["v5e-8", "v5e-4", "v5e-1", "v4-8"],
     "gpt2-xl-dropout": ["v5e-8"],
     "t5-v1_1-xl": ["v5e-8", "v5e-4", "v5e-1", "v4-8"],
     "bert-large": ["v5e-8", "v5e-1", "v4-8"],
+    "llama3-8b": ["v5e-8", "v5p-8"],
+    "llama3-8b-lora": ["v5e-8", "v5p-8"],
     "gpt2-small-splash": ["v5e-8"],
     "gpt2-small-xla": ["v5e-8"],
     "gptj-6b-xla": ["v5e-8"],
@@ -101,7 +112,8 @@ ROWS = {  # name -> (script, flags)
 }
 BATCH = {
     "gptj-6b": 1, "gpt2-xl": 4, "gpt2-xl-dropout": 4, "bert-large": 8, "t5-v1_1-xl": 2, "gpt2-small-splash": 8,
-    "gpt2-small-xla": 8, "gptj-6b-xla": 1, "gptj-6b-8k-splash": 1, "gptj-6b-8k-xla": 1,
+    "gpt2-small-xla": 8, "gptj-6b-xla": 1, "gptj-6b-8k-splash": 1, "gptj-6b-8k-xla": 1, "llama3-8b": 1,
+    "llama3-8b-lora": 1,
 }  # fmt: skip
 
 
@@ -135,6 +147,8 @@ NAMES = {
     "gpt2-xl-dropout": "GPT-2 XL, dropout 0.1",
     "t5-v1_1-xl": "T5-v1.1-XL",
     "bert-large": "BERT-large",
+    "llama3-8b": "Llama-3-8B shape, chat, all weights",
+    "llama3-8b-lora": "Llama-3-8B shape, chat, LoRA r16 on all projections",
     "gpt2-small-splash": "GPT-2 small, no dropout, --attention splash",
     "gpt2-small-xla": "GPT-2 small, no dropout, --attention xla",
     "gptj-6b-xla": "GPT-J-6B, --attention xla",
