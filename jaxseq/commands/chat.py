@@ -22,13 +22,20 @@ from jaxseq.cli import PlanConfig, RuntimeConfig, finish, parse, plan_run, scrip
 from jaxseq.config import save_config
 from jaxseq.data.chat import ChatDataConfig, load_chat_rows, use_chat_template
 from jaxseq.distributed import DistributedConfig
-from jaxseq.errors import JaxseqError
 from jaxseq.hub_push import HubConfig
-from jaxseq.models.source import ModelSource, build_model, check, load_tokenizer, model_config
+from jaxseq.models.source import (
+    ModelSource,
+    build_model,
+    check,
+    check_vocabulary,
+    load_tokenizer,
+    model_config,
+    sequence_length,
+)
 from jaxseq.train.lora import LoraConfig
 from jaxseq.train.objectives import CausalLMConfig
 from jaxseq.train.optim import OptimizerConfig
-from jaxseq.train.throughput import flops_per_token, peak_flops
+from jaxseq.train.throughput import SpeedConfig, flops_per_token, peak_flops
 from jaxseq.train.trainer import Trainer, TrainerConfig
 
 SECTIONS = (
@@ -39,6 +46,7 @@ SECTIONS = (
     TrainerConfig,
     OptimizerConfig,
     LoraConfig,
+    SpeedConfig,
     CausalLMConfig,
     HubConfig,
     DistributedConfig,
@@ -46,25 +54,15 @@ SECTIONS = (
 ROW = ("input_ids", "attention_mask", "position_ids", "loss_mask")
 
 
-def choose_max_seq_length(requested: int | None, config) -> int:
-    """--max_seq_length, or the model's positions, at most 2048."""
-    limit = getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None)
-    if requested is None:
-        return min(2048, limit or 2048)
-    if limit is not None and requested > limit:
-        raise JaxseqError(f"--max_seq_length {requested} exceeds the model's {limit} positions; lower it")
-    return requested
-
-
 @script
 def main(argv) -> int:
-    source, data, runtime, plan, trainer_config, optimizer_config, lora_config, loss, hub, distributed = parse(
+    source, data, runtime, plan, trainer_config, optimizer_config, lora_config, speed, loss, hub, distributed = parse(
         __doc__, SECTIONS, argv
     )
     check(source)
     if plan.compile_topology:
         config, _, _ = model_config(source, "causal-lm", weights=False)
-        seq = choose_max_seq_length(data.max_seq_length, config)
+        seq = sequence_length(data.max_seq_length, config, "max_seq_length", 2048)
         plan_run(
             plan,
             runtime,
@@ -85,19 +83,15 @@ def main(argv) -> int:
     config, folder, overrides = model_config(source, "causal-lm")
     tokenizer = load_tokenizer(source.tokenizer_name or folder)
     use_chat_template(tokenizer, data.chat_template)
-    if len(tokenizer) > config.vocab_size:
-        raise JaxseqError(
-            f"the tokenizer has {len(tokenizer)} tokens but the model only {config.vocab_size}; "
-            "pass the model's tokenizer or override vocab_size"
-        )
-    seq = choose_max_seq_length(data.max_seq_length, config)
+    check_vocabulary(tokenizer, config)
+    seq = sequence_length(data.max_seq_length, config, "max_seq_length", 2048)
     train_rows, valid_rows = load_chat_rows(data, tokenizer, seq, progress=main_process, log=log)
 
     dtype = jnp.dtype(runtime.dtype)
     model = build_model(
         source, "causal-lm", config, folder, overrides, mesh=mesh, dtype=dtype, seed=trainer_config.seed
     )
-    peak, peak_source = peak_flops(mesh.devices.flat, dtype)
+    peak, peak_source = peak_flops(mesh.devices.flat, dtype, speed.peak_flops)
     flops = flops_per_token(model, seq)
     trainer = Trainer(
         model,
@@ -116,7 +110,7 @@ def main(argv) -> int:
     )
     if main_process:
         save_config(trainer.output_dir / "config.yaml", source, data, runtime, trainer_config, optimizer_config,
-                    lora_config, loss)  # fmt: skip
+                    lora_config, speed, loss)  # fmt: skip
     trainer.logger.write(trainer.describe())
     rows, learned = len(train_rows["input_ids"]), int(train_rows["loss_mask"].sum())
     trainer.logger.write(

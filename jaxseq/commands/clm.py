@@ -15,35 +15,29 @@ run would, even after a kill), and the model with its tokenizer as a Hugging Fac
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxseq.cli import PlanConfig, RuntimeConfig, finish, parse, plan_run, script, start
-from jaxseq.config import arg, save_config
+from jaxseq.config import save_config
 from jaxseq.data.text import TextDataConfig, check_sources, load_blocks
 from jaxseq.distributed import DistributedConfig
-from jaxseq.errors import JaxseqError
 from jaxseq.hub_push import HubConfig
-from jaxseq.models.source import ModelSource, build_model, check, load_tokenizer, model_config
+from jaxseq.models.source import (
+    ModelSource,
+    build_model,
+    check,
+    check_vocabulary,
+    load_tokenizer,
+    model_config,
+    sequence_length,
+)
 from jaxseq.train.lora import LoraConfig
 from jaxseq.train.objectives import CausalLMConfig
 from jaxseq.train.optim import OptimizerConfig
-from jaxseq.train.throughput import flops_per_token, peak_flops
+from jaxseq.train.throughput import SpeedConfig, flops_per_token, peak_flops
 from jaxseq.train.trainer import Trainer, TrainerConfig
-
-
-@dataclasses.dataclass
-class SpeedConfig:
-    peak_flops: float = arg(
-        0.0,
-        "peak FLOP/s of all devices together, for model FLOPs utilisation (MFU) "
-        "in the log; 0: the chips' published bf16 peak on TPU and GPU, a jitted matmul measured at start on CPU "
-        "(the log then says 'of measured matmul')",
-    )
-
 
 SECTIONS = (
     ModelSource,
@@ -60,16 +54,6 @@ SECTIONS = (
 )
 
 
-def choose_block_size(requested: int | None, config) -> int:
-    """--block_size, or transformers' default: the model's positions, at most 1024."""
-    limit = getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None)
-    if requested is None:
-        return min(1024, limit or 1024)
-    if limit is not None and requested > limit:
-        raise JaxseqError(f"--block_size {requested} exceeds the model's {limit} positions; lower it")
-    return requested
-
-
 @script
 def main(argv) -> int:
     source, data, runtime, plan, trainer_config, optimizer_config, lora_config, speed, loss, hub, distributed = parse(
@@ -78,7 +62,7 @@ def main(argv) -> int:
     check(source)
     if plan.compile_topology:
         config, _, _ = model_config(source, "causal-lm", weights=False)
-        block_size = choose_block_size(data.block_size, config)
+        block_size = sequence_length(data.block_size, config, "block_size", 1024)
         plan_run(
             plan,
             runtime,
@@ -100,12 +84,8 @@ def main(argv) -> int:
     log = print if main_process else (lambda *_: None)
     config, folder, overrides = model_config(source, "causal-lm")
     tokenizer = load_tokenizer(source.tokenizer_name or folder)
-    if len(tokenizer) > config.vocab_size:
-        raise JaxseqError(
-            f"the tokenizer has {len(tokenizer)} tokens but the model only {config.vocab_size}; "
-            "pass the model's tokenizer or override vocab_size"
-        )
-    block_size = choose_block_size(data.block_size, config)
+    check_vocabulary(tokenizer, config)
+    block_size = sequence_length(data.block_size, config, "block_size", 1024)
     train_blocks, valid_blocks = load_blocks(data, tokenizer, block_size, progress=main_process, log=log)
 
     dtype = jnp.dtype(runtime.dtype)

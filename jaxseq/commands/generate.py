@@ -32,7 +32,7 @@ from jaxseq.errors import JaxseqError
 from jaxseq.generation import generate
 from jaxseq.models.hub import load_config, load_pretrained, parse_overrides, resolve
 from jaxseq.models.registry import families_with, family_for
-from jaxseq.models.source import PretrainedModel, load_tokenizer
+from jaxseq.models.source import PretrainedModel, check_vocabulary, load_tokenizer
 from jaxseq.sharding import gather
 from jaxseq.train.lora import ADAPTER_HELP, merge_adapter
 
@@ -145,11 +145,7 @@ def main(argv) -> int:
     model = load_pretrained(folder, task, mesh=mesh, dtype=jnp.dtype(runtime.dtype), **overrides)
     if cfg.lora_adapter:
         merge_adapter(model, cfg.lora_adapter)
-    if len(tokenizer) > model.config.vocab_size:
-        raise JaxseqError(
-            f"the tokenizer has {len(tokenizer)} tokens but the model only {model.config.vocab_size}; "
-            "pass the model's own tokenizer"
-        )
+    check_vocabulary(tokenizer, model.config)
 
     completions = [None] * len(prompts)
     started, generated = time.perf_counter(), 0

@@ -31,7 +31,7 @@ from jaxseq.errors import JaxseqError
 from jaxseq.files import atomic_write
 from jaxseq.hub_push import HubConfig
 from jaxseq.models.hub import apply_overrides
-from jaxseq.models.source import ModelSource, build_model, check, load_tokenizer, model_config
+from jaxseq.models.source import ModelSource, build_model, check, check_vocabulary, load_tokenizer, model_config
 from jaxseq.train.lora import LoraConfig
 from jaxseq.train.objectives import SequenceClassification
 from jaxseq.train.optim import OptimizerConfig
@@ -183,11 +183,7 @@ def main(argv) -> int:
     if limit is not None and glue.max_seq_length > limit:
         raise JaxseqError(f"--max_seq_length {glue.max_seq_length} exceeds the model's {limit} positions; lower it")
     tokenizer = load_tokenizer(source.tokenizer_name or folder, fast=False)
-    if len(tokenizer) > config.vocab_size:
-        raise JaxseqError(
-            f"the tokenizer has {len(tokenizer)} tokens but the model only {config.vocab_size}; "
-            "pass the model's own tokenizer"
-        )
+    check_vocabulary(tokenizer, config)
     overrides = {**overrides, "num_labels": task.num_labels}
     if tokenizer.pad_token is None:  # GPT-2 style: pad with EOS, and classify at the last real token
         tokenizer.pad_token = tokenizer.eos_token

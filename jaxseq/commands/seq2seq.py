@@ -29,7 +29,7 @@ from jaxseq.data.seq2seq import encode_pairs, load_pairs
 from jaxseq.distributed import DistributedConfig
 from jaxseq.errors import JaxseqError
 from jaxseq.hub_push import HubConfig
-from jaxseq.models.source import ModelSource, build_model, check, load_tokenizer, model_config
+from jaxseq.models.source import ModelSource, build_model, check, check_vocabulary, load_tokenizer, model_config
 from jaxseq.train.lora import LoraConfig
 from jaxseq.train.objectives import Seq2SeqLM
 from jaxseq.train.optim import OptimizerConfig
@@ -114,11 +114,7 @@ def main(argv) -> int:
     mesh = start(runtime, distributed)
     config, folder, overrides = model_config(source, "seq2seq-lm")
     tokenizer = load_tokenizer(source.tokenizer_name or folder)
-    if len(tokenizer) > config.vocab_size:
-        raise JaxseqError(
-            f"the tokenizer has {len(tokenizer)} tokens but the model only {config.vocab_size}; "
-            "pass the model's tokenizer or override vocab_size"
-        )
+    check_vocabulary(tokenizer, config)
     if tokenizer.pad_token_id is None or tokenizer.eos_token_id is None:
         raise JaxseqError("the tokenizer needs a pad and an EOS token (T5 tokenizers have both); pass a T5 tokenizer")
     # tokenized when a batch first needs them, by the process that takes them: each process only its share

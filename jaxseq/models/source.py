@@ -106,3 +106,23 @@ def build_model(source: ModelSource, task: str, config, folder, overrides, *, me
     if source.model_name_or_path:
         return load_pretrained(folder, task, mesh=mesh, dtype=dtype, seed=seed, **overrides)
     return from_config(config, task, mesh=mesh, dtype=dtype, seed=seed)
+
+
+def check_vocabulary(tokenizer, config) -> None:
+    """Stop in one line when ``tokenizer`` has more tokens than the model's vocabulary."""
+    if len(tokenizer) > config.vocab_size:
+        raise JaxseqError(
+            f"the tokenizer has {len(tokenizer)} tokens but the model only {config.vocab_size}; "
+            "pass the model's own tokenizer or override vocab_size"
+        )
+
+
+def sequence_length(requested: int | None, config, flag: str, default: int) -> int:
+    """``requested`` (the value of ``--flag``), or the model's positions up to ``default``; more positions than
+    the model has stop in one line."""
+    limit = getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None)
+    if requested is None:
+        return min(default, limit or default)
+    if limit is not None and requested > limit:
+        raise JaxseqError(f"--{flag} {requested} exceeds the model's {limit} positions; lower it")
+    return requested

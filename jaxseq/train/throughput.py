@@ -3,6 +3,7 @@ tokens/s and model FLOPs utilisation (MFU) that leaves out compilation, evaluati
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import jax
@@ -12,8 +13,19 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxseq.config import arg
 from jaxseq.models.registry import family_for
 from jaxseq.plan import CHIPS, model_flops_per_step
+
+
+@dataclasses.dataclass
+class SpeedConfig:
+    peak_flops: float = arg(
+        0.0,
+        "peak FLOP/s of all devices together, for model FLOPs utilisation (MFU) "
+        "in the log; 0: the chips' published bf16 peak on TPU and GPU, a jitted matmul measured at start on CPU "
+        "(the log then says 'of measured matmul')",
+    )
 
 
 def matmul_parameters(model: nnx.Module) -> int:
