@@ -97,7 +97,7 @@ def plan_run(
     mesh = make_mesh(runtime.mesh or None, devices=topo.devices)
     model = abstract_model(config, task, dtype=jax.numpy.dtype(runtime.dtype))
     enable_remat(model, trainer_config.remat)
-    use_attention(model, trainer_config.attention, mesh)
+    use_attention(model, trainer_config.attention, mesh, say=print)  # beside the plan; stderr keeps errors
     accumulate = trainer_config.gradient_accumulation_steps
     program = TrainProgram(
         model,

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
@@ -381,15 +382,21 @@ def splash_attention(
 
 
 def use_attention(
-    model: nnx.Module, choice: str, mesh: Mesh | None = None, *, packed: bool = False, interpret: bool = False
+    model: nnx.Module,
+    choice: str,
+    mesh: Mesh | None = None,
+    *,
+    packed: bool = False,
+    interpret: bool = False,
+    say: Callable[[str], None] | None = None,
 ) -> str:
     """Set the attention kernel of every attention layer of ``model`` (``ATTENTION_KERNELS``) for runs on
     ``mesh`` (whose devices say the backend; None: the default backend) and return the kernel chosen.
     ``auto``: splash on TPU, cuDNN on GPU (bfloat16/float16 compute), where every layer can take it (no
-    attention dropout, no additive bias as T5's), else XLA, saying why in the log. A kernel named explicitly
-    that cannot apply stops with one line saying why and what to do. ``packed``: the batches pack several
-    examples per row (cuDNN cannot keep them apart). ``interpret``: splash anywhere, in Pallas interpret mode
-    (numerics tests on CPU)."""
+    attention dropout, no additive bias as T5's), else XLA, saying why through ``say`` (default: a logged
+    warning). A kernel named explicitly that cannot apply stops with one line saying why and what to do.
+    ``packed``: the batches pack several examples per row (cuDNN cannot keep them apart). ``interpret``:
+    splash anywhere, in Pallas interpret mode (numerics tests on CPU)."""
     if choice not in ATTENTION_KERNELS:
         raise JaxseqError(f"unknown attention kernel {choice!r}; choose one of {', '.join(ATTENTION_KERNELS)}")
     layers = [m for _, m in nnx.iter_modules(model) if isinstance(getattr(m, "attention", None), AttentionKernel)]
@@ -403,7 +410,7 @@ def use_attention(
     if why_not and choice != "auto":
         raise JaxseqError(why_not)
     if why_not:
-        logger.warning("attention: XLA (%s)", why_not)
+        (say or logger.warning)(f"attention: XLA ({why_not})")
         name = "xla"
     kernel = AttentionKernel(name, mesh if name == "splash" else None, required=choice != "auto", interpret=interpret)
     for layer in layers:
