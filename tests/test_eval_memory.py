@@ -77,8 +77,9 @@ def test_compiled_eval_step_never_holds_the_batch_logits(mesh_spec):
 
 def test_host_peak_rss_of_an_8_device_eval_is_bounded():
     """``bench/eval_memory.py`` in its own process (8 virtual CPU devices, the real GPT-2 tokenizer, one
-    eval batch of 64 x 1024 tokens through ``Trainer.evaluate``): the evaluation raises the peak RSS
-    (``getrusage`` ru_maxrss) above the RSS before it by at most what 8 devices' temporaries can take,
+    eval batch of 64 x 1024 tokens through ``Trainer.evaluate``): the evaluation raises the peak RSS (VmHWM:
+    the process's own, not the parent's that ru_maxrss carries across exec) above the RSS before it by at most
+    what 8 devices' temporaries can take,
     8 x 2 x (chunk logits 103 MB + 3 x 34 MB of attention scores) = 3.3 GB, plus 0.5 GB for compiling and
     the runtime: 3.8 GB, against the 13.2 GB that the batch's logits alone would take (measured: 1.5 GB
     added, a peak of 2.4 GB, in about 30 s)."""
