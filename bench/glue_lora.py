@@ -1,8 +1,8 @@
 """LoRA vs full fine-tuning of MiniLM on SST-2 with jaxseq, on the GLUE benchmark's settings.
 
-    python bench/glue_lora.py [--train_samples 8000] [--lora_rank 8] [--lora_learning_rate 1e-3]
+    python bench/glue_lora.py [--lora_rank 8] [--lora_learning_rate 1e-3]
 
-Both runs use bench/glue_vs_pytorch.py's settings (the first N SST-2 training examples, 1 epoch, batch 32,
+Both runs use bench/glue_vs_pytorch.py's SST-2 settings (the first 8000 training examples, 1 epoch, batch 32,
 linear decay, AdamW with weight decay 0.01, max length 64, packed rows, seed 0); full fine-tuning at lr 5e-5,
 LoRA (adapters on query and value, the classifier trained in full) at --lora_learning_rate, since adapters
 starting from zero want a larger step. Prints both dev accuracies, the trainable parameters and the bytes of
@@ -17,21 +17,19 @@ import sys
 import tempfile
 from pathlib import Path
 
-from glue_vs_pytorch import SHARED, run_jaxseq
+from glue_vs_pytorch import SETTINGS, SHARED, initial_model, run_jaxseq
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", type=Path, default=SHARED / "models" / "all-MiniLM-L6-v2")
     parser.add_argument("--glue", type=Path, default=SHARED / "data" / "glue")
-    parser.add_argument("--train_samples", type=int, default=8000)
     parser.add_argument("--lora_rank", type=int, default=8)
     parser.add_argument("--lora_alpha", type=float, default=16.0)
     parser.add_argument("--lora_learning_rate", type=float, default=1e-3)
     parser.add_argument("--lora_targets", default=None, help="regex of adapted kernels (default: query, value)")
     parser.add_argument("--json", type=Path, help="also write the figures here")
     args = parser.parse_args()
-    args.no_pack = False
     lora_flags = (
         "--lora_rank",
         str(args.lora_rank),
@@ -42,8 +40,9 @@ def main() -> int:
         *(("--lora_targets", args.lora_targets) if args.lora_targets else ()),
     )
     with tempfile.TemporaryDirectory() as tmp:
-        full = run_jaxseq(args, Path(tmp) / "full")
-        lora = run_jaxseq(args, Path(tmp) / "lora", lora_flags)
+        args.initial = initial_model(args.model, 0, Path(tmp) / "initial")
+        full = run_jaxseq(args, SETTINGS["sst2"], 0, Path(tmp) / "full")
+        lora = run_jaxseq(args, SETTINGS["sst2"], 0, Path(tmp) / "lora", extra=lora_flags)
     report = {
         "full": full,
         "lora": {**lora, "rank": args.lora_rank, "learning_rate": args.lora_learning_rate},

@@ -1,78 +1,86 @@
-"""jaxseq vs transformers PyTorch fine-tuning MiniLM on SST-2, same settings, measured in one run.
+"""jaxseq vs transformers PyTorch fine-tuning MiniLM on a GLUE task, speed and accuracy from the same runs.
 
-    python bench/glue_vs_pytorch.py [--train_samples 8000] [--model ../shared/models/all-MiniLM-L6-v2]
+    python bench/glue_vs_pytorch.py --task sst2 [--seeds 0,1,2] [--sides jaxseq,jaxseq_unpacked,pytorch]
+    python bench/glue_vs_pytorch.py --task mrpc      # length-heavy sentence pairs, 3 epochs at length 128
+    python bench/glue_vs_pytorch.py --markdown       # BENCHMARKS.md's table from bench/results/glue.json
 
-Settings (both sides): the first N SST-2 training examples, 1 epoch, batch 32, lr 5e-5 with linear decay
-and no warmup, AdamW (weight decay 0.01 on matrices, global-norm clip 1.0), max length 64, float32, seed 0.
-Both sides start from the same weights (the new classifier head is drawn once, by PyTorch, and saved) and
-see the examples in the same order (jaxseq's, a function of the seed); only their dropout masks differ.
-Wall time counts the training loop only (jaxseq's also holds its compilation and the final evaluation);
-evaluation is on the full dev set. Prints both dev accuracies and the wall-time ratio.
-
-jaxseq runs with packing, the script's default (several short examples per row of 64, the same math per
-example; --no_pack passes --no_pack_sequences); PyTorch pads every example to 64 as run_glue.py does by default.
+Rows, for each seed, in turn (so that other load on the machine falls on every side):
+- ``jaxseq``: the ``jaxseq glue`` command with its default flags (packing on, evaluation in length buckets);
+  its time is the whole command's wall time: start-up, data, compilation, training and the final evaluation.
+- ``jaxseq_unpacked``: the same with ``--no_pack_sequences`` (one example per padded row).
+- ``pytorch``: transformers' BertForSequenceClassification with dynamic padding (each batch padded to its
+  longest example, as DataCollatorWithPadding does), eager, torch.optim.AdamW; its time is the training loop
+  alone (no start-up, no compilation, no evaluation).
+Both sides start from the same weights (the new classifier head drawn by PyTorch from the seed and saved),
+see the examples in the same order (jaxseq's epoch order, a function of the seed), and use AdamW (weight
+decay 0.01 on matrices, clip 1.0) with linear decay and no warmup, float32; only their dropout masks differ.
+Accuracy is on the whole dev set. Results go to bench/results/glue.json under the task's name.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+import records
+
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared"
+SIDES = ("jaxseq", "jaxseq_unpacked", "pytorch")
 
 
-def run_jaxseq(args, out: Path, extra: tuple[str, ...] = ()) -> dict:
-    """scripts/finetune_glue.py at the settings above; ``extra`` flags come last, so they win."""
-    cmd = (
-        [
-            sys.executable,
-            str(ROOT / "scripts" / "finetune_glue.py"),
-            "--model_name_or_path",
-            str(args.model),
-            "--data_dir",
-            str(args.glue),
-            "--task_name",
-            "sst2",
-            "--output_dir",
-            str(out),
-            "--max_train_samples",
-            str(args.train_samples),
-            "--max_seq_length",
-            "64",
-            "--per_device_train_batch_size",
-            "32",
-            "--per_device_eval_batch_size",
-            "128",
-            "--num_train_epochs",
-            "1",
-            "--learning_rate",
-            "5e-5",
-            "--weight_decay",
-            "0.01",
-            "--lr_scheduler_type",
-            "linear",
-            "--logging_steps",
-            "50",
-            "--seed",
-            "0",
-            "--compilation_cache_dir",
-            "",
-        ]
-        + (["--no_pack_sequences"] if args.no_pack else [])
-        + list(extra)
-    )
+@dataclasses.dataclass(frozen=True)
+class Setting:
+    """One benchmarked fine-tune (both sides alike)."""
+
+    task: str
+    train_samples: int | None  # None: the whole training split
+    epochs: int
+    batch: int
+    max_length: int
+    lr: float = 5e-5
+
+
+SETTINGS = {
+    "sst2": Setting("sst2", 8000, 1, 32, 64),  # short single sentences (13 tokens on average)
+    "mrpc": Setting("mrpc", None, 3, 16, 128),  # sentence pairs, the longest task at hand (RTE-like settings)
+}
+
+
+def jaxseq_command(args, setting: Setting, seed: int, out: Path, packed: bool, extra=()) -> list[str]:
+    """``jaxseq glue`` at ``setting``; ``extra`` flags come last, so they win."""
+    cmd = [sys.executable, "-m", "jaxseq", "glue", "--model_name_or_path", str(args.initial), "--data_dir"]
+    cmd += [str(args.glue), "--task_name", setting.task, "--output_dir", str(out), "--max_seq_length"]
+    cmd += [str(setting.max_length), "--per_device_train_batch_size", str(setting.batch), "--num_train_epochs"]
+    cmd += [str(setting.epochs), "--learning_rate", str(setting.lr), "--weight_decay", "0.01"]
+    cmd += ["--lr_scheduler_type", "linear", "--seed", str(seed), "--compilation_cache_dir", ""]
+    if setting.train_samples:
+        cmd += ["--max_train_samples", str(setting.train_samples)]
+    return cmd + ([] if packed else ["--no_pack_sequences"]) + list(extra)
+
+
+def run_jaxseq(args, setting: Setting, seed: int, out: Path, packed: bool = True, extra=()) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    subprocess.run(cmd, check=True, env=env)
+    env.update(JAX_PLATFORMS="cpu", HF_HUB_OFFLINE="1")
+    start = time.perf_counter()
+    cmd = jaxseq_command(args, setting, seed, out, packed, extra)
+    result = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    wall = time.perf_counter() - start
+    if result.returncode:
+        raise SystemExit(f"jaxseq glue failed:\n{result.stderr[-3000:]}")
     results = json.loads((out / "all_results.json").read_text())
     return {
         "accuracy": results["eval_accuracy"],
+        **({"f1": results["eval_f1"]} if "eval_f1" in results else {}),
+        "seconds": wall,
         "train_seconds": results["train_runtime"],
         "compile_seconds": results["train_compile_seconds"],
         "trainable_parameters": results["trainable_parameters"],
@@ -80,90 +88,174 @@ def run_jaxseq(args, out: Path, extra: tuple[str, ...] = ()) -> dict:
     }
 
 
-def initial_model(model: Path, out: Path) -> Path:
-    """MiniLM with a freshly drawn 2-way classifier head (seed 0), saved as the common starting point."""
+def initial_model(model: Path, seed: int, out: Path) -> Path:
+    """MiniLM with a 2-way classifier head drawn from ``seed``, saved as both sides' starting point."""
     import torch
     from transformers import AutoTokenizer, BertForSequenceClassification
 
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     BertForSequenceClassification.from_pretrained(model, num_labels=2).save_pretrained(out)
     AutoTokenizer.from_pretrained(model).save_pretrained(out)
     return out
 
 
-def run_pytorch(args) -> dict:
+def run_pytorch(args, setting: Setting, seed: int) -> dict:
     import numpy as np
     import torch
     from transformers import AutoTokenizer, BertForSequenceClassification, get_linear_schedule_with_warmup
 
-    from jaxseq.data.batches import epoch_order
-    from jaxseq.data.glue import encode, get_task, load_split
+    from jaxseq.data.batches import epoch_order, steps_per_epoch
+    from jaxseq.data.glue import compute_metrics, encode, get_task, load_split
 
-    torch.manual_seed(0)
-    task = get_task("sst2")
-    tokenizer = AutoTokenizer.from_pretrained(args.model)
-    train = encode(task, load_split(task, "train", data_dir=args.glue)[: args.train_samples], tokenizer, 64)
-    dev = encode(task, load_split(task, "validation", data_dir=args.glue), tokenizer, 64)
-    model = BertForSequenceClassification.from_pretrained(args.model)
-    decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
-    no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
+    torch.manual_seed(seed)
+    task = get_task(setting.task)
+    tokenizer = AutoTokenizer.from_pretrained(args.initial)
+    examples = load_split(task, "train", data_dir=args.glue)[: setting.train_samples]
+    train = encode(task, examples, tokenizer, setting.max_length)
+    dev = encode(task, load_split(task, "validation", data_dir=args.glue), tokenizer, setting.max_length)
+    model = BertForSequenceClassification.from_pretrained(args.initial)
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.ndim < 2]
     optimizer = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}], lr=5e-5
+        [{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}], lr=setting.lr
     )
-    steps = len(train["labels"]) // 32
-    scheduler = get_linear_schedule_with_warmup(optimizer, 0, steps)
-    order = epoch_order(len(train["labels"]), seed=0, epoch=0)  # jaxseq's order for seed 0
+    per_epoch = steps_per_epoch(len(train["labels"]), setting.batch)
+    scheduler = get_linear_schedule_with_warmup(optimizer, 0, per_epoch * setting.epochs)
     tensors = {k: torch.as_tensor(v).long() for k, v in train.items()}
+    lengths = torch.as_tensor(train["attention_mask"].sum(-1))
+
+    def padded(index):  # DataCollatorWithPadding: the batch cut to its longest example
+        longest = int(lengths[index].max())
+        return {k: v[index] if k == "labels" else v[index, :longest] for k, v in tensors.items()}
+
     model.train()
     start = time.perf_counter()
-    for step in range(steps):
-        index = torch.as_tensor(order[step * 32 : (step + 1) * 32])
-        batch = {k: v[index] for k, v in tensors.items()}
-        loss = model(**batch).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        if step % 50 == 0:
-            print(f"pytorch step {step}/{steps} loss {loss.item():.4f}", flush=True)
+    for epoch in range(setting.epochs):
+        order = epoch_order(len(train["labels"]), seed=seed, epoch=epoch)  # jaxseq's order
+        for step in range(per_epoch):
+            loss = model(**padded(torch.as_tensor(order[step * setting.batch : (step + 1) * setting.batch]))).loss
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
     seconds = time.perf_counter() - start
     model.eval()
+    dev_tensors = {k: torch.as_tensor(v).long() for k, v in dev.items()}
     predictions = []
     with torch.no_grad():
-        for i in range(0, len(dev["labels"]), 128):
-            batch = {k: torch.as_tensor(v[i : i + 128]).long() for k, v in dev.items() if k != "labels"}
+        for i in range(0, len(dev["labels"]), 64):
+            batch = {k: v[i : i + 64] for k, v in dev_tensors.items() if k != "labels"}
             predictions.append(model(**batch).logits.argmax(-1).numpy())
-    accuracy = float(np.mean(np.concatenate(predictions) == dev["labels"]))
-    return {"accuracy": accuracy, "train_seconds": seconds}
+    metrics = compute_metrics(task, np.concatenate(predictions), dev["labels"])
+    return {"accuracy": metrics["accuracy"], **({"f1": metrics["f1"]} if "f1" in metrics else {}), "seconds": seconds}
+
+
+def summary(args, setting: Setting, seeds: list[dict]) -> dict:
+    """Each side's mean and spread over the seeds, and jaxseq's ratios against PyTorch."""
+    sides = list(seeds[0]["rows"])
+    rows = {}
+    for side in sides:
+        runs = [s["rows"][side] for s in seeds]
+        accuracy = [r["accuracy"] for r in runs]
+        seconds = [r["seconds"] for r in runs]
+        rows[side] = {
+            "accuracy_mean": statistics.mean(accuracy),
+            "accuracy_min": min(accuracy),
+            "accuracy_max": max(accuracy),
+            "seconds_mean": statistics.mean(seconds),
+            "seconds_min": min(seconds),
+            "seconds_max": max(seconds),
+        }
+    entry = {
+        **records.environment(),
+        "settings": {**dataclasses.asdict(setting), "model": "all-MiniLM-L6-v2 (BERT, 22.7M)", "dtype": "float32"},
+        "rows": rows,
+        "seeds": seeds,
+    }
+    if "pytorch" in rows:
+        for side in sides:
+            if side.startswith("jaxseq"):
+                entry[f"{side}_time_ratio"] = rows[side]["seconds_mean"] / rows["pytorch"]["seconds_mean"]
+                entry[f"{side}_accuracy_points"] = 100 * (
+                    rows[side]["accuracy_mean"] - rows["pytorch"]["accuracy_mean"]
+                )
+    return entry
+
+
+TIMES = {
+    "jaxseq": "whole command (start-up, compilation, training, evaluation)",
+    "jaxseq_unpacked": "whole command, --no_pack_sequences",
+    "pytorch": "training loop only, dynamic padding",
+}
+
+
+def markdown(results: dict) -> str:
+    lines = []
+    for task, entry in results.items():
+        s = entry["settings"]
+        samples = f"the first {s['train_samples']}" if s["train_samples"] else "all"
+        lines += [
+            f"**{task}**, {entry['date']}, {entry['machine']}, jax {entry['versions'].get('jax')}, torch "
+            f"{entry['versions'].get('torch')}: MiniLM-L6, {samples} training examples, {s['epochs']} epoch(s) of "
+            f"batch {s['batch']}, max length {s['max_length']}, lr {s['lr']} linear; seeds "
+            f"{', '.join(str(x['seed']) for x in entry['seeds'])}.",
+            "",
+            "| side | dev accuracy, mean (min-max) | time, mean (min-max) | what the time holds |",
+            "|---|---|---|---|",
+        ]
+        for side, row in entry["rows"].items():
+            lines.append(
+                f"| {side} | {row['accuracy_mean']:.4f} ({row['accuracy_min']:.4f}-{row['accuracy_max']:.4f}) | "
+                f"**{row['seconds_mean']:.1f} s** ({row['seconds_min']:.1f}-{row['seconds_max']:.1f}) | {TIMES[side]} |"
+            )
+        for side in ("jaxseq", "jaxseq_unpacked"):
+            if f"{side}_time_ratio" in entry:
+                lines.append(
+                    f"| {side} / pytorch | {entry[f'{side}_accuracy_points']:+.2f} points | "
+                    f"**{entry[f'{side}_time_ratio']:.2f}x** | |"
+                )
+        lines.append("")
+    return "\n".join(lines)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--task", choices=tuple(SETTINGS), default="sst2")
+    parser.add_argument("--seeds", default="0,1,2", help="comma-separated seeds; every side runs each")
+    parser.add_argument("--sides", default=",".join(SIDES), help=f"comma-separated, of {', '.join(SIDES)}")
     parser.add_argument("--model", type=Path, default=SHARED / "models" / "all-MiniLM-L6-v2")
     parser.add_argument("--glue", type=Path, default=SHARED / "data" / "glue")
-    parser.add_argument("--train_samples", type=int, default=8000)
-    parser.add_argument("--no_pack", action="store_true", help="run jaxseq with --no_pack_sequences")
-    parser.add_argument("--json", type=Path, help="also write the figures here")
+    parser.add_argument("--no_save", action="store_true", help="do not record the run in bench/results/glue.json")
+    parser.add_argument("--markdown", action="store_true", help="run nothing: write BENCHMARKS.md's table")
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
-        args.model = initial_model(args.model, Path(tmp) / "initial")
-        jax_result = run_jaxseq(args, Path(tmp) / "jaxseq")
-        torch_result = run_pytorch(args)
-    report = {
-        "jaxseq": {**jax_result, "pack_sequences": not args.no_pack},
-        "pytorch": torch_result,
-        "accuracy_gap_points": 100 * (jax_result["accuracy"] - torch_result["accuracy"]),
-        "wall_time_ratio": jax_result["train_seconds"] / torch_result["train_seconds"],
-    }
-    print(json.dumps(report, indent=2))
-    print(
-        f"dev accuracy: jaxseq {jax_result['accuracy']:.4f}, pytorch {torch_result['accuracy']:.4f} "
-        f"({report['accuracy_gap_points']:+.2f} points); wall time jaxseq/pytorch = {report['wall_time_ratio']:.2f}x "
-        f"(target <= 0.6x; jaxseq compile {jax_result['compile_seconds']:.1f}s included)"
-    )
-    if args.json:
-        args.json.write_text(json.dumps(report, indent=2))
+    if args.markdown:
+        table = markdown(records.read("glue"))
+        records.replace_table("glue", table)
+        print(table)
+        return 0
+    sides = args.sides.split(",")
+    if unknown := set(sides) - set(SIDES):
+        parser.error(f"unknown --sides {', '.join(sorted(unknown))}; choose from {', '.join(SIDES)}")
+    setting = SETTINGS[args.task]
+    seeds = []
+    for seed in map(int, args.seeds.split(",")):
+        with tempfile.TemporaryDirectory() as tmp:
+            args.initial = initial_model(args.model, seed, Path(tmp) / "initial")
+            rows = {}
+            for side in sides:
+                if side == "pytorch":
+                    rows[side] = run_pytorch(args, setting, seed)
+                else:
+                    rows[side] = run_jaxseq(args, setting, seed, Path(tmp) / side, packed=side == "jaxseq")
+                print(f"seed {seed} {side}: {json.dumps(rows[side])}", file=sys.stderr, flush=True)
+        seeds.append({"seed": seed, "rows": rows})
+    entry = summary(args, setting, seeds)
+    print(markdown({args.task: entry}))
+    if not args.no_save:
+        results = records.read("glue")
+        results[args.task] = entry
+        print(f"wrote {records.write('glue', results)}", file=sys.stderr)
     return 0
 
 

@@ -20,6 +20,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+import records
+
 ROOT = Path(__file__).resolve().parents[1]
 COMMON = ["--dtype", "bfloat16", "--remat", "full"]
 GPT2_XL = "n_layer=48,n_embd=1600,n_head=25"
@@ -155,7 +157,6 @@ NAMES = {
     "gptj-6b-8k-splash": "GPT-J-6B, --attention splash",
     "gptj-6b-8k-xla": "GPT-J-6B, --attention xla",
 }
-BEGIN, END = "<!-- plans.py --markdown: begin -->", "<!-- plans.py --markdown: end -->"
 GiB = 2**30
 
 
@@ -233,13 +234,6 @@ def markdown(results: dict) -> str:
     return "\n".join(lines)
 
 
-def write_markdown(results: dict, path: Path) -> None:
-    """Replace what lies between the markers in ``path`` with ``markdown(results)``."""
-    text = path.read_text()
-    start, end = text.index(BEGIN) + len(BEGIN), text.index(END)
-    path.write_text(text[:start] + "\n" + markdown(results) + "\n" + text[end:])
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--only", default="", help="run only the rows whose name starts with this")
@@ -248,8 +242,9 @@ def main() -> None:
     args = parser.parse_args()
     path = Path(args.output)
     if args.markdown:
-        write_markdown(json.loads(path.read_text()), ROOT / "BENCHMARKS.md")
-        print(markdown(json.loads(path.read_text())))
+        table = markdown(json.loads(path.read_text()))
+        records.replace_table("plans", table)
+        print(table)
         return
     previous = json.loads(path.read_text())["rows"] if path.is_file() else []
     rows = {row["name"]: row for row in previous}

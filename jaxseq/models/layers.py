@@ -17,8 +17,15 @@ from jaxseq.errors import JaxseqError
 from jaxseq.mesh import batch_spec, data_parallel_size
 from jaxseq.sharding import match_partition_rules, named_leaves, path_string
 
+
+def gelu_exact(x: jax.Array) -> jax.Array:
+    """The exact (erf) GELU as PyTorch computes it, ``x / 2 * (1 + erf(x / sqrt(2)))``; jax.nn.gelu's exact form
+    goes through erfc, which XLA:CPU evaluates about twice as slowly."""
+    return 0.5 * x * (1.0 + jax.lax.erf(x * np.sqrt(0.5).astype(x.dtype)))
+
+
 ACTIVATIONS = {
-    "gelu": lambda x: jax.nn.gelu(x, approximate=False),
+    "gelu": gelu_exact,
     "gelu_new": lambda x: jax.nn.gelu(x, approximate=True),
     "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True),
     "gelu_fast": lambda x: jax.nn.gelu(x, approximate=True),
@@ -114,6 +121,12 @@ def tied_logits(h: jax.Array, embedding: jax.Array, dtype) -> jax.Array:
     dtype = dtype or embedding.dtype
     dims = (((h.ndim - 1,), (1,)), ((), ()))
     return dot_general(h.astype(dtype), embedding.astype(dtype), dims, preferred_element_type=jnp.float32)
+
+
+DROPOUT_PRNG = "threefry4x32"
+"""The PRNG of dropout keys (``jax.random.key(seed, impl=DROPOUT_PRNG)``): Threefry-4x32 of Random123, the cipher
+family of JAX's default threefry2x32, which XLA:CPU runs as a rolled loop about ten times more slowly (the
+attention-probability dropout of one BERT layer, [16, 12, 128, 128]: 25.7 ms against 2.8 ms)."""
 
 
 def dropout(x: jax.Array, rate: float, rngs: nnx.Rngs | None) -> jax.Array:

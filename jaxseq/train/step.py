@@ -18,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 from jaxseq import partition
 from jaxseq.errors import JaxseqError
 from jaxseq.mesh import data_parallel_size
-from jaxseq.models.layers import gather_layers
+from jaxseq.models.layers import DROPOUT_PRNG, gather_layers
 from jaxseq.train.checkpoint import abstract_like
 from jaxseq.train.lora import Lora, LoraConfig
 from jaxseq.train.optim import OptimizerConfig, ema_update, make_optimizer, needs_value_fn
@@ -99,7 +99,7 @@ def train_step_fn(
     weighted by the task's ``loss_weight`` if it has one (a per-token mean counts every target of the step
     once, as on the whole batch; micro-batches padded differently do not each count half). The dropout key
     of a step is a function of the seed and the step alone (exact resume)."""
-    base_key = jax.random.key(seed)
+    base_key = jax.random.key(seed, impl=DROPOUT_PRNG)
 
     def loss_of(params, frozen, batch, key, scale=None):
         if lora is None:
@@ -158,6 +158,18 @@ def train_step_fn(
     return train_step
 
 
+CPU_COMPILER_OPTIONS = {"xla_cpu_prefer_vector_width": 512}
+"""XLA:CPU options of the train and eval steps: 512-bit vectors where the CPU has them (AVX-512; XLA defaults
+to 256 and LLVM caps the width at what the CPU has). A BERT step of MiniLM's shape on [16, 128]: 4% faster."""
+
+
+def compiler_options(shardings) -> dict | None:
+    """``CPU_COMPILER_OPTIONS`` when the program runs on CPU devices (the mesh of ``shardings``), else None."""
+    sharding = next((s for s in jax.tree.leaves(shardings) if hasattr(s, "mesh")), None)
+    devices = sharding.mesh.devices.flat if sharding is not None else jax.devices()
+    return dict(CPU_COMPILER_OPTIONS) if next(iter(devices)).platform == "cpu" else None
+
+
 def jit_train_step(train_step: Callable, state_shardings: TrainState, frozen_shardings=None):
     """The train step jitted as a run executes it: state in and out on its shardings, the state donated."""
     return jax.jit(
@@ -165,6 +177,7 @@ def jit_train_step(train_step: Callable, state_shardings: TrainState, frozen_sha
         in_shardings=(state_shardings, frozen_shardings, None),
         out_shardings=(state_shardings, None),
         donate_argnums=(0,),
+        compiler_options=compiler_options(state_shardings),
     )
 
 
@@ -251,6 +264,7 @@ class TrainProgram:
         self.eval_step = jax.jit(
             lambda params, frozen, batch: task.predict(self.merged_model(params, frozen), batch),
             in_shardings=(self.state_shardings.params, self.frozen_shardings, None),
+            compiler_options=compiler_options(self.state_shardings),
         )
 
     def merged_model(self, params, frozen) -> nnx.Module:

@@ -28,14 +28,21 @@ class SpeedConfig:
     )
 
 
+LM_TASKS = ("causal-lm", "masked-lm", "seq2seq-lm")
+"""Tasks whose model ends in a projection onto the vocabulary (``jaxseq.models.registry.TASKS``)."""
+
+
 def matmul_parameters(model: nnx.Module) -> int:
     """Parameters a token meets in matrix products: all but the embedding tables (a lookup costs nothing),
     plus the output projection when it reuses the token embedding (``tie_word_embeddings``), as nanoGPT's
     ``estimate_mfu`` counts them. A model's own ``tied`` (T5: transformers 5 reads v1.1's untied head as
-    ``tie_word_embeddings=True, scale_decoder_outputs=False``) says whether it reuses the table."""
+    ``tie_word_embeddings=True, scale_decoder_outputs=False``) says whether it reuses the table. Models without
+    a language-model head (classifiers, the base model) meet no vocabulary projection, tied or not."""
     config = model.config
-    count = _dense_parameters(model, family_for(config.model_type), config.vocab_size)
-    if getattr(model, "tied", getattr(config, "tie_word_embeddings", False)):
+    family = family_for(config.model_type)
+    count = _dense_parameters(model, family, config.vocab_size)
+    has_lm_head = any(type(model) is family.tasks.get(task) for task in LM_TASKS)
+    if has_lm_head and getattr(model, "tied", getattr(config, "tie_word_embeddings", False)):
         count += config.vocab_size * config.hidden_size
     return count
 
