@@ -117,7 +117,7 @@ def run_jaxseq(args) -> dict:
     data = training_rows(args)
     mesh = make_mesh("dp=1")
     task = "causal-lm" if args.model == "gpt2" else "sequence-classification"
-    model = from_config(hf_config(args.model), task, mesh=mesh, seed=0)
+    model = from_config(hf_config(args.model), task, mesh=mesh, seed=0, dtype=jax.numpy.dtype(args.dtype))
     objective = CausalLM() if args.model == "gpt2" else SequenceClassification(TASKS["sst2"])
     with tempfile.TemporaryDirectory() as out:
         trainer = Trainer(
@@ -326,6 +326,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", choices=tuple(SETTINGS), default="gpt2", help="the benchmarked job")
     parser.add_argument("--sides", default=",".join(SIDES), help=f"comma-separated, of {', '.join(SIDES)}")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="compute dtype")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per side")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps after the first (compiling) one")
     parser.add_argument("--repeats", type=int, default=2, help="runs of each side, alternating; the fastest counts")
