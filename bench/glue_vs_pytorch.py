@@ -1,16 +1,16 @@
 """jaxseq vs transformers PyTorch fine-tuning MiniLM on a GLUE task, speed and accuracy from the same runs.
 
-    python bench/glue_vs_pytorch.py --task sst2 [--seeds 0,1,2] [--sides jaxseq,jaxseq_unpacked,pytorch]
+    python bench/glue_vs_pytorch.py --task sst2 [--seeds 0,1,2] [--sides jaxseq_packed,pytorch_dynamic_padding]
     python bench/glue_vs_pytorch.py --task mrpc      # length-heavy sentence pairs, 3 epochs at length 128
     python bench/glue_vs_pytorch.py --markdown       # BENCHMARKS.md's table from bench/results/glue.json
 
 Rows, for each seed, in turn (so that other load on the machine falls on every side):
-- ``jaxseq``: the ``jaxseq glue`` command with its default flags (packing on, evaluation in length buckets);
+- ``jaxseq_packed``: the ``jaxseq glue`` command with its default flags (packing on, evaluation in length buckets);
   its time is the whole command's wall time: start-up, data, compilation, training and the final evaluation.
 - ``jaxseq_unpacked``: the same with ``--no_pack_sequences`` (one example per padded row).
-- ``pytorch``: transformers' BertForSequenceClassification with dynamic padding (each batch padded to its
-  longest example, as DataCollatorWithPadding does), eager, torch.optim.AdamW; its time is the training loop
-  alone (no start-up, no compilation, no evaluation).
+- ``pytorch_dynamic_padding``: transformers' BertForSequenceClassification with dynamic padding (each batch
+  padded to its longest example, as DataCollatorWithPadding does), eager, torch.optim.AdamW; its time is the
+  training loop alone (no start-up, no compilation, no evaluation).
 Both sides start from the same weights (the new classifier head drawn by PyTorch from the seed and saved),
 see the examples in the same order (jaxseq's epoch order, a function of the seed), and use AdamW (weight
 decay 0.01 on matrices, clip 1.0) with linear decay and no warmup, float32; only their dropout masks differ.
@@ -34,7 +34,8 @@ import records
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared"
-SIDES = ("jaxseq", "jaxseq_unpacked", "pytorch")
+SIDES = ("jaxseq_packed", "jaxseq_unpacked", "pytorch_dynamic_padding")
+BASELINE = "pytorch_dynamic_padding"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,20 +174,18 @@ def summary(args, setting: Setting, seeds: list[dict]) -> dict:
         "rows": rows,
         "seeds": seeds,
     }
-    if "pytorch" in rows:
+    if BASELINE in rows:
         for side in sides:
             if side.startswith("jaxseq"):
-                entry[f"{side}_time_ratio"] = rows[side]["seconds_mean"] / rows["pytorch"]["seconds_mean"]
-                entry[f"{side}_accuracy_points"] = 100 * (
-                    rows[side]["accuracy_mean"] - rows["pytorch"]["accuracy_mean"]
-                )
+                entry[f"{side}_time_ratio"] = rows[side]["seconds_mean"] / rows[BASELINE]["seconds_mean"]
+                entry[f"{side}_accuracy_points"] = 100 * (rows[side]["accuracy_mean"] - rows[BASELINE]["accuracy_mean"])
     return entry
 
 
 TIMES = {
-    "jaxseq": "whole command (start-up, compilation, training, evaluation)",
+    "jaxseq_packed": "whole command (start-up, compilation, training, evaluation), default flags",
     "jaxseq_unpacked": "whole command, --no_pack_sequences",
-    "pytorch": "training loop only, dynamic padding",
+    "pytorch_dynamic_padding": "training loop only",
 }
 
 
@@ -209,10 +208,10 @@ def markdown(results: dict) -> str:
                 f"| {side} | {row['accuracy_mean']:.4f} ({row['accuracy_min']:.4f}-{row['accuracy_max']:.4f}) | "
                 f"**{row['seconds_mean']:.1f} s** ({row['seconds_min']:.1f}-{row['seconds_max']:.1f}) | {TIMES[side]} |"
             )
-        for side in ("jaxseq", "jaxseq_unpacked"):
+        for side in ("jaxseq_packed", "jaxseq_unpacked"):
             if f"{side}_time_ratio" in entry:
                 lines.append(
-                    f"| {side} / pytorch | {entry[f'{side}_accuracy_points']:+.2f} points | "
+                    f"| {side} / {BASELINE} | {entry[f'{side}_accuracy_points']:+.2f} points | "
                     f"**{entry[f'{side}_time_ratio']:.2f}x** | |"
                 )
         lines.append("")
@@ -244,10 +243,10 @@ def main() -> int:
             args.initial = initial_model(args.model, seed, Path(tmp) / "initial")
             rows = {}
             for side in sides:
-                if side == "pytorch":
+                if side == BASELINE:
                     rows[side] = run_pytorch(args, setting, seed)
                 else:
-                    rows[side] = run_jaxseq(args, setting, seed, Path(tmp) / side, packed=side == "jaxseq")
+                    rows[side] = run_jaxseq(args, setting, seed, Path(tmp) / side, packed=side == "jaxseq_packed")
                 print(f"seed {seed} {side}: {json.dumps(rows[side])}", file=sys.stderr, flush=True)
         seeds.append({"seed": seed, "rows": rows})
     entry = summary(args, setting, seeds)

@@ -245,8 +245,8 @@ def test_optimizer_step_parity(case, max_grad_norm, mesh, tmp_path):
     """Two steps: the first checks the gradients, clipping, update and weight decay (Adam's moments are the
     gradient itself), the second the moment averages (betas 0.8, 0.9) and the schedule's second learning
     rate (half the first). Clipping binds (``max_grad_norm`` under the gradient norm) for GPT-2 and T5, is
-    off for GPT-J and stays far above the norm for BERT; the test checks which. torch's clip divides by
-    norm + 1e-6, optax's by the norm: ~1e-6 relative at these norms (> 1)."""
+    off for GPT-J and stays far above the norm for BERT; the test checks which. Both clips scale by
+    max_norm / (norm + 1e-6) (``jaxseq.train.optim.clip_by_global_norm``)."""
     ref = reference(case, tmp_path)
     before = {n: p.detach().numpy().astype(np.float64) for n, p in ref.named_parameters()}
     _, task, objective, make_batch = CASES[case]

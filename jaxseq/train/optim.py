@@ -7,6 +7,7 @@ import dataclasses
 import re
 
 import jax
+import jax.numpy as jnp
 import optax
 
 from jaxseq.config import arg
@@ -141,6 +142,19 @@ def ema_update(ema, params, decay: float):
     return jax.tree.map(lambda e, p: (decay * e + (1.0 - decay) * p).astype(e.dtype), ema, params)
 
 
+def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
+    """Scale the gradients by ``min(1, max_norm / (global norm + 1e-6))``, torch.nn.utils.clip_grad_norm_'s rule.
+    A product, unlike optax.clip_by_global_norm's division: XLA duplicates it into each of AdamW's fused loops
+    instead of writing the clipped gradients out first (MiniLM's AdamW step on CPU: 28 ms instead of 49)."""
+
+    def update(updates, state, params=None):
+        del params
+        coefficient = jnp.minimum(1.0, max_norm / (optax.tree.norm(updates) + 1e-6))
+        return jax.tree.map(lambda g: g * coefficient.astype(g.dtype), updates), state
+
+    return optax.GradientTransformation(optax.init_empty_state, update)
+
+
 def make_optimizer(config: OptimizerConfig, total_steps: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
     """The optimizer (with global-norm clipping) and its schedule over ``total_steps`` updates. With
     ``lr_groups``, each group runs the same optimizer on the schedule times its factor (``multi_transform``;
@@ -157,7 +171,7 @@ def make_optimizer(config: OptimizerConfig, total_steps: int) -> tuple[optax.Gra
     else:
         tx = _optimizer(config, schedule)
     if config.max_grad_norm:
-        tx = optax.chain(optax.clip_by_global_norm(config.max_grad_norm), tx)
+        tx = optax.chain(clip_by_global_norm(config.max_grad_norm), tx)
     return tx, schedule
 
 
