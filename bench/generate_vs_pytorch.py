@@ -1,21 +1,22 @@
 """jaxseq vs transformers PyTorch greedy generation with GPT-2 small (124M), same weights, measured in one run.
 
     python bench/generate_vs_pytorch.py [--batch_sizes 1 8] [--prompt_tokens 32] [--new_tokens 64] [--repeats 3]
+    python bench/generate_vs_pytorch.py --markdown     # BENCHMARKS.md's table from bench/results/generate.json
 
 Both sides: a randomly initialised GPT-2 small (seed 0, saved once and loaded by both), float32, random
 prompts of --prompt_tokens tokens, greedy decoding of exactly --new_tokens tokens (min_new_tokens keeps EOS
-from ending a row early); PyTorch uses generate() with its KV cache, measured with each of --torch_threads
-intra-op thread counts (on a small, shared CPU one thread can beat two by a wide margin), the fastest being
-the baseline. Steady-state time is the median of --repeats calls after a warm-up, the runners taking turns;
-jaxseq's compile time (tracing, lowering and XLA compilation in its first call, as JAX's monitoring events
-report them) is left out and reported apart. Prints tokens/s, the ratio per batch size, and how many greedy
-tokens agree.
+from ending a row early). PyTorch runs generate() with its KV cache on each of --torch_threads intra-op
+thread counts (on a small, shared CPU one thread can beat two by a wide margin), and with a static KV cache
+and its forward under torch.compile (transformers' recipe for fast generation); the fastest PyTorch runner
+is the baseline. Steady-state time is the median of --repeats calls after a warm-up, the runners taking
+turns; compilation (jaxseq's, from JAX's monitoring events, and torch.compile's) is in the untimed first
+call. Prints tokens/s, the ratio per batch size and how many greedy tokens agree; records the run in
+bench/results/generate.json.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -23,6 +24,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import records
 
 EOS = 50256  # GPT-2's; min_new_tokens keeps it from ending a row early
 
@@ -85,6 +87,65 @@ def pytorch_generator(path: Path, args, threads: int):
     return call
 
 
+def pytorch_compiled_generator(path: Path, args):
+    """``generate()`` with a static KV cache and the model's forward under torch.compile, as transformers
+    documents for fast generation (compiled in the first call of each shape, which ``measure`` leaves out)."""
+    import torch
+    from transformers import GPT2LMHeadModel
+
+    model = GPT2LMHeadModel.from_pretrained(path).eval()
+    model.generation_config.cache_implementation = "static"
+    model.forward = torch.compile(model.forward)
+
+    def call(ids):
+        tensor = torch.as_tensor(ids).long()
+        with torch.no_grad():
+            result = model.generate(
+                tensor,
+                attention_mask=torch.ones_like(tensor),
+                do_sample=False,
+                max_new_tokens=args.new_tokens,
+                min_new_tokens=args.new_tokens,
+                eos_token_id=EOS,
+                pad_token_id=EOS,
+            )
+        return result[:, ids.shape[1] :].numpy()
+
+    return call
+
+
+def markdown(results: dict) -> str:
+    """BENCHMARKS.md's table: tokens/s per runner and batch size, and jaxseq's ratio to the fastest PyTorch."""
+    s = results["settings"]
+    batches = [key for key in results if key.startswith("batch_")]
+    runners = [k.removesuffix("_tokens_per_second") for k in results[batches[0]] if k.endswith("_tokens_per_second")]
+    lines = [
+        f"{results['date']}, {results['machine']}, jax {results['versions'].get('jax')}, torch "
+        f"{results['versions'].get('torch')}: {s['model']}, prompts of {s['prompt_tokens']} tokens, "
+        f"{s['new_tokens']} new tokens, greedy, median of {s['repeats']} calls after a warm-up.",
+        "",
+        "| runner | " + " | ".join(b.replace("_", " ") for b in batches) + " |",
+        "|---|" + "---|" * len(batches),
+    ]
+    for runner in runners:
+        cells = [f"{results[b][runner + '_tokens_per_second']:.1f} tokens/s" for b in batches]
+        lines.append(f"| {runner} | " + " | ".join(cells) + " |")
+    lines.append(
+        "| jaxseq / fastest PyTorch | "
+        + " | ".join(f"**{results[b]['speedup']:.2f}x** ({results[b]['pytorch_best']})" for b in batches)
+        + " |"
+    )
+    lines.append(
+        "| jaxseq compile (apart) | "
+        + " | ".join(f"{results[b]['jaxseq_compile_seconds']:.1f} s" for b in batches)
+        + " |"
+    )
+    lines.append(
+        "| greedy tokens equal | " + " | ".join(f"{results[b]['same_tokens_fraction']:.0%}" for b in batches) + " |"
+    )
+    return "\n".join(lines)
+
+
 def measure(runners: dict, ids: np.ndarray, repeats: int) -> dict:
     """Per runner: first-call seconds, the median of ``repeats`` later calls (the runners take turns, so
     load from other processes on the machine falls on all of them alike) and the tokens."""
@@ -117,19 +178,37 @@ def main() -> int:
         default=[1, 2],
         help="PyTorch is measured with each; the fastest is the baseline",
     )
-    parser.add_argument("--json", type=Path, help="also write the figures here")
+    parser.add_argument("--no_compile", action="store_true", help="leave out the torch.compile'd static-cache runner")
+    parser.add_argument("--no_save", action="store_true", help="do not record the run in bench/results/generate.json")
+    parser.add_argument("--markdown", action="store_true", help="run nothing: write BENCHMARKS.md's table")
     args = parser.parse_args()
+    if args.markdown:
+        table = markdown(records.read("generate"))
+        records.replace_table("generate", table)
+        print(table)
+        return 0
 
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel
 
     rng = np.random.default_rng(0)
-    report = {}
+    report = {
+        **records.environment(),
+        "settings": {
+            "model": "GPT-2 small (GPT2Config(), random init seed 0), float32",
+            "prompt_tokens": args.prompt_tokens,
+            "new_tokens": args.new_tokens,
+            "repeats": args.repeats,
+            "torch_threads": args.torch_threads,
+        },
+    }
     with tempfile.TemporaryDirectory() as tmp:
         torch.manual_seed(0)
         GPT2LMHeadModel(GPT2Config()).save_pretrained(tmp)
         runners = {"jaxseq": jaxseq_generator(Path(tmp), args)}
         runners.update({f"pytorch_{n}_threads": pytorch_generator(Path(tmp), args, n) for n in args.torch_threads})
+        if not args.no_compile:
+            runners["pytorch_compile_static_cache"] = pytorch_compiled_generator(Path(tmp), args)
         for b in args.batch_sizes:
             ids = rng.integers(0, 50000, (b, args.prompt_tokens)).astype(np.int32)
             runners["jaxseq"].compile_seconds.clear()
@@ -145,7 +224,7 @@ def main() -> int:
                 "same_tokens_fraction": float(np.mean(result["jaxseq"]["tokens"] == result[torch_best]["tokens"])),
             }
             print(f"batch {b}: " + ", ".join(f"{name} {rate:.1f} tokens/s" for name, rate in rates.items()), flush=True)
-    print(json.dumps(report, indent=2))
+    print(markdown(report))
     targets = {1: 1.0, 8: 1.5}
     for b in args.batch_sizes:
         r = report[f"batch_{b}"]
@@ -155,8 +234,8 @@ def main() -> int:
             f"{r[r['pytorch_best'] + '_tokens_per_second']:.1f} tokens/s -> {r['speedup']:.2f}x{target}; compile "
             f"{r['jaxseq_compile_seconds']:.1f}s apart; greedy tokens agree on {r['same_tokens_fraction']:.0%}"
         )
-    if args.json:
-        args.json.write_text(json.dumps(report, indent=2))
+    if not args.no_save:
+        print(f"wrote {records.write('generate', report)}", file=sys.stderr)
     return 0
 
 
