@@ -187,13 +187,15 @@ def default_cache_dir() -> Path:
 
 
 def setup_compilation_cache(directory: str | None) -> None:
-    """Persist compiled programs so a second run of the same config skips compiling ('' disables)."""
+    """Persist compiled programs so a second run of the same config skips compiling ('' disables): those that
+    took at least half a second to compile, unless JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS says otherwise."""
     if directory == "":
         return
     path = Path(directory) if directory else default_cache_dir()
     path.mkdir(parents=True, exist_ok=True)
     jax.config.update("jax_compilation_cache_dir", str(path))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 
 def script(main):

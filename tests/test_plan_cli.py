@@ -114,7 +114,7 @@ def test_a_run_that_cannot_fit_refuses_in_one_line(tmp_path):
     result, plan_ = plan(
         "pretrain_clm.py", tmp_path, "--model_type", "gpt2",
         "--config_overrides", "n_layer=2,n_embd=256,n_head=4", "--block_size", 1024,
-        "--per_device_train_batch_size", 256, "--compile_topology", "v5e-4",
+        "--per_device_train_batch_size", 512, "--compile_topology", "v5e-4",
     )  # fmt: skip
     assert result.returncode == 1
     lines = result.stderr.strip().splitlines()
