@@ -445,3 +445,13 @@ def test_derived_suggestions():
         accelerator="v5e-1", devices=1, mesh={"dp": 1, "fsdp": 1, "mp": 1}, bytes_per_device=no_optimizer
     )
     assert planlib._suggestions(one_chip) == ["LoRA", "a bigger topology (v5e-4)"]  # there is no v5e-2
+
+
+def test_cpu_compiler_options_stay_off_tpu_programs(v5e):
+    from jaxseq.train.step import CPU_COMPILER_OPTIONS, compiler_options
+
+    def shardings(devices):
+        return {"w": NamedSharding(make_mesh("fsdp=8", devices=devices), P("fsdp"))}
+
+    assert compiler_options(shardings(jax.devices())) == CPU_COMPILER_OPTIONS  # the suite's 8 CPU devices
+    assert compiler_options(shardings(v5e.devices)) is None
