@@ -61,15 +61,21 @@ def jaxseq_generator(path: Path, args):
     return call
 
 
-def pytorch_generator(path: Path, args, threads: int):
-    """The same with transformers' ``generate()`` (KV cache on) on ``threads`` intra-op threads."""
+def pytorch_generator(path: Path, args, threads: int | None = None, compiled: bool = False):
+    """The same with transformers' ``generate()`` (KV cache on), on ``threads`` intra-op threads (None: torch's
+    default); ``compiled``: a static KV cache and the model's forward under torch.compile, as transformers
+    documents for fast generation (compiled in the first call of each shape, which ``measure`` leaves out)."""
     import torch
     from transformers import GPT2LMHeadModel
 
     model = GPT2LMHeadModel.from_pretrained(path).eval()
+    if compiled:
+        model.generation_config.cache_implementation = "static"
+        model.forward = torch.compile(model.forward)
 
     def call(ids):
-        torch.set_num_threads(threads)
+        if threads:
+            torch.set_num_threads(threads)
         tensor = torch.as_tensor(ids).long()
         with torch.no_grad():
             result = model.generate(
@@ -81,33 +87,6 @@ def pytorch_generator(path: Path, args, threads: int):
                 eos_token_id=EOS,
                 pad_token_id=EOS,
                 use_cache=True,
-            )
-        return result[:, ids.shape[1] :].numpy()
-
-    return call
-
-
-def pytorch_compiled_generator(path: Path, args):
-    """``generate()`` with a static KV cache and the model's forward under torch.compile, as transformers
-    documents for fast generation (compiled in the first call of each shape, which ``measure`` leaves out)."""
-    import torch
-    from transformers import GPT2LMHeadModel
-
-    model = GPT2LMHeadModel.from_pretrained(path).eval()
-    model.generation_config.cache_implementation = "static"
-    model.forward = torch.compile(model.forward)
-
-    def call(ids):
-        tensor = torch.as_tensor(ids).long()
-        with torch.no_grad():
-            result = model.generate(
-                tensor,
-                attention_mask=torch.ones_like(tensor),
-                do_sample=False,
-                max_new_tokens=args.new_tokens,
-                min_new_tokens=args.new_tokens,
-                eos_token_id=EOS,
-                pad_token_id=EOS,
             )
         return result[:, ids.shape[1] :].numpy()
 
@@ -183,10 +162,7 @@ def main() -> int:
     parser.add_argument("--markdown", action="store_true", help="run nothing: write BENCHMARKS.md's table")
     args = parser.parse_args()
     if args.markdown:
-        table = markdown(records.read("generate"))
-        records.replace_table("generate", table)
-        print(table)
-        return 0
+        return records.write_markdown("generate", markdown)
 
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel
@@ -208,7 +184,7 @@ def main() -> int:
         runners = {"jaxseq": jaxseq_generator(Path(tmp), args)}
         runners.update({f"pytorch_{n}_threads": pytorch_generator(Path(tmp), args, n) for n in args.torch_threads})
         if not args.no_compile:
-            runners["pytorch_compile_static_cache"] = pytorch_compiled_generator(Path(tmp), args)
+            runners["pytorch_compile_static_cache"] = pytorch_generator(Path(tmp), args, compiled=True)
         for b in args.batch_sizes:
             ids = rng.integers(0, 50000, (b, args.prompt_tokens)).astype(np.int32)
             runners["jaxseq"].compile_seconds.clear()

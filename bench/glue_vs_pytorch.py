@@ -229,13 +229,8 @@ def main() -> int:
     parser.add_argument("--markdown", action="store_true", help="run nothing: write BENCHMARKS.md's table")
     args = parser.parse_args()
     if args.markdown:
-        table = markdown(records.read("glue"))
-        records.replace_table("glue", table)
-        print(table)
-        return 0
-    sides = args.sides.split(",")
-    if unknown := set(sides) - set(SIDES):
-        parser.error(f"unknown --sides {', '.join(sorted(unknown))}; choose from {', '.join(SIDES)}")
+        return records.write_markdown("glue", markdown)
+    sides = records.chosen_sides(parser, args.sides, SIDES)
     setting = SETTINGS[args.task]
     seeds = []
     for seed in map(int, args.seeds.split(",")):

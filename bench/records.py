@@ -63,3 +63,19 @@ def replace_table(name: str, text: str, path: Path = BENCHMARKS) -> None:
         raise SystemExit(f"{path.name} has no {begin} ... {end} markers; add them where the table goes")
     start, stop = document.index(begin) + len(begin), document.index(end)
     path.write_text(document[:start] + "\n" + text.strip() + "\n" + document[stop:])
+
+
+def write_markdown(name: str, markdown) -> int:
+    """A bench's ``--markdown``: its table from bench/results/NAME.json into BENCHMARKS.md, and printed."""
+    table = markdown(read(name))
+    replace_table(name, table)
+    print(table)
+    return 0
+
+
+def chosen_sides(parser, value: str, allowed: tuple[str, ...]) -> list[str]:
+    """The comma-separated ``--sides`` of a bench, each one of ``allowed`` (else the parser's one-line error)."""
+    sides = value.split(",")
+    if unknown := set(sides) - set(allowed):
+        parser.error(f"unknown --sides {', '.join(sorted(unknown))}; choose from {', '.join(allowed)}")
+    return sides

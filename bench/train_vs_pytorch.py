@@ -346,13 +346,8 @@ def main() -> int:
         print(json.dumps(run_jaxseq(args) if args.worker == "jaxseq" else run_pytorch(args)))
         return 0
     if args.markdown:
-        table = markdown(records.read("train"))
-        records.replace_table("train", table)
-        print(table)
-        return 0
-    sides = args.sides.split(",")
-    if unknown := set(sides) - set(SIDES):
-        parser.error(f"unknown --sides {', '.join(sorted(unknown))}; choose from {', '.join(SIDES)}")
+        return records.write_markdown("train", markdown)
+    sides = records.chosen_sides(parser, args.sides, SIDES)
     runs = {side: [] for side in sides}
     for _ in range(args.repeats):
         for side in sides:
