@@ -4,6 +4,7 @@ untied heads, cross-task checkpoints) and the real pretrained all-MiniLM-L6-v2 i
 Forward passes go through one ``nnx.jit`` (a compile per model structure) instead of op-by-op dispatch,
 which on CPU costs a compile per primitive and dominates the run time."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -13,6 +14,7 @@ from jax.sharding import PartitionSpec as P
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from jaxseq.data import packing  # noqa: E402
 from jaxseq.errors import JaxseqError  # noqa: E402
 from jaxseq.models import attention, bert, load_pretrained, save_pretrained  # noqa: E402
 from tests.conftest import shared_asset  # noqa: E402
@@ -170,6 +172,34 @@ def test_every_dropout_site_gets_the_rngs(monkeypatch):
     nnx.eval_shape(lambda m, r: m(ids, mask, types, rngs=r), model, nnx.Rngs(dropout=1))
     layer = [(0.2, True), (0.1, True), (0.1, True)]
     assert calls == [(0.1, True), *layer, *layer, (0.3, True)]
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_classifier_runs_its_last_layer_at_the_pooled_tokens_alone(packed):
+    """A classifier reads only [CLS]: its last layer computes queries, feed-forward and norms there alone
+    (``pooled_only``). Logits and every gradient equal the whole-sequence path's, on padded and packed rows."""
+    config = tiny_config(num_labels=3, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    model = bert.BertForSequenceClassification(config, rngs=nnx.Rngs(0))
+    graphdef, params = nnx.split(model)
+    keys = iter(jax.random.split(jax.random.key(1), len(jax.tree.leaves(params))))
+    model = nnx.merge(graphdef, jax.tree.map(lambda p: p + 0.1 * jax.random.normal(next(keys), p.shape), params))
+    ids, mask = padded_batch(VOCAB, lengths=(16, 9, 5, 7, 3))
+    types = ((np.arange(16)[None, :] >= mask.sum(1, keepdims=True) // 2) & (mask == 1)).astype(np.int32)
+    batch = dict(input_ids=ids, attention_mask=mask, token_type_ids=types)
+    if packed:
+        batch = packing.pack(batch, packing.rows_needed([batch]))
+        assert batch["input_ids"].shape[0] == 3
+    batch = {k: jnp.asarray(v) for k, v in batch.items()}
+
+    def whole(m):
+        return m.classifier(m.bert(**batch).pooler_output)
+
+    def pooled(m):
+        return m(**batch)
+
+    np.testing.assert_allclose(pooled(model), whole(model), rtol=1e-5, atol=1e-6)
+    want, got = (nnx.grad(lambda m, f=f: jnp.sum(f(m) ** 2))(model) for f in (whole, pooled))
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-6), want, got)
 
 
 def test_unsupported_configs_and_lengths_are_clear_errors():

@@ -265,6 +265,33 @@ def attend(
     return _written_out(q, k, v, "bkhd", mask, bias, scale, dropout_rate, rngs)
 
 
+def take_positions(x: jax.Array, positions: jax.Array) -> jax.Array:
+    """The rows ``[len(positions), d]`` of ``x`` ``[batch, seq, d]`` at flat positions ``row * seq + column``."""
+    return x.reshape(-1, x.shape[-1])[positions]
+
+
+def attend_at(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    mask: AttentionMask | jax.Array | None,
+    positions: jax.Array,
+    *,
+    dropout_rate: float = 0.0,
+    rngs: nnx.Rngs | None = None,
+) -> jax.Array:
+    """``attend`` for the queries at flat ``positions`` alone (``row * seq + column``): ``q`` ``[n, heads, dim]``
+    (theirs), ``k``/``v`` ``[batch, seq, heads, dim]`` (all), the mask as ``attend`` takes it; returns
+    ``[n, heads, dim]``, what ``attend`` gives at those positions. With XLA: one query per example."""
+    seq = k.shape[1]
+    rows, columns = positions // seq, positions % seq
+    dense = mask.dense if isinstance(mask, AttentionMask) else mask
+    if dense is not None:  # [batch or 1, 1, q_len, kv_len] -> each query's own row of it, [n, 1, 1, kv_len]
+        dense = dense[rows if dense.shape[0] > 1 else jnp.zeros_like(rows), :, columns][:, :, None, :]
+    y = attend(q[:, None], k[rows], v[rows], dense, dropout_rate=dropout_rate, rngs=rngs)
+    return y[:, 0]
+
+
 def attend_cache(
     q: jax.Array, cache: KVCache, mask: jax.Array | None, *, bias: jax.Array | None = None, scale: float | None = None
 ) -> jax.Array:

@@ -7,7 +7,15 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jaxseq.errors import JaxseqError
-from jaxseq.models.attention import AttentionKernel, attend, merge_heads, self_attention_mask, split_heads
+from jaxseq.models.attention import (
+    AttentionKernel,
+    attend,
+    attend_at,
+    merge_heads,
+    self_attention_mask,
+    split_heads,
+    take_positions,
+)
 from jaxseq.models.family import Family
 from jaxseq.models.layers import Linear, activation, call_block, dropout, normal, padded_vocab_size, tied_logits
 from jaxseq.models.outputs import BaseOutput
@@ -46,8 +54,13 @@ class BertSelfAttention(nnx.Module):
         self.dropout_rate, self.causal = config.attention_probs_dropout_prob, bool(config.is_decoder)
         self.dtype, self.attention = dtype, AttentionKernel()
 
-    def __call__(self, x, mask, rngs=None):
-        q, k, v = (split_heads(proj(x), self.num_heads) for proj in (self.query, self.key, self.value))
+    def __call__(self, x, mask, rngs=None, positions=None):
+        """``positions``: flat positions (``row * seq + column``) of the only queries wanted (``attend_at``)."""
+        k, v = (split_heads(proj(x), self.num_heads) for proj in (self.key, self.value))
+        if positions is not None:
+            q = split_heads(self.query(take_positions(x, positions)), self.num_heads)
+            return merge_heads(attend_at(q, k, v, mask, positions, dropout_rate=self.dropout_rate, rngs=rngs))
+        q = split_heads(self.query(x), self.num_heads)
         y = attend(q, k, v, mask, dropout_rate=self.dropout_rate, rngs=rngs, kernel=self.attention, causal=self.causal)
         return merge_heads(y)
 
@@ -75,8 +88,9 @@ class BertAttention(nnx.Module):
         self.self = BertSelfAttention(config, **kw)
         self.output = BertSelfOutput(config, config.hidden_size, **kw)
 
-    def __call__(self, x, mask, rngs=None):
-        return self.output(self.self(x, mask, rngs), x, rngs)
+    def __call__(self, x, mask, rngs=None, positions=None):
+        residual = x if positions is None else take_positions(x, positions)
+        return self.output(self.self(x, mask, rngs, positions), residual, rngs)
 
 
 class BertIntermediate(nnx.Module):
@@ -102,8 +116,9 @@ class BertLayer(nnx.Module):
         self.intermediate = BertIntermediate(config, **kw)
         self.output = BertOutput(config, config.intermediate_size, **kw)
 
-    def __call__(self, x, mask, rngs=None):
-        x = self.attention(x, mask, rngs)
+    def __call__(self, x, mask, rngs=None, positions=None):
+        """``[batch, seq, d]`` states, or with ``positions`` (flat) only theirs, ``[len(positions), d]``."""
+        x = self.attention(x, mask, rngs, positions)
         return self.output(self.intermediate(x), x, rngs)
 
 
@@ -113,15 +128,19 @@ class BertEncoder(nnx.Module):
         self.layer = nnx.List([BertLayer(config, **kw) for _ in range(config.num_hidden_layers)])
         self.remat = "none"  # see layers.enable_remat
 
-    def __call__(self, x, mask, rngs=None):
-        for layer in self.layer:
-            x = call_block(layer, self.remat, x, mask, rngs)
+    def __call__(self, x, mask, rngs=None, positions=None):
+        """The last layer's states, ``[batch, seq, d]``; with ``positions`` (flat), only theirs: the last layer
+        then computes its queries, feed-forward and norms there alone (a classifier reads nothing else)."""
+        if positions is not None and not len(self.layer):
+            return take_positions(x, positions)
+        for i, layer in enumerate(self.layer):
+            at = {"positions": positions} if positions is not None and i == len(self.layer) - 1 else {}
+            x = call_block(layer, self.remat, x, mask, rngs, **at)
         return x
 
 
 class BertPooler(nnx.Module):
-    """``tanh(dense(h))`` of each row's first token ([CLS]), or of the flat positions ``pool_index``
-    (``row * seq + column``) when rows hold several packed examples."""
+    """``tanh(dense(h))`` of the pooled tokens' states ``[n, d]`` (each example's [CLS])."""
 
     def __init__(self, config, *, dtype, param_dtype, rngs: nnx.Rngs):
         self.dense = Linear(
@@ -133,8 +152,7 @@ class BertPooler(nnx.Module):
             rngs=rngs,
         )
 
-    def __call__(self, h, pool_index=None):
-        first = h[:, 0] if pool_index is None else h.reshape(-1, h.shape[-1])[pool_index]
+    def __call__(self, first):
         return jnp.tanh(self.dense(first))
 
 
@@ -167,9 +185,20 @@ class BertModel(nnx.Module):
         self.pooler = BertPooler(config, **kw) if add_pooling_layer else None
 
     def __call__(
-        self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None, *, pool_index=None, rngs=None
+        self,
+        input_ids,
+        attention_mask=None,
+        token_type_ids=None,
+        position_ids=None,
+        *,
+        pool_index=None,
+        pooled_only: bool = False,
+        rngs=None,
     ):
-        seq = input_ids.shape[1]
+        """``pool_index``: the flat positions (``row * seq + column``) the pooler reads, when rows hold several
+        packed examples (else each row's first). ``pooled_only``: compute only what ``pooler_output`` needs
+        (the last layer at the pooled positions alone); ``last_hidden_state`` is then theirs, ``[n, d]``."""
+        batch, seq = input_ids.shape
         if position_ids is None:
             if seq > self.config.max_position_embeddings:
                 raise JaxseqError(
@@ -181,8 +210,14 @@ class BertModel(nnx.Module):
             token_type_ids = jnp.zeros_like(input_ids)
         x = self.embeddings(input_ids, token_type_ids, position_ids, rngs)
         mask = self_attention_mask(attention_mask, seq, causal=bool(self.config.is_decoder))
-        h = self.encoder(x, mask, rngs)
-        return BaseOutput(h, pooler_output=None if self.pooler is None else self.pooler(h, pool_index))
+        if pool_index is None:
+            pool_index = jnp.arange(batch, dtype=jnp.int32) * seq
+        if pooled_only:
+            h = pooled = self.encoder(x, mask, rngs, positions=pool_index)
+        else:
+            h = self.encoder(x, mask, rngs)
+            pooled = take_positions(h, pool_index)
+        return BaseOutput(h, pooler_output=None if self.pooler is None else self.pooler(pooled))
 
 
 class BertForSequenceClassification(nnx.Module):
@@ -210,7 +245,9 @@ class BertForSequenceClassification(nnx.Module):
         self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None, *, pool_index=None, rngs=None
     ):
         """Logits ``[batch, num_labels]``, or ``[len(pool_index), num_labels]`` for packed rows."""
-        out = self.bert(input_ids, attention_mask, token_type_ids, position_ids, pool_index=pool_index, rngs=rngs)
+        out = self.bert(
+            input_ids, attention_mask, token_type_ids, position_ids, pool_index=pool_index, pooled_only=True, rngs=rngs
+        )
         pooled = out.pooler_output
         return self.classifier(dropout(pooled, self.classifier_dropout, rngs)).astype(jnp.float32)
 
