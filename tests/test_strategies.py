@@ -99,6 +99,10 @@ def test_strategy_defaults_follow_transformers():
     assert TrainerConfig(metric_for_best_model="eval_matthews_correlation").greater_is_better is True
     with pytest.raises(JaxseqError, match="--load_best_model_at_end needs checkpoints with evaluations"):
         TrainerConfig(load_best_model_at_end=True, save_strategy="no")
+    # evaluation once training ends unless asked for (transformers' "no"), as often as the best model needs
+    assert TrainerConfig().eval_strategy == "no"
+    assert TrainerConfig(eval_steps=20).eval_strategy == "steps"
+    assert TrainerConfig(load_best_model_at_end=True).eval_strategy == "epoch"
 
 
 def test_a_second_run_on_a_busy_output_dir_stops(tmp_path, tokenizer, sst2):  # noqa: F811

@@ -51,7 +51,7 @@ class TrainerConfig:
     eval_strategy: str | None = arg(
         None,
         "when to evaluate while training: steps (every --eval_steps), epoch, or no (only once training ends); "
-        "default: steps if --eval_steps is set, else epoch",
+        "default: steps if --eval_steps is set, epoch with --load_best_model_at_end, else no (as transformers)",
         choices=STRATEGIES,
         aliases=("evaluation_strategy",),
     )
@@ -125,7 +125,7 @@ class TrainerConfig:
             if getattr(self, name) < low:
                 raise JaxseqError(f"--{name} must be at least {low}, got {getattr(self, name)}")
         if self.eval_strategy is None:
-            self.eval_strategy = "steps" if self.eval_steps else "epoch"
+            self.eval_strategy = "steps" if self.eval_steps else "epoch" if self.load_best_model_at_end else "no"
         if self.eval_strategy == "steps" and not self.eval_steps:
             self.eval_steps = self.logging_steps
         self.save_strategy = self.save_strategy or "steps"
