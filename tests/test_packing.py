@@ -1,6 +1,9 @@
 """Sequence packing: the packed layout holds exactly each example's tokens, and a packed batch gives the same
 logits, losses and training as the unpacked one (real MiniLM on real SST-2, and a tiny GPT-2 on a mesh)."""
 
+import threading
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -96,7 +99,20 @@ def test_packed_training_follows_unpacked_on_a_mesh(tmp_path, tokenizer, sst2, m
     rows = [batch["input_ids"].shape[1] for batch, _ in zip(packed.feed.batches(), range(4))]  # [2, rows, seq]
     assert len(set(rows)) > 1 and set(rows) <= set(packed.feed.row_buckets)  # steps packed into two row counts
     assert all(r % 2 == 0 and r < plain.feed.micro_batch for r in rows)
-    np.testing.assert_allclose(train_losses(packed), train_losses(plain), atol=1e-5)
+    compiled = []  # the train step's compilations: the later row counts compile in the background, once each
+
+    def count(event, seconds, fun_name="", **_):
+        if event == "/jax/core/compile/backend_compile_duration" and "train_step" in fun_name:
+            compiled.append(threading.current_thread().name)
+
+    jax.monitoring.register_event_duration_secs_listener(count)
+    try:
+        packed_losses = train_losses(packed)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(count)
+    assert len(compiled) == len(set(rows)) and compiled[0] == threading.main_thread().name
+    assert all(name.startswith("jaxseq-compile") for name in compiled[1:])
+    np.testing.assert_allclose(packed_losses, train_losses(plain), atol=1e-5)
     a, b = plain.logger.records[-1], packed.logger.records[-1]
     assert a.keys() == b.keys() and "eval/accuracy" in a
     for key in a:

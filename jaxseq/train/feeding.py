@@ -140,6 +140,11 @@ class Feeder:
                 parts[0] if micro == 1 else {k: np.stack([p[k] for p in parts]) for k in parts[0]}, stacked=micro > 1
             )
 
+    def upcoming_rows(self, start_step: int = 0) -> list[int]:
+        """The packed row counts of the training steps from ``start_step`` on, each once, in order of first use
+        (none when unpacked)."""
+        return list(dict.fromkeys(int(rows) for rows in self._step_rows[start_step:]))
+
     def eval_batches(self, name: str) -> Iterator[tuple[dict[str, jax.Array], np.ndarray, np.ndarray]]:
         """``(batch, index, valid)`` over every example of eval set ``name``: ``index`` is the example of each
         row of the batch (the last batch is padded with repeats) and ``valid`` marks the real rows. Packed:
@@ -217,6 +222,21 @@ def abstract_batch(
         )
         for name, (shape, dtype) in arrays.items()
     }
+
+
+ROW_ARRAYS = (*packing.TOKEN_ARRAYS, "attention_mask", "position_ids")
+"""The arrays of a packed batch with an entry per row (the others, labels and ``pool_index``, have one per example)."""
+
+
+def with_rows(batch: Mapping[str, jax.Array], rows: int) -> dict[str, jax.ShapeDtypeStruct]:
+    """The shapes, dtypes and shardings of ``batch``, a packed training batch as ``Feeder.batches`` yields it,
+    with ``rows`` rows (per micro-batch) instead."""
+    axis = batch["input_ids"].ndim - 2  # 1 when micro-batches are stacked
+
+    def shape(name, array):
+        return (*array.shape[:axis], rows, *array.shape[axis + 1 :]) if name in ROW_ARRAYS else array.shape
+
+    return {name: jax.ShapeDtypeStruct(shape(name, a), a.dtype, sharding=a.sharding) for name, a in batch.items()}
 
 
 def local_rows(sharding: NamedSharding, shape: tuple[int, ...]) -> slice:

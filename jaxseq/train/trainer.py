@@ -12,6 +12,7 @@ import signal
 import threading
 import time
 from collections.abc import Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import jax
@@ -27,7 +28,7 @@ from jaxseq.files import RunLock
 from jaxseq.models.attention import ATTENTION_KERNELS, use_attention
 from jaxseq.models.layers import REMAT_POLICIES, enable_remat
 from jaxseq.train.checkpoint import Checkpointer
-from jaxseq.train.feeding import Feeder
+from jaxseq.train.feeding import Feeder, with_rows
 from jaxseq.train.logs import Finished, RunLogger
 from jaxseq.train.lora import LoraConfig
 from jaxseq.train.optim import OptimizerConfig
@@ -373,6 +374,7 @@ class Trainer:
         saved), unless such updates are skipped; SIGINT/SIGTERM save a checkpoint at the current step and
         end it with ``Interrupted``."""
         self._signal = None
+        self._compiling: dict[int, Future] = {}  # packed row counts compiling in the background (_compile_ahead)
         previous = {}
         if threading.current_thread() is threading.main_thread():
             for signum in (signal.SIGINT, signal.SIGTERM):
@@ -381,8 +383,30 @@ class Trainer:
         try:
             return self._train()
         finally:
+            for ahead in self._compiling.values():  # stopped early: what has not started never will
+                ahead.cancel()
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
+
+    def _compile_ahead(self, batch: Mapping[str, jax.Array], step: int) -> dict[int, Future]:
+        """Compile the train step for the other packed row counts of the steps from ``step`` on, one after
+        another on a background thread in order of first use, while the first ones train: a compilation
+        then overlaps training instead of stopping it (on a CPU it takes the cores training leaves idle)."""
+        rows = batch["input_ids"].shape[-2]
+        others = [r for r in self.feed.upcoming_rows(step) if r != rows]
+        if not others:
+            return {}
+        program = self.program
+
+        def compile_step(rows: int) -> None:
+            spec = with_rows(batch, rows)
+            program.step.lower(program.abstract_state, program.abstract_frozen, spec).compile()
+
+        pool = ThreadPoolExecutor(1, thread_name_prefix="jaxseq-compile")
+        try:
+            return {r: pool.submit(compile_step, r) for r in others}
+        finally:
+            pool.shutdown(wait=False)
 
     def _on_signal(self, signum, frame) -> None:
         """Note the signal for the loop (which saves and stops after the current step); a second one acts
@@ -405,7 +429,10 @@ class Trainer:
         step = start
         while step < self.total_steps:
             t0 = time.perf_counter()
-            self.state, metrics = self._train_step(self.state, next(batches))
+            batch = next(batches)
+            if ahead := self._compiling.pop(batch["input_ids"].shape[-2], None):
+                ahead.result()  # its compilation is done (or ends here, or its error is raised here)
+            self.state, metrics = self._train_step(self.state, batch)
             self._progress.dispatched(metrics)
             if compile_seconds is None:
                 jax.block_until_ready(metrics["loss"])
@@ -414,6 +441,7 @@ class Trainer:
                 self.throughput.start(step + 1)
                 self._progress.drain()
                 self.logger.restart_clock()  # rate and ETA from the compiled steps on
+                self._compiling = self._compile_ahead(batch, step + 1)
             pending.append(metrics)
             step += 1
             logged = step % config.logging_steps == 0 or step == self.total_steps
