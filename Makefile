@@ -22,7 +22,7 @@ demo: $(BIN)/.installed
 		--model_name_or_path $(MODEL) $(if $(GLUE_DIR),--data_dir $(GLUE_DIR))
 
 test: $(BIN)/.installed
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile
 
 # ruff's lint rules and formatting, configured in pyproject.toml (CI runs this before the tests)
 lint: $(BIN)/.installed
