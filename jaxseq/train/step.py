@@ -18,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 from jaxseq import partition
 from jaxseq.errors import JaxseqError
 from jaxseq.mesh import data_parallel_size
-from jaxseq.models.layers import DROPOUT_PRNG, gather_layers
+from jaxseq.models.layers import dropout_prng, gather_layers
 from jaxseq.train.checkpoint import abstract_like
 from jaxseq.train.lora import Lora, LoraConfig
 from jaxseq.train.optim import OptimizerConfig, ema_update, make_optimizer, needs_value_fn
@@ -92,14 +92,16 @@ def train_step_fn(
     lora=None,
     line_search: bool = False,
     ema_decay: float = 0.0,
+    platform: str,
 ) -> Callable:
-    """``train_step(state, frozen, batch) -> (state, metrics)``. ``frozen``: the model's own weights when
+    """``train_step(state, frozen, batch) -> (state, metrics)`` of a program that runs on ``platform`` (its
+    dropout keys' PRNG, ``dropout_prng``). ``frozen``: the model's own weights when
     ``lora`` (a ``jaxseq.train.lora.Lora``) trains adapters, else None. With ``accumulate`` > 1 the batch is
     ``[accumulate, micro-batch, ...]`` and the losses and gradients of the micro-batches are averaged, each
     weighted by the task's ``loss_weight`` if it has one (a per-token mean counts every target of the step
     once, as on the whole batch; micro-batches padded differently do not each count half). The dropout key
     of a step is a function of the seed and the step alone (exact resume)."""
-    base_key = jax.random.key(seed, impl=DROPOUT_PRNG)
+    base_key = jax.random.key(seed, impl=dropout_prng(platform))
 
     def loss_of(params, frozen, batch, key, scale=None):
         if lora is None:
@@ -256,6 +258,7 @@ class TrainProgram:
                 lora=self.lora,
                 line_search=line_search,
                 ema_decay=self.ema_decay,
+                platform=mesh.devices.flat[0].platform,
             ),
             self.state_shardings,
             self.frozen_shardings,
