@@ -210,13 +210,12 @@ class BertModel(nnx.Module):
             token_type_ids = jnp.zeros_like(input_ids)
         x = self.embeddings(input_ids, token_type_ids, position_ids, rngs)
         mask = self_attention_mask(attention_mask, seq, causal=bool(self.config.is_decoder))
-        if pool_index is None:
-            pool_index = jnp.arange(batch, dtype=jnp.int32) * seq
         if pooled_only:
-            h = pooled = self.encoder(x, mask, rngs, positions=pool_index)
+            first = jnp.arange(batch, dtype=jnp.int32) * seq  # each row's first token
+            h = pooled = self.encoder(x, mask, rngs, positions=first if pool_index is None else pool_index)
         else:
             h = self.encoder(x, mask, rngs)
-            pooled = take_positions(h, pool_index)
+            pooled = h[:, 0] if pool_index is None else take_positions(h, pool_index)
         return BaseOutput(h, pooler_output=None if self.pooler is None else self.pooler(pooled))
 
 

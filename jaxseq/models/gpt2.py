@@ -16,6 +16,7 @@ from jaxseq.models.attention import (
     merge_heads,
     run_blocks,
     split_heads,
+    take_positions,
     update_kv,
 )
 from jaxseq.models.family import Family
@@ -216,7 +217,7 @@ class LastTokenClassifier(nnx.Module):
             last = last_token_index(input_ids, self.config.pad_token_id)
             pooled = jnp.take_along_axis(h, last[:, None, None], axis=1)[:, 0]
         else:
-            pooled = h.reshape(-1, h.shape[-1])[pool_index]
+            pooled = take_positions(h, pool_index)
         return self.score(pooled).astype(jnp.float32)
 
 
