@@ -9,6 +9,7 @@ import logging
 import os
 import re
 import sys
+import traceback
 from pathlib import Path
 
 import jax
@@ -169,10 +170,17 @@ class _DropOrbaxErrors(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         if record.levelno < logging.ERROR:
             return True
-        if f"{os.sep}orbax{os.sep}" in record.pathname:
+        if _from_orbax(record.pathname):
             return False
-        # asyncio's "Task exception was never retrieved" for one of the failed save's write tasks
-        return f"{os.sep}orbax{os.sep}" not in record.getMessage()
+        # asyncio's "Task/_GatheringFuture exception was never retrieved" for one of the failed save's writes:
+        # the task's repr names orbax's code, a gathering future's only its error's traceback does
+        error = record.exc_info[1] if record.exc_info else None
+        frames = traceback.extract_tb(error.__traceback__) if error is not None else []
+        return not (_from_orbax(record.getMessage()) or any(_from_orbax(frame.filename) for frame in frames))
+
+
+def _from_orbax(text: str) -> bool:
+    return f"{os.sep}orbax{os.sep}" in text
 
 
 def _quiet_orbax_errors() -> None:
