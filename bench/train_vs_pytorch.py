@@ -104,8 +104,8 @@ def max_rss_mb() -> float:
 def run_jaxseq(args) -> dict:
     import jax
 
+    from jaxseq.cli import RuntimeConfig, start
     from jaxseq.data.glue import TASKS
-    from jaxseq.mesh import make_mesh
     from jaxseq.models import from_config
     from jaxseq.train.objectives import CausalLM, SequenceClassification
     from jaxseq.train.optim import OptimizerConfig
@@ -113,9 +113,9 @@ def run_jaxseq(args) -> dict:
     from jaxseq.train.trainer import Trainer, TrainerConfig
 
     setting = SETTINGS[args.model]
+    mesh = start(RuntimeConfig(mesh="dp=1", compilation_cache_dir=""))  # as the jaxseq command starts
     peak_before = measure_peak_flops()
     data = training_rows(args)
-    mesh = make_mesh("dp=1")
     task = "causal-lm" if args.model == "gpt2" else "sequence-classification"
     model = from_config(hf_config(args.model), task, mesh=mesh, seed=0, dtype=jax.numpy.dtype(args.dtype))
     objective = CausalLM() if args.model == "gpt2" else SequenceClassification(TASKS["sst2"])
