@@ -99,11 +99,15 @@ def test_packed_training_follows_unpacked_on_a_mesh(tmp_path, tokenizer, sst2, m
     rows = [batch["input_ids"].shape[1] for batch, _ in zip(packed.feed.batches(), range(4))]  # [2, rows, seq]
     assert len(set(rows)) > 1 and set(rows) <= set(packed.feed.row_buckets)  # steps packed into two row counts
     assert all(r % 2 == 0 and r < plain.feed.micro_batch for r in rows)
-    compiled = []  # the train step's compilations: the later row counts compile in the background, once each
+    # the compilations: the train step's later row counts compile in the background, once each, and so does
+    # the eval step of the evaluation at the end
+    compiled, evals = [], []
 
     def count(event, seconds, fun_name="", **_):
-        if event == "/jax/core/compile/backend_compile_duration" and "train_step" in fun_name:
-            compiled.append(threading.current_thread().name)
+        if event == "/jax/core/compile/backend_compile_duration":
+            for name, seen in (("train_step", compiled), ("eval_step", evals)):
+                if name in fun_name:
+                    seen.append(threading.current_thread().name)
 
     jax.monitoring.register_event_duration_secs_listener(count)
     try:
@@ -112,6 +116,7 @@ def test_packed_training_follows_unpacked_on_a_mesh(tmp_path, tokenizer, sst2, m
         jax.monitoring.unregister_event_duration_listener(count)
     assert len(compiled) == len(set(rows)) and compiled[0] == threading.main_thread().name
     assert all(name.startswith("jaxseq-compile") for name in compiled[1:])
+    assert len(evals) == 1 and evals[0].startswith("jaxseq-compile"), evals
     np.testing.assert_allclose(packed_losses, train_losses(plain), atol=1e-5)
     a, b = plain.logger.records[-1], packed.logger.records[-1]
     assert a.keys() == b.keys() and "eval/accuracy" in a

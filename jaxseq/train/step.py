@@ -263,9 +263,13 @@ class TrainProgram:
             self.state_shardings,
             self.frozen_shardings,
         )
-        # eval_step(params, frozen, batch) -> the task's per-example outputs (``Task.predict``)
+
+        def eval_step(params, frozen, batch):
+            """The task's per-example outputs (``Task.predict``)."""
+            return task.predict(self.merged_model(params, frozen), batch)
+
         self.eval_step = jax.jit(
-            lambda params, frozen, batch: task.predict(self.merged_model(params, frozen), batch),
+            eval_step,
             in_shardings=(self.state_shardings.params, self.frozen_shardings, None),
             compiler_options=compiler_options(self.state_shardings),
         )

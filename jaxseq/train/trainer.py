@@ -246,6 +246,7 @@ class Trainer:
         self.state = program.init_state(params)
         self._train_step = lambda state, batch: program.step(state, self.frozen, batch)
         self._eval_step = program.eval_step
+        self._compiling: dict[int | tuple[str, str], Future] = {}  # compiling in the background (_compile_ahead)
         self.checkpointer = Checkpointer(
             self.output_dir / "checkpoints",
             keep_last=config.save_total_limit,
@@ -374,7 +375,7 @@ class Trainer:
         saved), unless such updates are skipped; SIGINT/SIGTERM save a checkpoint at the current step and
         end it with ``Interrupted``."""
         self._signal = None
-        self._compiling: dict[int, Future] = {}  # packed row counts compiling in the background (_compile_ahead)
+        self._compiling = {}
         previous = {}
         if threading.current_thread() is threading.main_thread():
             for signum in (signal.SIGINT, signal.SIGTERM):
@@ -388,23 +389,35 @@ class Trainer:
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
 
-    def _compile_ahead(self, batch: Mapping[str, jax.Array], step: int) -> dict[int, Future]:
-        """Compile the train step for the other packed row counts of the steps from ``step`` on, one after
-        another on a background thread in order of first use, while the first ones train: a compilation
-        then overlaps training instead of stopping it (on a CPU it takes the cores training leaves idle)."""
-        rows = batch["input_ids"].shape[-2]
-        others = [r for r in self.feed.upcoming_rows(step) if r != rows]
-        if not others:
-            return {}
+    def _compile_ahead(self, batch: Mapping[str, jax.Array], step: int) -> dict[int | tuple[str, str], Future]:
+        """Compile the train step for the other packed row counts of the steps from ``step`` on (keyed by row
+        count), then the eval step for each eval set's first batch (keyed ``("eval", name)``), one after
+        another on a background thread in order of first use, while the first steps train: a compilation then
+        overlaps training instead of stopping it (on a CPU it takes the cores training leaves idle)."""
         program = self.program
+        specs: dict = {
+            r: with_rows(batch, r) for r in self.feed.upcoming_rows(step) if r != batch["input_ids"].shape[-2]
+        }
+        for name in self.eval_names:
+            first = next(self.feed.eval_batches(name), None)
+            if first is not None:
+                specs["eval", name] = {
+                    k: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding) for k, a in first[0].items()
+                }
+        if not specs:
+            return {}
+        state = program.abstract_state
+        eval_params = state.ema if state.ema is not None and self.eval_with_ema else state.params
 
-        def compile_step(rows: int) -> None:
-            spec = with_rows(batch, rows)
-            program.step.lower(program.abstract_state, program.abstract_frozen, spec).compile()
+        def compile_ahead(key, spec) -> None:
+            if isinstance(key, tuple):
+                program.eval_step.lower(eval_params, program.abstract_frozen, spec).compile()
+            else:
+                program.step.lower(state, program.abstract_frozen, spec).compile()
 
         pool = ThreadPoolExecutor(1, thread_name_prefix="jaxseq-compile")
         try:
-            return {r: pool.submit(compile_step, r) for r in others}
+            return {key: pool.submit(compile_ahead, key, spec) for key, spec in specs.items()}
         finally:
             pool.shutdown(wait=False)
 
@@ -591,6 +604,8 @@ class Trainer:
         order whatever the batching (packed rows, length buckets). Per-token outputs of batches cut to different
         widths are right-padded with -1 to the widest. One batch stays in flight while the previous one is
         read back; the bar (``bar``, else ``eval<name>``) counts batches read back."""
+        if ahead := self._compiling.pop(("eval", name), None):
+            ahead.result()  # compiled in the background while training (_compile_ahead)
         params, parts, order = self.eval_params(), collections.defaultdict(list), []
         inflight: collections.deque = collections.deque()
         batches = -(-len(self.feed.eval_sets[name]) // self.feed.eval_batch)
