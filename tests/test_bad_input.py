@@ -506,7 +506,8 @@ def outcomes(assets, tmp_path_factory, request):
         root / "pairs.jsonl", "".join(json.dumps({"source": f"say {i}", "target": f"{i}"}) + "\n" for i in range(8))
     )
     selected = [item for item in request.session.items if item.module is request.module]
-    names = {item.callspec.params["name"] for item in selected if hasattr(item, "callspec")}
+    cases = [item.callspec.params for item in selected if hasattr(item, "callspec")]
+    names = {params["name"] for params in cases if "name" in params}
     names |= {CASES[n].after for n in names if CASES[n].after}
     extra = {}
     if any(item.name.startswith("test_signals") for item in selected):
