@@ -181,6 +181,7 @@ def skip_absent_tpu() -> None:
     jax.config.update("jax_platforms", "cuda,cpu" if _has_cuda_gpu() else "cpu")
 
 
+@functools.cache
 def _pci_vendors() -> set[str]:
     return {p.read_text().strip() for p in Path("/sys/bus/pci/devices").glob("*/vendor")}
 

@@ -32,7 +32,7 @@ from jaxseq.train.feeding import Feeder, with_rows
 from jaxseq.train.logs import Finished, RunLogger
 from jaxseq.train.lora import LoraConfig
 from jaxseq.train.optim import OptimizerConfig
-from jaxseq.train.step import Task, TrainProgram
+from jaxseq.train.step import Task, TrainProgram, TrainState
 from jaxseq.train.throughput import Throughput
 from jaxseq.train.trackers import parse_report_to
 
@@ -375,7 +375,6 @@ class Trainer:
         saved), unless such updates are skipped; SIGINT/SIGTERM save a checkpoint at the current step and
         end it with ``Interrupted``."""
         self._signal = None
-        self._compiling = {}
         previous = {}
         if threading.current_thread() is threading.main_thread():
             for signum in (signal.SIGINT, signal.SIGTERM):
@@ -386,6 +385,7 @@ class Trainer:
         finally:
             for ahead in self._compiling.values():  # stopped early: what has not started never will
                 ahead.cancel()
+            self._compiling.clear()
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
 
@@ -407,7 +407,7 @@ class Trainer:
         if not specs:
             return {}
         state = program.abstract_state
-        eval_params = state.ema if state.ema is not None and self.eval_with_ema else state.params
+        eval_params = self.eval_params(state)
 
         def compile_ahead(key, spec) -> None:
             if isinstance(key, tuple):
@@ -648,10 +648,11 @@ class Trainer:
             "optimizer_state_bytes": sum(x.nbytes for x in jax.tree.leaves(self.state.opt_state)),
         }
 
-    def eval_params(self):
+    def eval_params(self, state: TrainState | None = None):
         """What evaluation and export use: the moving average with --ema_decay (unless --eval_with_ema false),
-        else the trained parameters."""
-        return self.state.ema if self.state.ema is not None and self.eval_with_ema else self.state.params
+        else the trained parameters; of ``state`` if given (an abstract one too), else of the run's."""
+        state = self.state if state is None else state
+        return state.ema if state.ema is not None and self.eval_with_ema else state.params
 
     def model(self) -> nnx.Module:
         """The evaluated parameters as a plain model (LoRA adapters folded into their kernels), for export."""
