@@ -1,6 +1,10 @@
 """What only an NVIDIA GPU shows: jaxseq's cuDNN attention path and its train-step speed against PyTorch.
 
-    python bench/gpu.py [--sections attention,train] [--json bench/results/gpu.json] [--steps 20]
+    python bench/gpu.py [--sections init,attention,train] [--json bench/results/gpu.json] [--steps 20]
+
+init: seconds to compile ``from_config``'s random initialisation of BERT-base and GPT-2 small with XLA's
+inline threefry hash and with CUDA's threefry kernel (what ``from_config`` uses on one GPU), each in its
+own process with a time limit, beside the attention section.
 
 attention: ``jaxseq.models.attention.attend`` with the cuDNN kernel against the XLA kernel, both in bfloat16,
 each compared with XLA in float32 on the same (upcast) inputs: forward outputs and the gradients of q, k
@@ -103,6 +107,54 @@ def attention_checks() -> list[dict]:
     return rows
 
 
+def init_compile_seconds(family: str, lowering: str) -> dict:
+    """Compile (not run) the jitted random initialisation of ``family``'s base-size model."""
+    import jax
+    from flax import nnx
+    from jax._src import config as jax_config
+
+    from jaxseq.models.hub import _constructor
+
+    task = "causal-lm" if family == "gpt2" else "sequence-classification"
+    make = _constructor(hf_config(family), task, jax.numpy.bfloat16, jax.numpy.float32, 0)
+    with jax_config.threefry_gpu_kernel_lowering(lowering == "kernel"):
+        start = time.perf_counter()
+        jax.jit(lambda: nnx.state(make())).lower().compile()
+    return {"compile_seconds": time.perf_counter() - start}
+
+
+def start_init_checks(timeout: float) -> list:
+    """Start one process per (family, threefry lowering); ``finish_init_checks`` collects them."""
+    env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    started = []
+    for family in ("bert", "gpt2"):
+        for lowering in ("xla", "kernel"):
+            cmd = [sys.executable, __file__, "--init_worker", family, lowering]
+            proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            started.append(({"family": family, "threefry": lowering}, proc, time.perf_counter() + timeout))
+    return started
+
+
+def finish_init_checks(started: list) -> list[dict]:
+    rows = []
+    for row, proc, deadline in started:
+        try:
+            out, err = proc.communicate(timeout=max(deadline - time.perf_counter(), 1))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+            row["error"] = "did not finish compiling in the time limit"
+        else:
+            if proc.returncode == 0:
+                row.update(json.loads(out.strip().splitlines()[-1]))
+            else:
+                row["error"] = err.strip().splitlines()[-3:]
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
 def synthetic_batches(family: str, seq: int, rows: int, vocab: int):
     import numpy as np
 
@@ -154,7 +206,9 @@ def run_jaxseq(model_name: str, kernel: str, args) -> dict:
         trainer = Trainer(
             model,
             objective,
-            TrainerConfig(output_dir=out, per_device_train_batch_size=batch, max_steps=10**6, attention=kernel),
+            TrainerConfig(
+                output_dir=out, per_device_train_batch_size=batch, max_steps=10**6, attention=kernel, report_to="none"
+            ),
             OptimizerConfig(learning_rate=LR, weight_decay=WEIGHT_DECAY, lr_scheduler_type="constant"),
             data,
             {},
@@ -278,10 +332,15 @@ def family_of(model_name: str) -> str:
     return MODELS[model_name][0]
 
 
-def train_rows(args) -> list[dict]:
+def train_rows(args, no_init: set[str]) -> list[dict]:
+    """One process per (model, side); jaxseq rows of a family in ``no_init`` (its initialisation did not
+    compile in the init section) are recorded as skipped."""
     rows = []
     for model_name in args.models.split(","):
         for side in args.sides.split(","):
+            if side.startswith("jaxseq") and family_of(model_name) in no_init:
+                rows.append({"model": model_name, "side": side, "error": "skipped: the initialisation did not compile"})
+                continue
             cmd = [sys.executable, __file__, "--worker", model_name, side, "--steps", str(args.steps),
                    "--warmup", str(args.warmup), "--loss_chunk_tokens", str(args.loss_chunk_tokens)]  # fmt: skip
             if args.profile and side.startswith("jaxseq"):
@@ -311,7 +370,8 @@ def train_rows(args) -> list[dict]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--sections", default="attention,train", help="comma-separated: attention, train")
+    parser.add_argument("--sections", default="init,attention,train", help="comma-separated: init, attention, train")
+    parser.add_argument("--init_timeout", type=float, default=75, help="seconds an init compilation may take")
     parser.add_argument("--models", default=",".join(MODELS), help=f"comma-separated of {', '.join(MODELS)}")
     parser.add_argument("--sides", default=",".join(SIDES), help=f"comma-separated of {', '.join(SIDES)}")
     parser.add_argument("--loss_chunk_tokens", type=int, default=-1, help="jaxseq's loss chunk: -1 auto, 0 whole")
@@ -321,7 +381,11 @@ def main() -> int:
     parser.add_argument("--row_timeout", type=float, default=240, help="seconds a train row may take")
     parser.add_argument("--json", type=Path, help="write the results here")
     parser.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
+    parser.add_argument("--init_worker", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.init_worker:
+        print(json.dumps(init_compile_seconds(*args.init_worker)))
+        return 0
     if args.worker:
         print(json.dumps(worker(args)))
         return 0
@@ -345,10 +409,14 @@ def main() -> int:
     }
     print(json.dumps(results), flush=True)
     sections = args.sections.split(",")
+    started = start_init_checks(args.init_timeout) if "init" in sections else []
     if "attention" in sections:
         results["attention"] = attention_checks()
+    if started:
+        results["init"] = finish_init_checks(started)
     if "train" in sections:
-        results["train"] = rows = train_rows(args)
+        no_init = {r["family"] for r in results.get("init", []) if r["threefry"] == "kernel" and "error" in r}
+        results["train"] = rows = train_rows(args, no_init)
         for row in rows:
             if "model_flops_per_step" not in row:
                 twin = next((r for r in rows if r["model"] == row["model"] and "model_flops_per_step" in r), None)
@@ -358,7 +426,7 @@ def main() -> int:
                 achieved = row["model_flops_per_step"] / row["seconds_per_step"]
                 row["mfu_published_peak"] = achieved / peak if peak else None
                 row["mfu_measured_matmul"] = achieved / results["measured_bf16_matmul_flops"]
-        print(f"\n{results['device']}: published bf16 peak {peak / 1e12:.0f} TFLOP/s, "
+        print(f"\n{results['device']}: published bf16 peak {(peak or 0) / 1e12:.0f} TFLOP/s, "
               f"measured matmul {results['measured_bf16_matmul_flops'] / 1e12:.0f}")  # fmt: skip
         print(f"{'model':<15}{'side':<17}{'tokens/s':>11}{'ms/step':>9}{'MFU':>7}{'compile s':>10}  vs best")
         for model_name in args.models.split(","):

@@ -294,3 +294,41 @@ def test_partition_rules_cover_every_task_and_place_minilm(minilm):
     np.testing.assert_array_equal(np.asarray(words), np.asarray(single.embeddings.word_embeddings.embedding[...]))
     want = single.encoder.layer[0].attention.self.query.kernel[...]
     np.testing.assert_array_equal(np.asarray(query), np.asarray(want))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_token_types_are_a_one_hot_product_equal_to_the_lookup(dtype):
+    """BERT's token types: the same values and gradient as ``nnx.Embed``'s gather, and no scatter-add into
+    the table in the compiled gradient (many updates of one row serialise on a GPU)."""
+    from jaxseq.models.layers import one_hot_lookup
+
+    embed = nnx.Embed(3, 16, dtype=dtype, rngs=nnx.Rngs(0))
+    ids = jnp.asarray(np.random.default_rng(0).integers(0, 3, (4, 9)))
+    weights = jnp.asarray(np.random.default_rng(1).normal(size=(4, 9, 16)), dtype)
+    graphdef, state = nnx.split(embed)
+
+    def loss(state, lookup):
+        out = lookup(nnx.merge(graphdef, state), ids)
+        return (out.astype(jnp.float32) * weights.astype(jnp.float32)).sum(), out
+
+    (_, got), grad = jax.value_and_grad(loss, has_aux=True)(state, one_hot_lookup)
+    (_, want), want_grad = jax.value_and_grad(loss, has_aux=True)(state, lambda e, i: e(i))
+    assert got.dtype == want.dtype and bool((got == want).all())
+    # the gradient is each row's sum of its tokens' cotangents; the gather's scatter-add sums them in
+    # ``dtype``, the product in float32 (rounded once to ``dtype``), so it is at least as close to the exact sum
+    exact = np.zeros((3, 16))
+    np.add.at(exact, np.asarray(ids), np.asarray(weights, np.float64))
+    error = {
+        name: np.abs(np.asarray(g["embedding"].get_value(), np.float64) - exact).max()
+        for name, g in (("product", grad), ("gather", want_grad))
+    }
+    rounding = np.abs(exact).max() * (2**-8 if dtype == jnp.bfloat16 else 1e-6)  # of the gradient's dtype
+    assert error["product"] <= min(error["gather"], rounding) + 1e-7, error
+
+    model = bert.BertModel(tiny_config(), dtype=dtype, param_dtype=jnp.float32, rngs=nnx.Rngs(0))
+    graphdef, state = nnx.split(model)
+    input_ids = jnp.asarray(np.random.default_rng(2).integers(0, VOCAB, (2, 8)))
+    step = jax.jit(jax.grad(lambda s: nnx.merge(graphdef, s)(input_ids).last_hidden_state.astype(jnp.float32).sum()))
+    text = step.lower(state).compile().as_text()
+    scattered = {line.split(" = ")[1].split("{")[0] for line in text.splitlines() if " scatter(" in line}
+    assert scattered and not any(shape.startswith("f32[2,64]") for shape in scattered), scattered

@@ -17,7 +17,16 @@ from jaxseq.models.attention import (
     take_positions,
 )
 from jaxseq.models.family import Family
-from jaxseq.models.layers import Linear, activation, call_block, dropout, normal, padded_vocab_size, tied_logits
+from jaxseq.models.layers import (
+    Linear,
+    activation,
+    call_block,
+    dropout,
+    normal,
+    one_hot_lookup,
+    padded_vocab_size,
+    tied_logits,
+)
 from jaxseq.models.outputs import BaseOutput
 
 
@@ -32,7 +41,7 @@ class BertEmbeddings(nnx.Module):
         self.hidden_dropout = config.hidden_dropout_prob
 
     def __call__(self, input_ids, token_type_ids, position_ids, rngs=None):
-        x = self.word_embeddings(input_ids) + self.token_type_embeddings(token_type_ids)
+        x = self.word_embeddings(input_ids) + one_hot_lookup(self.token_type_embeddings, token_type_ids)
         x = x + self.position_embeddings(position_ids)
         return dropout(self.LayerNorm(x), self.hidden_dropout, rngs)
 

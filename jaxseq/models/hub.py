@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax._src import config as jax_config  # threefry_gpu_kernel_lowering: no public context manager
 
 from jaxseq.errors import JaxseqError, first_line
 from jaxseq.files import atomic_folder
@@ -149,6 +150,16 @@ def _constructor(config, task, dtype, param_dtype, seed):
     return lambda: cls(config, dtype=dtype, param_dtype=param_dtype, rngs=nnx.Rngs(seed))
 
 
+def _initialising(shardings):
+    """The setting to compile a random initialisation under: on one GPU, threefry lowers to CUDA's kernel
+    instead of XLA's inline hash of every parameter, which made BERT-base's initialisation compile for
+    minutes there (bench/gpu.py). Sharded initialisations keep the default: the kernel is a custom call
+    that the partitioner would compute whole on every device."""
+    devices = {d for s in jax.tree.leaves(shardings) for d in s.device_set}
+    one_gpu = len(devices) == 1 and next(iter(devices)).platform == "gpu"
+    return jax_config.threefry_gpu_kernel_lowering(one_gpu)
+
+
 def _placement(mesh, rules, abstract_state, model_type):
     """Sharding of every parameter: from the partition rules on a mesh, else the default device."""
     if mesh is None:
@@ -170,7 +181,8 @@ def from_config(config, task: str, *, dtype=jnp.float32, param_dtype=jnp.float32
     make = _constructor(config, task, dtype, param_dtype, seed)
     graphdef, abstract_state = nnx.split(nnx.eval_shape(make))
     shardings = _placement(mesh, rules, abstract_state, config.model_type)
-    state = jax.jit(lambda: nnx.state(make()), out_shardings=shardings)()
+    with _initialising(shardings):
+        state = jax.jit(lambda: nnx.state(make()), out_shardings=shardings)()
     return nnx.merge(graphdef, state)
 
 
@@ -228,11 +240,13 @@ def load_pretrained(
     if new_heads:
         logger.warning("initialised weights that the checkpoint lacks: %s", ", ".join(new_heads))
         wanted = [layout[n][0] for n in new_heads]
+        head_shardings = [flat_shardings[p].get_value() for p in wanted]
         init = jax.jit(
             lambda: [dict(nnx.to_flat_state(nnx.state(make())))[p].get_value() for p in wanted],
-            out_shardings=[flat_shardings[p].get_value() for p in wanted],
+            out_shardings=head_shardings,
         )
-        values.update(zip(wanted, init()))
+        with _initialising(head_shardings):
+            values.update(zip(wanted, init()))
     if dropped:
         logger.warning("ignored checkpoint weights this task does not use: %s", some(dropped))
     for path, value in values.items():
