@@ -3,6 +3,7 @@
     python bench/glue_vs_pytorch.py --task sst2 [--seeds 0,1,2] [--sides jaxseq_packed,pytorch_dynamic_padding]
     python bench/glue_vs_pytorch.py --task mrpc      # length-heavy sentence pairs, 3 epochs at length 128
     python bench/glue_vs_pytorch.py --task rte_like  # RTE's sizes and lengths, from English text (see below)
+    python bench/glue_vs_pytorch.py --task cola_like # short sentences at the same settings (SST-2's, CoLA's size)
     python bench/glue_vs_pytorch.py --markdown       # BENCHMARKS.md's table from bench/results/glue.json
 
 Rows, for each seed, in turn (so that other load on the machine falls on every side):
@@ -65,6 +66,8 @@ SETTINGS = {
     "sst2": Setting("sst2", 8000, 1, 32, 64),  # short single sentences (13 tokens on average)
     "mrpc": Setting("mrpc", None, 3, 16, 128),  # sentence pairs, the longest task at hand (RTE-like settings)
     "rte_like": Setting("rte", None, 3, 16, 128, synthetic=True),  # RTE's sizes and lengths
+    # CoLA's size (8551 short single sentences) at RTE's settings: SST-2's first 8551 (13 tokens on average)
+    "cola_like": Setting("sst2", 8551, 3, 16, 128),
 }
 
 
