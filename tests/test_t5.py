@@ -247,3 +247,18 @@ def test_config_overrides_make_a_v11_model():
     model = nnx.eval_shape(lambda: model_class(config, "seq2seq-lm")(config, rngs=nnx.Rngs(0)))
     assert isinstance(model.encoder.block[0].layer[1].DenseReluDense, T5DenseGatedActDense)
     assert not model.tied and model.lm_head.kernel.shape == (32, config.vocab_size)
+
+
+def test_position_bias_gradient_has_no_scatter_into_its_table():
+    """The relative position bias is a one-hot product (as T5X computes it): its gradient is a matmul, where a
+    gather's is a scatter-add of every (query, key) pair into a few rows, which serialises on GPUs and TPUs."""
+    model = from_config(tiny_config("v1.1"), "seq2seq-lm")
+    graphdef, state = nnx.split(model)
+    ids, mask, dec_ids, dec_mask = (jnp.asarray(a) for a in batches())
+
+    def loss(state):
+        return nnx.merge(graphdef, state)(ids, mask, dec_ids, dec_mask).logits.astype(jnp.float32).sum()
+
+    text = jax.jit(jax.grad(loss)).lower(state).compile().as_text()
+    scattered = {line.split(" = ")[1].split("{")[0] for line in text.splitlines() if " scatter(" in line}
+    assert scattered and "f32[8,4]" not in scattered, scattered  # the word embeddings' scatter stays

@@ -35,7 +35,16 @@ from jaxseq.models.attention import (
     update_kv,
 )
 from jaxseq.models.family import Family
-from jaxseq.models.layers import Linear, activation, call_block, dropout, normal, padded_vocab_size, tied_logits
+from jaxseq.models.layers import (
+    Linear,
+    activation,
+    call_block,
+    dropout,
+    normal,
+    one_hot_lookup,
+    padded_vocab_size,
+    tied_logits,
+)
 from jaxseq.models.outputs import BaseOutput, LMOutput
 
 
@@ -151,7 +160,7 @@ class T5Attention(nnx.Module):
             num_buckets=self.num_buckets,
             max_distance=self.max_distance,
         )
-        return jnp.transpose(self.relative_attention_bias(buckets), (2, 0, 1))[None]
+        return jnp.transpose(one_hot_lookup(self.relative_attention_bias, buckets), (2, 0, 1))[None]
 
     def key_values(self, states) -> tuple[jax.Array, jax.Array]:
         """Keys and values of ``states``, ``[batch, len, heads, d_kv]``."""
