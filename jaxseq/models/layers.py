@@ -124,10 +124,10 @@ def tied_logits(h: jax.Array, embedding: jax.Array, dtype) -> jax.Array:
 
 
 def one_hot_lookup(embed: nnx.Embed, ids: jax.Array) -> jax.Array:
-    """``embed(ids)`` for a table of a few rows (BERT's token types, T5's position buckets), as a one-hot
-    product (as T5X computes its position bias): its gradient is
-    a matmul, where a gather's is a scatter-add whose many updates of one row serialise on a GPU (62 ms of
-    a BERT-base step at 64 x 128 tokens on an H100, bench/gpu.py). Exact: each output sums one row times 1."""
+    """``embed(ids)`` for a table of a few rows (BERT's token types, T5's position buckets) as a one-hot
+    product, as T5X computes its position bias: the gradient is a matmul, where a gather's is a scatter-add
+    whose many updates of one row serialise on a GPU (62 ms of a BERT-base step at 64 x 128 tokens on an
+    H100, bench/gpu.py). Exact: each output sums one row times 1."""
     table = embed.embedding.get_value()
     table = table.astype(embed.dtype or table.dtype)
     one_hot = jax.nn.one_hot(ids, table.shape[0], dtype=table.dtype)
