@@ -153,15 +153,16 @@ def left_align(ids, mask):
 
 
 def shard_cache(cache, mesh: Mesh | None):
-    """Keys/values split over the batch axes and, when the heads divide, over ``mp``."""
+    """Keys/values (``[batch, heads, len, dim]``, a scanned stack's with a leading layer axis) split over the batch
+    axes and, when the heads divide, over ``mp``."""
     if mesh is None:
         return cache
 
     def spec(x):
-        if x.ndim != 4:
+        if x.ndim < 4:
             return NamedSharding(mesh, P())
-        heads = "mp" if x.shape[1] % mesh.shape["mp"] == 0 else None
-        return NamedSharding(mesh, P(BATCH_AXES, heads, None, None))
+        heads = "mp" if x.shape[-3] % mesh.shape["mp"] == 0 else None
+        return NamedSharding(mesh, P(*(None,) * (x.ndim - 4), BATCH_AXES, heads, None, None))
 
     return jax.lax.with_sharding_constraint(cache, jax.tree.map(spec, cache))
 

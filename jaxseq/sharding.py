@@ -3,7 +3,9 @@
 Each leaf's path is joined with ``/`` (``transformer/h/0/attn/c_attn/kernel``) and matched with
 ``re.search`` against the rules in order; the first match wins. Optimizer states match too: their leaves
 carry the parameter path (``0/mu/transformer/h/0/attn/c_attn/kernel``), so they follow their parameter.
-Scalars (step counters) are replicated. Usable on any pytree, not only jaxseq's models.
+Scalars (step counters) are replicated. A path with a ``stacked`` segment (``STACKED``: the blocks of a scanned
+stack, ``jaxseq.models.layers.Stacked``) has a leading layer axis: it takes its rule's spec behind a replicated
+dimension, so one rule serves a parameter stacked or not. Usable on any pytree, not only jaxseq's models.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from jax.sharding import PartitionSpec as P
 from jaxseq.errors import JaxseqError
 
 Rules = Sequence[tuple[str, P]]
+STACKED = "stacked"
 
 
 def _key_name(key) -> str:
@@ -51,7 +54,7 @@ def match_partition_rules(rules: Rules, tree):
         name = path_string(path)
         for pattern, spec in compiled:
             if pattern.search(name):
-                return spec
+                return P(None, *spec) if STACKED in name.split("/") else spec
         raise JaxseqError(f"no partition rule matches parameter {name!r} (shape {np.shape(leaf)}); add a rule for it")
 
     return jax.tree_util.tree_map_with_path(spec_for, tree)

@@ -12,6 +12,7 @@ JAX: blockwise, the scores never stored; causal, padding and packed examples as 
 
 The KV cache is a plain pytree of fixed shapes, so it can be carried through ``lax.while_loop``:
 ``Cache(layers=(KVCache(k, v), ...), index)`` where ``k``/``v`` are ``[batch, kv_heads, max_len, head_dim]``
+(a scanned stack's, ``layers.Stacked``: one ``KVCache`` of ``[layers, batch, kv_heads, max_len, head_dim]``)
 (heads before positions, so the attention dots read the whole cache without transposing it every step;
 ``attend_cache`` is the attention over it) and ``index`` is the int32 position the next token is written
 to. With a cache, the attention mask the caller passes covers all ``max_len`` key positions (1 for real
@@ -34,7 +35,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxseq.errors import JaxseqError
 from jaxseq.mesh import BATCH_AXES
-from jaxseq.models.layers import call_block, dropout
+from jaxseq.models.layers import Stacked, call_block, dropout
 
 logger = logging.getLogger("jaxseq")
 
@@ -70,14 +71,15 @@ class AttentionMask:
 
 
 class KVCache(NamedTuple):
-    """Keys and values of one attention layer, ``[batch, kv_heads, max_len, head_dim]``."""
+    """Keys and values of one attention layer, ``[batch, kv_heads, max_len, head_dim]`` (of a scanned stack's
+    layers: ``[layers, batch, ...]``)."""
 
     k: jax.Array
     v: jax.Array
 
     @classmethod
-    def zeros(cls, batch: int, max_len: int, heads: int, head_dim: int, dtype) -> KVCache:
-        shape = (batch, heads, max_len, head_dim)
+    def zeros(cls, batch: int, max_len: int, heads: int, head_dim: int, dtype, layers: tuple[int, ...] = ()) -> KVCache:
+        shape = (*layers, batch, heads, max_len, head_dim)
         return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
 
     @classmethod
@@ -87,35 +89,50 @@ class KVCache(NamedTuple):
 
     @property
     def max_len(self) -> int:
-        return self.k.shape[2]
+        return self.k.shape[-2]
 
 
 class Cache(NamedTuple):
-    """A decoder's cache: one ``KVCache`` per self-attention layer, the write position, and for
-    encoder-decoder models the cross-attention keys/values computed once from the encoder output."""
+    """A decoder's cache: one ``KVCache`` per self-attention layer (a scanned stack's: one, stacked), the write
+    position, and for encoder-decoder models the cross-attention keys/values computed once from the encoder
+    output."""
 
-    layers: tuple[KVCache, ...]
+    layers: tuple[KVCache, ...] | KVCache
     index: jax.Array
     cross: tuple[KVCache, ...] | None = None
 
     @classmethod
-    def zeros(cls, num_layers: int, batch: int, max_len: int, heads: int, head_dim: int, dtype) -> Cache:
+    def zeros(
+        cls, num_layers: int, batch: int, max_len: int, heads: int, head_dim: int, dtype, *, stacked: bool = False
+    ) -> Cache:
+        if stacked:
+            return cls(KVCache.zeros(batch, max_len, heads, head_dim, dtype, (num_layers,)), jnp.zeros((), jnp.int32))
         layer = KVCache.zeros(batch, max_len, heads, head_dim, dtype)
         return cls(tuple(layer for _ in range(num_layers)), jnp.zeros((), jnp.int32))
 
+    def max_len(self, layer: int = 0) -> int:
+        """The key/value positions that layer ``layer`` holds."""
+        return (self.layers if isinstance(self.layers, KVCache) else self.layers[layer]).max_len
+
 
 def run_blocks(blocks, remat: str, x, mask, *args, cache: Cache | None, rngs):
-    """Run decoder blocks in order, each reading and writing its own layer of ``cache`` (if given) at the
-    cache's index; returns the output and the cache advanced past ``x``'s positions."""
+    """Run decoder blocks in order (a list, or a scanned ``Stacked`` one), each reading and writing its own
+    layer of ``cache`` (if given) at the cache's index; returns the output and the cache advanced past ``x``'s
+    positions."""
     index = 0 if cache is None else cache.index
-    layers = []
-    for i, block in enumerate(blocks):
-        x, layer = call_block(
-            block, remat, x, mask, *args, cache=None if cache is None else cache.layers[i], index=index, rngs=rngs
-        )
-        layers.append(layer)
+    if isinstance(blocks, Stacked):
+        layers = None if cache is None else cache.layers
+        x, layers = blocks(remat, x, mask, *args, cache=layers, index=index, rngs=rngs)
+    else:
+        layers = []
+        for i, block in enumerate(blocks):
+            x, layer = call_block(
+                block, remat, x, mask, *args, cache=None if cache is None else cache.layers[i], index=index, rngs=rngs
+            )
+            layers.append(layer)
+        layers = tuple(layers)
     if cache is not None:
-        cache = cache._replace(layers=tuple(layers), index=cache.index + x.shape[1])
+        cache = cache._replace(layers=layers, index=cache.index + x.shape[1])
     return x, cache
 
 
@@ -181,7 +198,7 @@ def decoder_mask(key_mask: jax.Array | None, seq: int, cache: Cache | None, inde
     dense mask over the cache's ``max_len`` positions with queries from ``index``."""
     if cache is None:
         return self_attention_mask(key_mask, seq, causal=True)
-    return make_mask(key_mask, seq, cache.layers[0].max_len, causal=True, index=index)
+    return make_mask(key_mask, seq, cache.max_len(), causal=True, index=index)
 
 
 # --------------------------------------------------------------------------- the rolling cache of a sliding window

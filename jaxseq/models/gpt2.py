@@ -23,7 +23,9 @@ from jaxseq.models.family import Family
 from jaxseq.models.layers import (
     Conv1D,
     Linear,
+    Stacked,
     activation,
+    blocks,
     dropout,
     normal,
     padded_vocab_size,
@@ -34,8 +36,9 @@ from jaxseq.models.outputs import BaseOutput, LMOutput
 
 class GPT2Attention(nnx.Module):
     """Causal self-attention. ``layer_idx`` matters to configs with ``scale_attn_by_inverse_layer_idx``
-    (scores further divided by ``layer_idx + 1``); ``reorder_and_upcast_attn`` computes the attention of a
-    lower-precision compute dtype in float32 (as transformers does; the same numbers in float32)."""
+    (scores further divided by ``layer_idx + 1``; a scanned stack passes ``layer`` when called instead);
+    ``reorder_and_upcast_attn`` computes the attention of a lower-precision compute dtype in float32 (as
+    transformers does; the same numbers in float32)."""
 
     dropout_field = "attn_pdrop"  # the config's attention dropout (see attention.use_attention)
 
@@ -47,22 +50,22 @@ class GPT2Attention(nnx.Module):
         self.c_proj = Conv1D(d, d, kernel_init=normal(out_std), **kw)
         self.num_heads = config.n_head
         self.scale = (d // config.n_head) ** -0.5 if config.scale_attn_weights else 1.0
-        if config.scale_attn_by_inverse_layer_idx:
-            self.scale /= layer_idx + 1
+        self.layer_idx, self.by_layer = layer_idx, bool(config.scale_attn_by_inverse_layer_idx)
         self.upcast = bool(config.reorder_and_upcast_attn)
         self.dropout_rate, self.resid_pdrop = config.attn_pdrop, config.resid_pdrop
         self.dtype, self.attention = dtype, AttentionKernel()
 
-    def __call__(self, x, mask, *, cache: KVCache | None = None, index=0, rngs=None):
+    def __call__(self, x, mask, *, cache: KVCache | None = None, index=0, rngs=None, layer=None):
         q, k, v = (split_heads(t, self.num_heads) for t in jnp.split(self.c_attn(x), 3, axis=-1))
         if self.upcast:
             q, k, v = (t.astype(jnp.float32) for t in (q, k, v))
+        scale = self.scale / ((self.layer_idx if layer is None else layer) + 1) if self.by_layer else self.scale
         if cache is not None:
             cache = update_kv(cache, k, v, index)
-            y = attend_cache(q, cache, mask, scale=self.scale)
+            y = attend_cache(q, cache, mask, scale=scale)
         else:
             y = attend(
-                q, k, v, mask, scale=self.scale, dropout_rate=self.dropout_rate, rngs=rngs, kernel=self.attention,
+                q, k, v, mask, scale=scale, dropout_rate=self.dropout_rate, rngs=rngs, kernel=self.attention,
                 causal=True,
             )  # fmt: skip
         return dropout(self.c_proj(merge_heads(y.astype(x.dtype))), self.resid_pdrop, rngs), cache
@@ -82,6 +85,8 @@ class GPT2MLP(nnx.Module):
 
 
 class GPT2Block(nnx.Module):
+    uses_layer_index = True  # scanned, it is called with its layer (see layers.Stacked)
+
     def __init__(self, config, layer_idx: int = 0, *, dtype, param_dtype, rngs: nnx.Rngs):
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.ln_1 = nnx.LayerNorm(config.n_embd, epsilon=config.layer_norm_epsilon, **kw)
@@ -89,26 +94,34 @@ class GPT2Block(nnx.Module):
         self.ln_2 = nnx.LayerNorm(config.n_embd, epsilon=config.layer_norm_epsilon, **kw)
         self.mlp = GPT2MLP(config, **kw)
 
-    def __call__(self, x, mask, *, cache=None, index=0, rngs=None):
-        a, cache = self.attn(self.ln_1(x), mask, cache=cache, index=index, rngs=rngs)
+    def __call__(self, x, mask, *, cache=None, index=0, rngs=None, layer=None):
+        a, cache = self.attn(self.ln_1(x), mask, cache=cache, index=index, rngs=rngs, layer=layer)
         x = x + a
         return x + self.mlp(self.ln_2(x), rngs), cache
 
 
 class GPT2Model(nnx.Module):
     """The transformer stack. ``attention_mask`` is ``[batch, seq]`` (1 = token, 0 = padding); with a
-    ``cache`` it covers the cache's ``max_len`` positions instead (see ``jaxseq.models.attention``)."""
+    ``cache`` it covers the cache's ``max_len`` positions instead (see ``jaxseq.models.attention``).
+    ``scan_layers``: the blocks stacked and run by one scan (``layers.Stacked``), not a Python loop."""
 
     hf_architecture = "GPT2Model"
 
-    def __init__(self, config, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
+    def __init__(
+        self, config, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs, scan_layers: bool = False
+    ):
         self.config = config
         self.dtype = dtype
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         std = config.initializer_range
         self.wte = nnx.Embed(padded_vocab_size(config.vocab_size), config.n_embd, embedding_init=normal(std), **kw)
         self.wpe = nnx.Embed(config.n_positions, config.n_embd, embedding_init=normal(std), **kw)
-        self.h = nnx.List([GPT2Block(config, i, **kw) for i in range(config.n_layer)])
+        self.h = blocks(
+            lambda i, rngs: GPT2Block(config, i, dtype=dtype, param_dtype=param_dtype, rngs=rngs),
+            config.n_layer,
+            rngs,
+            scan=scan_layers,
+        )
         self.ln_f = nnx.LayerNorm(config.n_embd, epsilon=config.layer_norm_epsilon, **kw)
         self.remat = "none"  # see layers.enable_remat
 
@@ -125,7 +138,10 @@ class GPT2Model(nnx.Module):
 
     def init_cache(self, batch: int, max_len: int, dtype=None) -> Cache:
         c = self.config
-        return Cache.zeros(c.n_layer, batch, max_len, c.n_head, c.n_embd // c.n_head, dtype or self.dtype)
+        return Cache.zeros(
+            c.n_layer, batch, max_len, c.n_head, c.n_embd // c.n_head, dtype or self.dtype,
+            stacked=isinstance(self.h, Stacked),
+        )  # fmt: skip
 
 
 class DecoderLM(nnx.Module):
@@ -156,9 +172,11 @@ class GPT2LMHeadModel(DecoderLM):
 
     hf_architecture = "GPT2LMHeadModel"
 
-    def __init__(self, config, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
+    def __init__(
+        self, config, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs, scan_layers: bool = False
+    ):
         self.config = config
-        self.transformer = GPT2Model(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.transformer = GPT2Model(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs, scan_layers=scan_layers)
         if not config.tie_word_embeddings:
             self.lm_head = Linear(
                 config.n_embd,
@@ -198,9 +216,12 @@ class LastTokenClassifier(nnx.Module):
     pooled_token = "last"  # which token of a packed example pool_index points at
     task_head = r"^score/"  # what fine-tuning adds to the pretrained model (trained in full beside LoRA)
 
-    def __init__(self, config, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
+    def __init__(
+        self, config, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs, scan_layers: bool = False
+    ):
         self.config = config
-        setattr(self, self.base_name, self.base(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs))
+        base = self.base(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs, scan_layers=scan_layers)
+        setattr(self, self.base_name, base)
         self.score = Linear(
             config.hidden_size,
             config.num_labels,
@@ -236,6 +257,7 @@ FAMILY = Family(
     base_prefix="transformer",
     heads=(r"^lm_head\.", r"^score\."),
     lora_targets=r"/c_attn/kernel$",
+    scan_layers=True,
     vocab_params=((r"wte/embedding$", 0), (r"lm_head/kernel$", 1)),
     aliases={"lm_head.weight": "transformer.wte.weight"},
     ignore=(r"\.attn\.bias$", r"\.attn\.masked_bias$"),

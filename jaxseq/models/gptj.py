@@ -26,7 +26,16 @@ from jaxseq.models.attention import (
 )
 from jaxseq.models.family import Family
 from jaxseq.models.gpt2 import DecoderLM, LastTokenClassifier
-from jaxseq.models.layers import Linear, activation, dropout, normal, padded_vocab_size, tied_logits
+from jaxseq.models.layers import (
+    Linear,
+    Stacked,
+    activation,
+    blocks,
+    dropout,
+    normal,
+    padded_vocab_size,
+    tied_logits,
+)
 from jaxseq.models.outputs import BaseOutput
 
 
@@ -118,18 +127,26 @@ class GPTJBlock(nnx.Module):
 class GPTJModel(nnx.Module):
     """The transformer stack. ``attention_mask`` is ``[batch, seq]`` (1 = token, 0 = padding); with a
     ``cache`` it covers the cache's ``max_len`` positions instead (see ``jaxseq.models.attention``).
-    ``position_ids`` default to ``0, 1, ...`` after the cache's index; pass them for left padding."""
+    ``position_ids`` default to ``0, 1, ...`` after the cache's index; pass them for left padding.
+    ``scan_layers``: the blocks stacked and run by one scan (``layers.Stacked``), not a Python loop."""
 
     hf_architecture = "GPTJModel"
 
-    def __init__(self, config, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
+    def __init__(
+        self, config, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs, scan_layers: bool = False
+    ):
         self.config = config
         self.dtype = dtype
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.wte = nnx.Embed(
             padded_vocab_size(config.vocab_size), config.n_embd, embedding_init=normal(config.initializer_range), **kw
         )
-        self.h = nnx.List([GPTJBlock(config, **kw) for _ in range(config.n_layer)])
+        self.h = blocks(
+            lambda _, rngs: GPTJBlock(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs),
+            config.n_layer,
+            rngs,
+            scan=scan_layers,
+        )
         self.remat = "none"  # see layers.enable_remat
         self.ln_f = nnx.LayerNorm(config.n_embd, epsilon=config.layer_norm_epsilon, **kw)
 
@@ -146,7 +163,10 @@ class GPTJModel(nnx.Module):
 
     def init_cache(self, batch: int, max_len: int, dtype=None) -> Cache:
         c = self.config
-        return Cache.zeros(c.n_layer, batch, max_len, c.n_head, c.n_embd // c.n_head, dtype or self.dtype)
+        return Cache.zeros(
+            c.n_layer, batch, max_len, c.n_head, c.n_embd // c.n_head, dtype or self.dtype,
+            stacked=isinstance(self.h, Stacked),
+        )  # fmt: skip
 
 
 class TiedHeadBias(nnx.Module):
@@ -162,9 +182,11 @@ class GPTJForCausalLM(DecoderLM):
 
     hf_architecture = "GPTJForCausalLM"
 
-    def __init__(self, config, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
+    def __init__(
+        self, config, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs, scan_layers: bool = False
+    ):
         self.config = config
-        self.transformer = GPTJModel(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.transformer = GPTJModel(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs, scan_layers=scan_layers)
         if config.tie_word_embeddings:
             self.lm_head = TiedHeadBias(padded_vocab_size(config.vocab_size), param_dtype=param_dtype)
         else:
@@ -202,6 +224,7 @@ FAMILY = Family(
     base_prefix="transformer",
     heads=(r"^lm_head\.", r"^score\."),
     lora_targets=r"/(q_proj|v_proj)/kernel$",
+    scan_layers=True,
     vocab_params=((r"wte/embedding$", 0), (r"lm_head/kernel$", 1), (r"lm_head/bias$", 0)),
     aliases={"lm_head.weight": "transformer.wte.weight"},
     ignore=(r"\.attn\.bias$", r"\.attn\.masked_bias$"),

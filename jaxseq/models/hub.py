@@ -18,6 +18,7 @@ from jax._src import config as jax_config  # threefry_gpu_kernel_lowering: no pu
 
 from jaxseq.errors import JaxseqError, first_line
 from jaxseq.files import atomic_folder
+from jaxseq.models.layers import layer_paths
 from jaxseq.models.registry import TASKS, family_for, model_class
 from jaxseq.models.weights import match_names, read_checkpoint, resize_vocab, some, torch_layout
 from jaxseq.sharding import check_divisible, gather, make_shardings, match_partition_rules
@@ -145,9 +146,14 @@ def apply_overrides(config, *, num_labels: int | None = None, **overrides):
 # --------------------------------------------------------------------------- building models
 
 
-def _constructor(config, task, dtype, param_dtype, seed):
+def _constructor(config, task, dtype, param_dtype, seed, scan_layers=False):
+    """The model's constructor; ``scan_layers``: its blocks stacked and scanned (``layers.Stacked``)."""
     cls = model_class(config, task)
-    return lambda: cls(config, dtype=dtype, param_dtype=param_dtype, rngs=nnx.Rngs(seed))
+    if not scan_layers:
+        return lambda: cls(config, dtype=dtype, param_dtype=param_dtype, rngs=nnx.Rngs(seed))
+    if not family_for(config.model_type).scan_layers:
+        raise JaxseqError(f"{config.model_type} models cannot scan their layers yet; leave scan_layers off")
+    return lambda: cls(config, dtype=dtype, param_dtype=param_dtype, rngs=nnx.Rngs(seed), scan_layers=True)
 
 
 def _initialising(shardings):
@@ -170,15 +176,28 @@ def _placement(mesh, rules, abstract_state, model_type):
     return make_shardings(mesh, specs)
 
 
-def abstract_model(config, task: str, *, dtype=jnp.float32, param_dtype=jnp.float32) -> nnx.Module:
+def abstract_model(
+    config, task: str, *, dtype=jnp.float32, param_dtype=jnp.float32, scan_layers: bool = False
+) -> nnx.Module:
     """The model of ``config`` for ``task`` with shapes and dtypes only: no weight is read or allocated."""
-    return nnx.eval_shape(_constructor(config, task, dtype, param_dtype, 0))
+    return nnx.eval_shape(_constructor(config, task, dtype, param_dtype, 0, scan_layers))
 
 
-def from_config(config, task: str, *, dtype=jnp.float32, param_dtype=jnp.float32, mesh=None, rules=None, seed: int = 0):
+def from_config(
+    config,
+    task: str,
+    *,
+    dtype=jnp.float32,
+    param_dtype=jnp.float32,
+    mesh=None,
+    rules=None,
+    seed: int = 0,
+    scan_layers: bool = False,
+):
     """A randomly initialised model (for pretraining from scratch), built under ``jit`` straight onto its
-    shardings, so no device ever holds the whole model when a mesh is given."""
-    make = _constructor(config, task, dtype, param_dtype, seed)
+    shardings, so no device ever holds the whole model when a mesh is given. ``scan_layers``: its blocks
+    stacked and run by one scan (``layers.Stacked``)."""
+    make = _constructor(config, task, dtype, param_dtype, seed, scan_layers)
     graphdef, abstract_state = nnx.split(nnx.eval_shape(make))
     shardings = _placement(mesh, rules, abstract_state, config.model_type)
     with _initialising(shardings):
@@ -196,6 +215,7 @@ def load_pretrained(
     rules=None,
     num_labels: int | None = None,
     seed: int = 0,
+    scan_layers: bool = False,
     **config_overrides,
 ):
     """Load a Hugging Face checkpoint (local folder or Hub id) as the NNX model for ``task``.
@@ -203,13 +223,15 @@ def load_pretrained(
     ``dtype`` is the compute dtype, ``param_dtype`` the storage dtype. With a ``mesh`` every weight goes
     straight from disk onto its sharding (partition rules of the family, or ``rules``). A task head that
     the checkpoint lacks (a classifier on a base model) is initialised from ``seed`` and reported.
+    ``scan_layers``: the blocks stacked and scanned (``layers.Stacked``); each stacked weight is assembled on
+    the host from its layers' tensors (one weight at a time) and each device receives only its slice.
     """
     if task not in TASKS:
         raise JaxseqError(f"unknown task {task!r}; choose one of {', '.join(TASKS)}")
     folder = resolve(name_or_path)
     config = load_config(folder, num_labels=num_labels, **config_overrides)
     family = family_for(config.model_type)
-    make = _constructor(config, task, dtype, param_dtype, seed)
+    make = _constructor(config, task, dtype, param_dtype, seed, scan_layers)
     abstract = nnx.eval_shape(make)
     graphdef, abstract_state = nnx.split(abstract)
     layout = torch_layout(abstract)
@@ -218,24 +240,21 @@ def load_pretrained(
 
     flat_shardings = dict(nnx.to_flat_state(shardings))
     flat_abstract = dict(nnx.to_flat_state(abstract_state))
-    values = {}
+    where = layer_paths(abstract_state)
+    stored = {}  # our parameter -> its checkpoint tensors by layer (None: not stacked)
     for name, (path, transpose) in layout.items():
-        if name not in tensors:
-            continue
+        if name in tensors:
+            target, layer = where[path]
+            stored.setdefault(target, {})[layer] = (name, transpose)
+    values = {}
+    for path, names in stored.items():
         want = flat_abstract[path].get_value()
-        array = tensors[name]()
-        array = array.T if transpose else array
-        expected = list(want.shape)
-        vocab_axis = family.vocab_axis(path)
-        if vocab_axis is not None:
-            expected[vocab_axis] = config.vocab_size
-        if array.shape != tuple(expected):
-            raise JaxseqError(
-                f"weight {name} has shape {tuple(array.shape)} but the config gives {tuple(expected)}; "
-                "check that config.json matches the weights"
-            )
-        if vocab_axis is not None:
-            array = resize_vocab(array, vocab_axis, want.shape[vocab_axis])
+        shape = want.shape if None in names else want.shape[1:]
+        layers = [
+            _read(tensors, name, transpose, shape, family.vocab_axis(path), config)
+            for _, (name, transpose) in sorted(names.items())
+        ]
+        array = layers[0] if None in names else np.stack(layers)
         values[path] = _put(np.asarray(array, dtype=want.dtype), flat_shardings[path].get_value())
     if new_heads:
         logger.warning("initialised weights that the checkpoint lacks: %s", ", ".join(new_heads))
@@ -252,6 +271,21 @@ def load_pretrained(
     for path, value in values.items():
         flat_abstract[path].set_value(value)
     return nnx.merge(graphdef, abstract_state)
+
+
+def _read(tensors, name: str, transpose: bool, shape: tuple, vocab_axis: int | None, config) -> np.ndarray:
+    """Checkpoint tensor ``name`` in our layout (``shape``, the vocabulary padded), checked against the config."""
+    array = tensors[name]()
+    array = array.T if transpose else array
+    expected = list(shape)
+    if vocab_axis is not None:
+        expected[vocab_axis] = config.vocab_size
+    if array.shape != tuple(expected):
+        raise JaxseqError(
+            f"weight {name} has shape {tuple(array.shape)} but the config gives {tuple(expected)}; "
+            "check that config.json matches the weights"
+        )
+    return array if vocab_axis is None else resize_vocab(array, vocab_axis, shape[vocab_axis])
 
 
 def _put(array: np.ndarray, sharding: jax.sharding.Sharding) -> jax.Array:
@@ -274,8 +308,10 @@ def save_pretrained(model: nnx.Module, out_dir: str | os.PathLike, tokenizer=Non
     if jax.process_index() != 0:
         return out
     family, tensors = family_for(model.config.model_type), {}
+    where = layer_paths(nnx.state(model, nnx.Param))
     for name, (path, transpose) in torch_layout(model).items():
-        array = host[path]
+        stored, layer = where[path]
+        array = host[stored] if layer is None else host[stored][layer]
         vocab_axis = family.vocab_axis(path)
         if vocab_axis is not None:
             array = resize_vocab(array, vocab_axis, model.config.vocab_size)

@@ -1,5 +1,5 @@
 """Small pieces every family uses: activations, initialisers, dense layers (and GPT-2's Conv1D), dropout,
-and how transformer blocks run: remat policies and per-block weight gathering."""
+and how transformer blocks run: remat policies, per-block weight gathering, and blocks stacked and scanned."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxseq.errors import JaxseqError
 from jaxseq.mesh import batch_spec, data_parallel_size
-from jaxseq.sharding import match_partition_rules, named_leaves, path_string
+from jaxseq.sharding import STACKED, match_partition_rules, named_leaves, path_string
 
 
 def gelu_exact(x: jax.Array) -> jax.Array:
@@ -267,8 +267,8 @@ def gather_layers(model: nnx.Module, mesh: Mesh | None, rules=(), axis: str = "f
         for path, stack in nnx.iter_modules(model)
         if hasattr(stack, "remat")
         for name, value in vars(stack).items()
-        if isinstance(value, nnx.List)
-        for i, block in enumerate(value)
+        if isinstance(value, nnx.List | Stacked)
+        for i, block in (((STACKED, value.stacked),) if isinstance(value, Stacked) else enumerate(value))
     ]
     if mesh is None:
         for _, block in blocks:
@@ -288,6 +288,8 @@ def gather_layers(model: nnx.Module, mesh: Mesh | None, rules=(), axis: str = "f
         for name, spec in specs.items():
             if not name.startswith(prefix):
                 continue
+            if STACKED in path:  # the scan hands the block one layer: its spec without the layer axis
+                spec = P(*spec[1:])
             gathered = without_axis(spec, axis)
             if gathered == spec:
                 continue
@@ -296,3 +298,67 @@ def gather_layers(model: nnx.Module, mesh: Mesh | None, rules=(), axis: str = "f
             weights.append((inner, None if dtype is None else jnp.dtype(dtype), NamedSharding(mesh, gathered)))
         block.weight_gather = WeightGather(tuple(weights), mesh)
     return model
+
+
+# --------------------------------------------------------------------------- scanned blocks
+
+
+class Stacked(nnx.Module):
+    """``count`` blocks of one structure held as one (``stacked``), every parameter with a leading layer axis,
+    and run by ``jax.lax.scan``: one block's program, whatever the depth (MaxText's ``scan_layers``, Levanter's
+    ``Stacked``). ``make(rngs)`` builds one block; each layer is initialised from its own split of ``rngs``.
+    A block class whose numbers depend on its layer (GPT-2's ``scale_attn_by_inverse_layer_idx``) sets
+    ``uses_layer_index`` and is called with ``layer=`` its (traced) index. Parameter paths hold ``STACKED``
+    where the unrolled model's hold the layer index (``unstacked_path``)."""
+
+    def __init__(self, make, count: int, rngs: nnx.Rngs):
+        @nnx.split_rngs(splits=count)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def build(rngs):
+            return make(rngs)
+
+        self.stacked = build(rngs)
+        self.count = count
+
+    def __call__(self, remat: str, x, *args, cache=None, rngs: nnx.Rngs | None = None, **kwargs):
+        """``x`` through every block in order under ``call_block``, each with its own layer of ``cache`` (stacked
+        keys/values, or None) and its own dropout key (``rngs``' next one folded with the layer index); returns
+        the output and the blocks' caches, stacked."""
+        graphdef, state = nnx.split(self.stacked)
+        key = None if rngs is None else rngs.dropout()
+        layered = getattr(type(self.stacked), "uses_layer_index", False)
+
+        def body(x, xs):
+            state, layer, cache = xs
+            block_rngs = None if key is None else nnx.Rngs(dropout=jax.random.fold_in(key, layer))
+            extra = {"layer": layer} if layered else {}
+            block = nnx.merge(graphdef, state)
+            return call_block(block, remat, x, *args, cache=cache, rngs=block_rngs, **kwargs, **extra)
+
+        return jax.lax.scan(body, x, (state, jnp.arange(self.count, dtype=jnp.int32), cache))
+
+
+def blocks(make, count: int, rngs: nnx.Rngs, *, scan: bool) -> nnx.List | Stacked:
+    """A stack's ``count`` blocks, ``make(i, rngs)`` for block ``i``: a list run in a Python loop, or (``scan``)
+    one ``Stacked`` block built with index 0 (a block that depends on its layer reads ``layer`` when called)."""
+    if scan:
+        return Stacked(lambda rngs: make(0, rngs), count, rngs)
+    return nnx.List([make(i, rngs) for i in range(count)])
+
+
+def unstacked_path(path: tuple, layer: int) -> tuple:
+    """The path that layer ``layer`` of a stacked parameter's ``path`` has in the unrolled model."""
+    return tuple(layer if part == STACKED else part for part in path)
+
+
+def layer_paths(state) -> dict[tuple, tuple[tuple, int | None]]:
+    """The one map from the unrolled model's parameter paths (``transformer/h/3/attn/c_attn/kernel``) to where a
+    model of either kind keeps them: ``(path, layer)``, ``layer`` None for a parameter that is not stacked.
+    ``state``: the model's parameters (arrays or shapes)."""
+    out = {}
+    for path, value in nnx.to_flat_state(state):
+        if STACKED in path:
+            out.update({unstacked_path(path, i): (path, i) for i in range(value.get_value().shape[0])})
+        else:
+            out[path] = (path, None)
+    return out

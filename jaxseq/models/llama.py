@@ -42,7 +42,7 @@ from jaxseq.models.attention import (
 )
 from jaxseq.models.family import Family
 from jaxseq.models.gpt2 import DecoderLM, LastTokenClassifier
-from jaxseq.models.layers import Linear, activation, normal, padded_vocab_size, tied_logits
+from jaxseq.models.layers import Linear, Stacked, activation, blocks, normal, padded_vocab_size, tied_logits
 from jaxseq.models.outputs import BaseOutput
 
 ROPE_TYPES = ("default", "linear", "llama3")
@@ -201,11 +201,14 @@ class LlamaModel(nnx.Module):
     """The decoder stack. ``attention_mask`` is ``[batch, seq]`` (1 = token, 0 = padding; or packed
     examples' segment ids); with a ``cache`` it covers the cache's ``max_len`` positions instead (see
     ``jaxseq.models.attention``). ``position_ids`` default to ``0, 1, ...`` after the cache's index; pass
-    them for left padding."""
+    them for left padding. ``scan_layers``: the layers stacked and run by one scan (``layers.Stacked``), which
+    needs every layer to attend over the same window."""
 
     hf_architecture = "LlamaModel"
 
-    def __init__(self, config, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
+    def __init__(
+        self, config, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs, scan_layers: bool = False
+    ):
         rope_frequencies(config)  # an unsupported rope type stops here, in one line
         self.config, self.dtype = config, dtype
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
@@ -216,7 +219,17 @@ class LlamaModel(nnx.Module):
             **kw,
         )
         self.windows = layer_windows(config)
-        self.layers = nnx.List([LlamaDecoderLayer(config, window, **kw) for window in self.windows])
+        if scan_layers and len(set(self.windows)) > 1:
+            raise JaxseqError(
+                "scan_layers needs every layer to attend alike, and this config mixes sliding-window and full "
+                "layers (layer_types); leave scan_layers off"
+            )
+        self.layers = blocks(
+            lambda i, rngs: LlamaDecoderLayer(config, self.windows[i], dtype=dtype, param_dtype=param_dtype, rngs=rngs),
+            config.num_hidden_layers,
+            rngs,
+            scan=scan_layers,
+        )
         self.norm = nnx.RMSNorm(config.hidden_size, epsilon=config.rms_norm_eps, **kw)
         self.remat = "none"  # see layers.enable_remat
 
@@ -237,7 +250,7 @@ class LlamaModel(nnx.Module):
         ``max_len`` positions, or a sliding window's rolling cache and this call's positions."""
         if cache is None:
             return self_attention_mask(attention_mask, seq, causal=True, window=window)
-        length = cache.layers[self.windows.index(window)].max_len
+        length = cache.max_len(self.windows.index(window))
         if window is None:
             return AttentionMask(make_mask(attention_mask, seq, length, causal=True, index=index))
         return ring_mask(attention_mask, seq, length, index, window)
@@ -246,6 +259,11 @@ class LlamaModel(nnx.Module):
         """Zero keys/values of the ``num_key_value_heads`` key/value heads of every layer, for ``max_len``
         positions, or the ``sliding_window`` latest of them in a sliding layer's rolling cache."""
         c, dtype = self.config, dtype or self.dtype
+        if isinstance(self.layers, Stacked):  # one window for all
+            length = min(self.windows[0] or max_len, max_len)
+            return Cache.zeros(
+                len(self.windows), batch, length, c.num_key_value_heads, head_dim(c), dtype, stacked=True
+            )
         layers = tuple(
             KVCache.zeros(batch, min(window or max_len, max_len), c.num_key_value_heads, head_dim(c), dtype)
             for window in self.windows
@@ -259,9 +277,11 @@ class LlamaForCausalLM(DecoderLM):
     hf_architecture = "LlamaForCausalLM"
     base_name = "model"
 
-    def __init__(self, config, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
+    def __init__(
+        self, config, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs, scan_layers: bool = False
+    ):
         self.config = config
-        self.model = LlamaModel(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.model = LlamaModel(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs, scan_layers=scan_layers)
         if not config.tie_word_embeddings:
             self.lm_head = Linear(
                 config.hidden_size,
@@ -339,6 +359,7 @@ def _family(model_type: str, base: type, causal_lm: type, classifier: type) -> F
         base_prefix="model",
         heads=(r"^lm_head\.", r"^score\."),
         lora_targets=r"/(q_proj|v_proj)/kernel$",
+        scan_layers=True,
         vocab_params=((r"embed_tokens/embedding$", 0), (r"lm_head/kernel$", 1)),
         aliases={"lm_head.weight": "model.embed_tokens.weight"},
         ignore=(r"\.rotary_emb\.inv_freq$",),

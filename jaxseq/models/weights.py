@@ -19,7 +19,7 @@ from flax import nnx
 
 from jaxseq.errors import JaxseqError, first_line
 from jaxseq.models.family import Family
-from jaxseq.models.layers import Conv1D
+from jaxseq.models.layers import Conv1D, layer_paths
 
 _LEAF_TO_TORCH = {"kernel": "weight", "embedding": "weight", "scale": "weight"}
 
@@ -130,15 +130,16 @@ def read_checkpoint(folder: Path) -> dict[str, Callable[[], np.ndarray]]:
 
 
 def torch_layout(model: nnx.Module) -> dict[str, tuple[tuple, bool]]:
-    """PyTorch name -> (our parameter path, whether the kernel is transposed) for every parameter."""
+    """PyTorch name -> (our parameter path as the unrolled model has it, whether the kernel is transposed) for
+    every parameter; where a scanned model keeps that path is ``layers.layer_paths``'s."""
     transposed = {
         path for path, m in nnx.iter_modules(model) if isinstance(m, nnx.Linear) and not isinstance(m, Conv1D)
     }
     layout = {}
-    for path, _ in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+    for path, (stored, _) in layer_paths(nnx.state(model, nnx.Param)).items():
         *mod, leaf = path
         name = ".".join(map(str, [*mod, _LEAF_TO_TORCH.get(leaf, leaf)]))
-        layout[name] = (path, leaf == "kernel" and tuple(mod) in transposed)
+        layout[name] = (path, leaf == "kernel" and stored[:-1] in transposed)
     return layout
 
 

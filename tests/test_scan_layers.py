@@ -1,0 +1,247 @@
+"""Scanned layers (``scan_layers=True``, ``jaxseq.models.layers.Stacked``): the blocks' parameters stacked with a
+leading layer axis and run by one scan give the unrolled model's logits, gradients, generations, train steps and
+Hugging Face files, from the same (perturbed) weights."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+transformers = pytest.importorskip("transformers")
+
+from jaxseq import partition  # noqa: E402
+from jaxseq.errors import JaxseqError  # noqa: E402
+from jaxseq.generation import generate  # noqa: E402
+from jaxseq.mesh import batch_sharding, make_mesh  # noqa: E402
+from jaxseq.models import from_config, load_pretrained, save_pretrained  # noqa: E402
+from jaxseq.models.hub import abstract_model  # noqa: E402
+from jaxseq.models.layers import Stacked, dropout, enable_remat, gather_layers, layer_paths  # noqa: E402
+from jaxseq.models.weights import read_checkpoint, torch_layout  # noqa: E402
+from jaxseq.train.objectives import CausalLM  # noqa: E402
+from tests.reference import padded_batch  # noqa: E402
+from tests.test_gather_layers import constraints  # noqa: E402
+
+VOCAB = 64
+
+
+def gpt2_config():
+    return transformers.GPT2Config(
+        n_layer=3, n_embd=32, n_head=4, vocab_size=VOCAB, n_positions=32, resid_pdrop=0.0, embd_pdrop=0.0,
+        attn_pdrop=0.0, scale_attn_by_inverse_layer_idx=True,
+    )  # fmt: skip
+
+
+def gptj_config():
+    return transformers.GPTJConfig(
+        n_layer=3, n_embd=32, n_head=4, rotary_dim=4, vocab_size=VOCAB, n_positions=32, resid_pdrop=0.0,
+        embd_pdrop=0.0, attn_pdrop=0.0,
+    )  # fmt: skip
+
+
+def llama_config():
+    return transformers.LlamaConfig(
+        num_hidden_layers=3, hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=VOCAB, max_position_embeddings=32, attention_bias=True, tie_word_embeddings=False,
+    )  # fmt: skip
+
+
+def mistral_config():
+    return transformers.MistralConfig(
+        num_hidden_layers=3, hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=VOCAB, max_position_embeddings=32, sliding_window=4,
+    )  # fmt: skip
+
+
+CONFIGS = {"gpt2": gpt2_config, "gptj": gptj_config, "llama": llama_config, "mistral": mistral_config}
+STACKS = {"gpt2": "transformer/h", "gptj": "transformer/h", "llama": "model/layers", "mistral": "model/layers"}
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    """Each family's unrolled model, every parameter perturbed away from its initialisation, saved as an HF
+    folder (padding vocabulary rows come back as zeros, as a load gives them)."""
+    out = {}
+    for family, make in CONFIGS.items():
+        model = from_config(make(), "causal-lm", seed=0)
+        state = nnx.state(model, nnx.Param)
+        leaves, treedef = jax.tree.flatten(state)
+        keys = jax.random.split(jax.random.key(1), len(leaves))
+        noisy = [x + 0.05 * jax.random.normal(k, x.shape, x.dtype) for x, k in zip(leaves, keys)]
+        nnx.update(model, jax.tree.unflatten(treedef, noisy))
+        out[family] = save_pretrained(model, tmp_path_factory.mktemp(family))
+    return out
+
+
+def pair(folder, **kwargs):
+    """The unrolled and the scanned model loaded from ``folder``."""
+    return load_pretrained(folder, "causal-lm", **kwargs), load_pretrained(
+        folder, "causal-lm", scan_layers=True, **kwargs
+    )
+
+
+def per_layer(tree) -> dict[str, np.ndarray]:
+    """A parameter tree (parameters or gradients) of either model by the unrolled model's paths."""
+    flat = {path: v.get_value() for path, v in nnx.to_flat_state(tree)}
+    out = {}
+    for path, (stored, layer) in layer_paths(tree).items():
+        array = np.asarray(flat[stored])
+        out["/".join(map(str, path))] = array if layer is None else array[layer]
+    return out
+
+
+def batch():
+    ids, mask = padded_batch(VOCAB, lengths=(12, 9, 5, 12))
+    return {"input_ids": jnp.asarray(ids), "attention_mask": jnp.asarray(mask)}
+
+
+@pytest.mark.parametrize("family", list(CONFIGS))
+def test_stacked_storage_keeps_hugging_face_names(family, folders, tmp_path):
+    """One stacked module, each parameter with a leading layer axis; the same PyTorch names, and an export
+    with exactly the unrolled model's tensors."""
+    unrolled, scanned = pair(folders[family])
+    stack = STACKS[family]
+    layers = CONFIGS[family]().num_hidden_layers
+    params = partition.named_leaves(nnx.state(scanned, nnx.Param))
+    stacked = {name: x.shape for name, x in params if name.startswith(stack + "/")}
+    assert stacked and all(name.startswith(f"{stack}/stacked/") for name in stacked)
+    assert all(shape[0] == layers for shape in stacked.values())
+    assert torch_layout(scanned) == torch_layout(unrolled)
+
+    save_pretrained(scanned, tmp_path / "scanned")
+    want, got = read_checkpoint(folders[family]), read_checkpoint(tmp_path / "scanned")
+    assert set(got) == set(want)
+    for name in want:
+        np.testing.assert_array_equal(got[name](), want[name](), err_msg=name)
+    assert (
+        json.loads((tmp_path / "scanned" / "config.json").read_text())["architectures"]
+        == json.loads((folders[family] / "config.json").read_text())["architectures"]
+    )
+
+
+@pytest.mark.parametrize("family", list(CONFIGS))
+def test_scanned_logits_equal_unrolled(family, folders):
+    unrolled, scanned = pair(folders[family])
+    b = batch()
+    want = unrolled(b["input_ids"], b["attention_mask"]).logits
+    got = scanned(b["input_ids"], b["attention_mask"]).logits
+    np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5)
+
+
+def loss_and_grads(model, b, mesh=None):
+    graphdef, params = nnx.split(model)
+    task = CausalLM(chunk_tokens=4, batch_shards=1 if mesh is None else 4)
+    return jax.jit(jax.value_and_grad(lambda p: task.loss(nnx.merge(graphdef, p), b, None)))(params)
+
+
+def assert_same_grads(got, want):
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-6)
+    got, want = per_layer(got[1]), per_layer(want[1])
+    assert set(got) == set(want)
+    for name in want:
+        np.testing.assert_allclose(got[name], want[name], atol=2e-6, rtol=1e-5, err_msg=name)
+
+
+@pytest.mark.parametrize(
+    "family, policy", [("gpt2", "none"), ("gpt2", "full"), ("gptj", "dots"), ("llama", "offload"), ("mistral", "full")]
+)
+def test_scanned_gradients_equal_unrolled(family, policy, folders):
+    unrolled, scanned = pair(folders[family])
+    want = loss_and_grads(unrolled, batch())
+    got = loss_and_grads(enable_remat(scanned, policy), batch())
+    assert_same_grads(got, want)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_rules_take_a_leading_layer_axis(family, folders):
+    """The family's own rules shard a stacked parameter behind a replicated layer axis, and a model loaded
+    onto a mesh is placed straight onto those shardings."""
+    mesh = make_mesh("dp=2,fsdp=2,mp=2")
+    _, scanned = pair(folders[family], mesh=mesh)
+    kernel = {"gpt2": "attn/c_attn/kernel", "llama": "self_attn/q_proj/kernel"}[family]
+    for name, x in partition.named_leaves(nnx.state(scanned, nnx.Param)):
+        if name.endswith(kernel):
+            assert x.sharding.spec == P(None, "fsdp", "mp"), name
+        for shard in x.addressable_shards:
+            assert shard.data.shape == x.sharding.shard_shape(x.shape), name
+
+
+@pytest.mark.parametrize("family", ["gpt2", "mistral"])
+def test_gathered_one_layer_at_a_time_inside_the_scan(family, folders):
+    """fsdp's per-block gather works inside the scanned body: the same loss and gradients on a (dp, fsdp, mp)
+    mesh, and the program gathers one layer's weights (as many constraints as one block has, not one per layer)."""
+    mesh = make_mesh("dp=2,fsdp=2,mp=2")
+    unrolled, scanned = pair(folders[family], mesh=mesh)
+    b = jax.device_put(batch(), batch_sharding(mesh))
+    want = loss_and_grads(unrolled, b, mesh)
+    model = gather_layers(enable_remat(scanned), mesh, partition.get_partition_rules(family))
+    weights = next(m for _, m in nnx.iter_modules(model) if isinstance(m, Stacked)).stacked.weight_gather.weights
+    assert weights and all(len(sharding.spec) == 2 and "fsdp" not in str(sharding.spec) for _, _, sharding in weights)
+    assert_same_grads(loss_and_grads(model, b, mesh), want)
+
+    _, params = nnx.split(model)
+    loss = lambda p: CausalLM(chunk_tokens=4, batch_shards=4).loss(nnx.merge(nnx.graphdef(model), p), b, None)
+    found = [spec for spec, _, _ in constraints(jax.make_jaxpr(loss)(params).jaxpr)]
+    gathered = {sharding.spec for _, _, sharding in weights}
+    assert sum(spec in gathered for spec in found) == len(weights)  # once in the scan's body, for every layer
+
+
+def test_each_layer_draws_its_own_dropout_key():
+    """In training each scanned layer's dropout draws from the step's key folded with its layer index."""
+
+    class Drop(nnx.Module):
+        def __init__(self, rngs):
+            self.scale = nnx.Param(jnp.ones((16,)))
+
+        def __call__(self, x, *, cache=None, index=0, rngs=None):
+            kept = dropout(self.scale[...], 0.5, rngs)
+            return x + kept, kept
+
+    stack = Stacked(Drop, 4, nnx.Rngs(0))
+    rngs = nnx.Rngs(dropout=jax.random.key(7))
+    out, kept = stack("none", jnp.zeros((16,)), rngs=rngs)
+    key = nnx.Rngs(dropout=jax.random.key(7)).dropout()
+    want = [dropout(jnp.ones((16,)), 0.5, nnx.Rngs(dropout=jax.random.fold_in(key, i))) for i in range(4)]
+    np.testing.assert_array_equal(kept, np.stack(want))
+    assert len({tuple(np.asarray(row)) for row in kept}) == 4
+    np.testing.assert_allclose(out, kept.sum(0))
+
+
+def test_scanned_training_with_dropout_runs(folders):
+    _, scanned = pair(folders["gpt2"], resid_pdrop=0.3, attn_pdrop=0.2)
+    b = batch()
+    graphdef, params = nnx.split(scanned)
+    loss = lambda p, seed: CausalLM().loss(nnx.merge(graphdef, p), b, nnx.Rngs(dropout=jax.random.key(seed)))
+    first, grads = jax.value_and_grad(loss)(params, 0)
+    assert np.isfinite(first) and all(np.isfinite(g).all() for g in jax.tree.leaves(grads))
+    assert loss(params, 1) != first and loss(params, 0) == first
+
+
+@pytest.mark.parametrize("family", list(CONFIGS))
+def test_scanned_generation_equals_unrolled(family, folders):
+    """Greedy tokens from a stacked KV cache (``[layers, batch, ...]``, carried through the scan) equal the
+    unrolled model's, with left padding, also on a mesh."""
+    unrolled, scanned = pair(folders[family])
+    cache = scanned.init_cache(2, 8)
+    assert cache.layers.k.shape[0] == CONFIGS[family]().num_hidden_layers
+    ids, mask = padded_batch(VOCAB, lengths=(7, 3))
+    want = generate(unrolled, ids, mask, max_new_tokens=10).sequences
+    np.testing.assert_array_equal(generate(scanned, ids, mask, max_new_tokens=10).sequences, want)
+    if family == "gpt2":
+        _, on_mesh = pair(folders[family], mesh=make_mesh("dp=2,mp=4"))
+        np.testing.assert_array_equal(generate(on_mesh, ids, mask, max_new_tokens=10).sequences, want)
+
+
+def test_families_that_cannot_scan_say_so():
+    bert = transformers.BertConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, intermediate_size=64)
+    with pytest.raises(JaxseqError, match="bert models cannot scan their layers yet"):
+        abstract_model(bert, "sequence-classification", scan_layers=True)
+    qwen = transformers.Qwen2Config(
+        num_hidden_layers=3, hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=VOCAB, use_sliding_window=True, sliding_window=4, max_window_layers=1,
+    )  # fmt: skip
+    with pytest.raises(JaxseqError, match="mixes sliding-window and full layers"):
+        abstract_model(qwen, "causal-lm", scan_layers=True)
