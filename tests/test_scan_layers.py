@@ -8,8 +8,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
+from flax import nnx, traverse_util
 from jax.sharding import PartitionSpec as P
+from safetensors.numpy import load_file
 
 transformers = pytest.importorskip("transformers")
 
@@ -19,11 +20,20 @@ from jaxseq.generation import generate  # noqa: E402
 from jaxseq.mesh import batch_sharding, make_mesh  # noqa: E402
 from jaxseq.models import from_config, load_pretrained, save_pretrained  # noqa: E402
 from jaxseq.models.hub import abstract_model  # noqa: E402
-from jaxseq.models.layers import Stacked, dropout, enable_remat, gather_layers, layer_paths  # noqa: E402
+from jaxseq.models.layers import (  # noqa: E402
+    Stacked,
+    dropout,
+    enable_remat,
+    gather_layers,
+    layer_paths,
+    unstacked_path,
+)
 from jaxseq.models.weights import read_checkpoint, torch_layout  # noqa: E402
+from jaxseq.train.lora import LoraConfig  # noqa: E402
 from jaxseq.train.objectives import CausalLM  # noqa: E402
 from tests.reference import padded_batch  # noqa: E402
 from tests.test_gather_layers import constraints  # noqa: E402
+from tests.test_step_parity import flat_params, jaxseq_program  # noqa: E402
 
 VOCAB = 64
 
@@ -245,3 +255,95 @@ def test_families_that_cannot_scan_say_so():
     )  # fmt: skip
     with pytest.raises(JaxseqError, match="mixes sliding-window and full layers"):
         abstract_model(qwen, "causal-lm", scan_layers=True)
+
+
+def one_device():
+    return make_mesh("dp=1", devices=jax.devices()[:1])
+
+
+def train_step(folder, mesh, *, scan_layers, remat="none", lora=None, adapters=None):
+    """One step of the train program (``TrainProgram.step``): (loss, trained parameters before and after by the
+    unrolled model's paths or, with LoRA, as trained, the program and the frozen weights)."""
+    model = enable_remat(load_pretrained(folder, "causal-lm", mesh=mesh, scan_layers=scan_layers), remat)
+    program = jaxseq_program(model, CausalLM(), mesh, max_grad_norm=1.0, lora=lora)
+    frozen = nnx.state(model) if lora else None
+    trained = nnx.state(model) if lora is None else adapters(program, frozen)
+    before = per_layer(trained) if lora is None else flat_params(trained)
+    state = program.init_state(trained)
+    state, metrics = program.step(state, frozen, jax.device_put(batch(), batch_sharding(mesh)))
+    after = per_layer(state.params) if lora is None else flat_params(state.params)
+    return float(metrics["loss"]), before, after, program, frozen
+
+
+def assert_same_step(got, want):
+    """The same loss, and each parameter's update within 1e-4 of the tensor's largest (plus float32 rounding of
+    the weight): the programs sum in other orders, which Adam amplifies in small gradients."""
+    assert got[0] == pytest.approx(want[0], rel=1e-6)
+    assert set(got[2]) == set(want[2])
+    for name, after in want[2].items():
+        update = after - want[1][name]
+        tol = 1e-4 * np.abs(update).max() + 2 * np.finfo(np.float32).eps * np.abs(after)
+        assert np.all(np.abs(got[2][name] - after) <= tol), name
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_sharded_scanned_step_equals_one_device(family, folders):
+    """A scanned model's train step on a (dp=2, fsdp=2, mp=2) mesh, per-layer gathers and remat inside the scan,
+    equals the unrolled model's step on one device."""
+    want = train_step(folders[family], one_device(), scan_layers=False)
+    got = train_step(folders[family], make_mesh("dp=2,fsdp=2,mp=2"), scan_layers=True, remat="full")
+    assert_same_step(got, want)
+
+
+def test_lora_on_stacked_kernels_equals_unrolled(folders, tmp_path):
+    """LoRA adapts a stacked kernel with stacked adapters ([layers, in, r], [layers, r, out]): from the same
+    adapters, a train step, the merged export and the PEFT adapter equal the unrolled model's."""
+    config = LoraConfig(lora_rank=4, lora_alpha=8.0, lora_targets="q_proj,v_proj")
+    unrolled_adapters = {}
+
+    def unrolled(program, frozen):
+        adapters = program.adapter_init(frozen)
+        leaves, treedef = jax.tree_util.tree_flatten(adapters)
+        keys = jax.random.split(jax.random.key(3), len(leaves))
+        adapters = jax.tree.unflatten(treedef, [x + 0.1 * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys)])
+        unrolled_adapters.update(flat_params(adapters))
+        return adapters
+
+    def stacked(program, frozen):
+        shapes = flat_params(program.adapter_init(frozen))
+        flat = {}
+        for name, shape in shapes.items():
+            path = tuple(name.split("/"))
+            layers = [unrolled_adapters["/".join(map(str, unstacked_path(path, i)))] for i in range(shape.shape[0])]
+            flat[path] = jnp.stack(layers)
+        return traverse_util.unflatten_dict(flat)
+
+    mesh = one_device()
+    want = train_step(folders["llama"], mesh, scan_layers=False, lora=config, adapters=unrolled)
+    got = train_step(folders["llama"], mesh, scan_layers=True, lora=config, adapters=stacked)
+    assert got[0] == pytest.approx(want[0], rel=1e-6)
+    for name, array in got[2].items():
+        for i, layer in enumerate(array):
+            np.testing.assert_allclose(
+                layer, want[2]["/".join(map(str, unstacked_path(name.split("/"), i)))], atol=1e-6
+            )
+
+    for side, (_, _, after, program, frozen) in (("unrolled", want), ("scanned", got)):
+        trained = traverse_util.unflatten_dict({tuple(k.split("/")): v for k, v in after.items()})
+        save_pretrained(program.merged_model(trained, frozen), tmp_path / side / "merged")
+        program.lora.save_adapter(trained, tmp_path / side / "adapter", base_model=None)
+    assert "on 6 kernels" in got[3].lora.describe(100, 1)  # q and v of 3 layers
+
+    def files(side, kind):
+        folder = tmp_path / side / kind
+        if kind == "merged":
+            return {name: read() for name, read in read_checkpoint(folder).items()}
+        return load_file(folder / "adapter_model.safetensors")
+
+    for kind in ("merged", "adapter"):
+        ours, theirs = files("scanned", kind), files("unrolled", kind)
+        assert set(ours) == set(theirs)
+        for name, array in theirs.items():
+            np.testing.assert_allclose(ours[name], array, atol=1e-6, err_msg=name)
+    adapter_config = lambda side: json.loads((tmp_path / side / "adapter" / "adapter_config.json").read_text())
+    assert adapter_config("scanned") == adapter_config("unrolled")

@@ -18,9 +18,8 @@ from jax._src import config as jax_config  # threefry_gpu_kernel_lowering: no pu
 
 from jaxseq.errors import JaxseqError, first_line
 from jaxseq.files import atomic_folder
-from jaxseq.models.layers import layer_paths
 from jaxseq.models.registry import TASKS, family_for, model_class
-from jaxseq.models.weights import match_names, read_checkpoint, resize_vocab, some, torch_layout
+from jaxseq.models.weights import match_names, read_checkpoint, resize_vocab, some, stored_layout, torch_layout
 from jaxseq.sharding import check_divisible, gather, make_shardings, match_partition_rules
 
 logger = logging.getLogger("jaxseq")
@@ -240,14 +239,10 @@ def load_pretrained(
 
     flat_shardings = dict(nnx.to_flat_state(shardings))
     flat_abstract = dict(nnx.to_flat_state(abstract_state))
-    where = layer_paths(abstract_state)
-    stored = {}  # our parameter -> its checkpoint tensors by layer (None: not stacked)
-    for name, (path, transpose) in layout.items():
-        if name in tensors:
-            target, layer = where[path]
-            stored.setdefault(target, {})[layer] = (name, transpose)
     values = {}
-    for path, names in stored.items():
+    for path, names in stored_layout(abstract).items():
+        if any(name not in tensors for name, _ in names.values()):  # a new head (match_names says which)
+            continue
         want = flat_abstract[path].get_value()
         shape = want.shape if None in names else want.shape[1:]
         layers = [
@@ -258,7 +253,7 @@ def load_pretrained(
         values[path] = _put(np.asarray(array, dtype=want.dtype), flat_shardings[path].get_value())
     if new_heads:
         logger.warning("initialised weights that the checkpoint lacks: %s", ", ".join(new_heads))
-        wanted = [layout[n][0] for n in new_heads]
+        wanted = [layout[n][0] for n in new_heads]  # a head is never stacked: its path is its own
         head_shardings = [flat_shardings[p].get_value() for p in wanted]
         init = jax.jit(
             lambda: [dict(nnx.to_flat_state(nnx.state(make())))[p].get_value() for p in wanted],
@@ -308,14 +303,13 @@ def save_pretrained(model: nnx.Module, out_dir: str | os.PathLike, tokenizer=Non
     if jax.process_index() != 0:
         return out
     family, tensors = family_for(model.config.model_type), {}
-    where = layer_paths(nnx.state(model, nnx.Param))
-    for name, (path, transpose) in torch_layout(model).items():
-        stored, layer = where[path]
-        array = host[stored] if layer is None else host[stored][layer]
-        vocab_axis = family.vocab_axis(path)
-        if vocab_axis is not None:
-            array = resize_vocab(array, vocab_axis, model.config.vocab_size)
-        tensors[name] = np.ascontiguousarray(array.T if transpose else array)
+    for path, names in stored_layout(model).items():
+        for layer, (name, transpose) in names.items():
+            array = host[path] if layer is None else host[path][layer]
+            vocab_axis = family.vocab_axis(path)
+            if vocab_axis is not None:
+                array = resize_vocab(array, vocab_axis, model.config.vocab_size)
+            tensors[name] = np.ascontiguousarray(array.T if transpose else array)
     config = copy.deepcopy(model.config)
     config.architectures = [type(model).hf_architecture]
     with atomic_folder(out) as tmp:

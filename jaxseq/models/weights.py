@@ -143,6 +143,17 @@ def torch_layout(model: nnx.Module) -> dict[str, tuple[tuple, bool]]:
     return layout
 
 
+def stored_layout(model: nnx.Module) -> dict[tuple, dict[int | None, tuple[str, bool]]]:
+    """``torch_layout`` by where the model keeps each parameter (``layers.layer_paths``): our path -> {layer (None:
+    not stacked): (PyTorch name, whether the kernel is transposed)}."""
+    where = layer_paths(nnx.state(model, nnx.Param))
+    out = {}
+    for name, (path, transposed) in torch_layout(model).items():
+        stored, layer = where[path]
+        out.setdefault(stored, {})[layer] = (name, transposed)
+    return out
+
+
 def resize_vocab(array: np.ndarray, axis: int, size: int) -> np.ndarray:
     """``array`` with its vocabulary ``axis`` padded with zeros or trimmed to ``size`` entries (see
     ``Family.vocab_params``)."""

@@ -38,8 +38,9 @@ from jaxseq.errors import JaxseqError
 from jaxseq.files import atomic_folder
 from jaxseq.models.layers import Conv1D, dropout_with_key
 from jaxseq.models.registry import family_for
-from jaxseq.models.weights import resize_vocab, torch_layout
+from jaxseq.models.weights import resize_vocab, stored_layout
 from jaxseq.partition import gather, get_partition_rules, match_partition_rules, path_string
+from jaxseq.sharding import STACKED
 
 EXPORTS = ("merged", "adapter")
 ADAPTER_HELP = (
@@ -124,8 +125,10 @@ class Lora:
         """``param_specs``: PartitionSpecs of the model's parameters (``nnx.split(model)[1]``'s structure).
         With ``config.lora_adapter`` the adapter's own settings and weights (``adapter_weights``) are used."""
         self.adapter = read_adapter(config.lora_adapter) if config.lora_adapter else None
+        # our path -> {layer (None: not stacked, see layers.Stacked): (PyTorch name, transposed)}
+        self.layout = stored_layout(model)
         if self.adapter is not None:
-            config = _adapter_config(config, *self.adapter, torch_layout(model))
+            config = _adapter_config(config, *self.adapter, self.layout)
         self.config, self.rank = config, config.lora_rank
         self.scale = config.lora_alpha / config.lora_rank
         family = family_for(model.config.model_type)
@@ -152,19 +155,19 @@ class Lora:
                 f"{both[0]} is both adapted (--lora_targets) and trained in full (--lora_trainable); "
                 "narrow one of the regexes"
             )
+        self.shapes = {path: v.get_value().shape for path, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
         flat_specs = {path: v.get_value() for path, v in nnx.to_flat_state(param_specs)}
         specs = {}
-        for path in self.targets:
-            kernel = tuple(flat_specs[(*path, "kernel")]) + (None, None)
-            specs[(*path, "lora_A")] = P(kernel[0], None)
-            specs[(*path, "lora_B")] = P(None, kernel[1])
+        for path in self.targets:  # a stacked kernel's leading layer axis stays on its adapters
+            ndim = len(self.shapes[(*path, "kernel")])
+            *layers, rows, columns = (tuple(flat_specs[(*path, "kernel")]) + (None,) * ndim)[:ndim]
+            specs[(*path, "lora_A")] = P(*layers, rows, None)
+            specs[(*path, "lora_B")] = P(*layers, None, columns)
         specs.update({path: flat_specs[path] for path in self.full})
         self.specs = _tree(specs)
-        self.layout = {path: (name, transposed) for name, (path, transposed) in torch_layout(model).items()}
         self.fan_in_fan_out = any(isinstance(dense[p], Conv1D) for p in self.targets)
         self.architecture = type(model).hf_architecture
         self.family, self.vocab_size = family, model.config.vocab_size
-        self.shapes = {path: v.get_value().shape for path, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
 
     # ------------------------------------------------------------------ the trainable tree
 
@@ -175,12 +178,12 @@ class Lora:
         key = jax.random.key(seed)
         out = {}
         for i, (path, (fan_in, fan_out)) in enumerate(self.targets.items()):
-            dtype = flat[(*path, "kernel")].dtype
-            bound = fan_in**-0.5
+            kernel = flat[(*path, "kernel")]
+            layers, bound = kernel.shape[:-2], fan_in**-0.5  # layers: a stacked kernel's leading axis
             out[(*path, "lora_A")] = jax.random.uniform(
-                jax.random.fold_in(key, i), (fan_in, self.rank), dtype, -bound, bound
+                jax.random.fold_in(key, i), (*layers, fan_in, self.rank), kernel.dtype, -bound, bound
             )
-            out[(*path, "lora_B")] = jnp.zeros((self.rank, fan_out), dtype)
+            out[(*path, "lora_B")] = jnp.zeros((*layers, self.rank, fan_out), kernel.dtype)
         out.update({path: flat[path] for path in self.full})
         return _tree(out)
 
@@ -190,19 +193,28 @@ class Lora:
         tensors = self.adapter[1]
         out = {}
         for path, (fan_in, fan_out) in self.targets.items():
-            module = self.layout[(*path, "kernel")][0].removesuffix(".weight")
+            names = self.layout[(*path, "kernel")]  # one per layer of a stacked kernel
             for part, shape in (("lora_A", (self.rank, fan_in)), ("lora_B", (fan_out, self.rank))):
-                array = tensors[f"{_PREFIX}{module}.{part}.weight"].T
-                if part == "lora_B":
-                    array = self._padded((*path, "kernel"), array)
-                if array.shape != shape[::-1]:
-                    raise JaxseqError(
-                        f"--lora_adapter {module}.{part} is {list(array.T.shape)}, this model needs "
-                        f"{list(shape)}; pass the adapter of this base model"
-                    )
-                out[(*path, part)] = array.astype(np.float32)
+                layers = []
+                for _, (name, _) in sorted(names.items()):
+                    module = name.removesuffix(".weight")
+                    if f"{_PREFIX}{module}.{part}.weight" not in tensors:  # adapted in other layers only
+                        raise JaxseqError(
+                            f"--lora_adapter has no {module}.{part}: a scanned model adapts every layer of a "
+                            "kernel or none; load the model without scan_layers"
+                        )
+                    array = tensors[f"{_PREFIX}{module}.{part}.weight"].T
+                    if part == "lora_B":
+                        array = self._padded((*path, "kernel"), array)
+                    if array.shape != shape[::-1]:
+                        raise JaxseqError(
+                            f"--lora_adapter {module}.{part} is {list(array.T.shape)}, this model needs "
+                            f"{list(shape)}; pass the adapter of this base model"
+                        )
+                    layers.append(array)
+                out[(*path, part)] = (layers[0] if None in names else np.stack(layers)).astype(np.float32)
         for path in self.full:
-            name, transposed = self.layout[path]
+            name, transposed = self.layout[path][None]
             array = tensors[_PREFIX + name]
             array = self._padded(path, array.T if transposed else array)
             if array.shape != self.shapes[path]:
@@ -240,15 +252,18 @@ class Lora:
         for i, path in enumerate(self.targets):
             a, b = flat[(*_keys(path), "lora_A")], flat[(*_keys(path), "lora_B")]
             adapter_key = jax.random.fold_in(key, i) if rate else None
-            modules[path].dot_general = _AdapterDot(a, b, self.scale, rate, adapter_key)
+            if rate and a.ndim == 3:  # a stacked kernel's: one key per layer
+                adapter_key = jax.random.split(adapter_key, a.shape[0])
+            modules[path].dot_general = nnx.data(_AdapterDot(a, b, self.scale, rate, adapter_key))
         return model
 
     def describe(self, model_count: int, trainable_count: int) -> str:
-        targets = sorted({re.sub(r"/\d+/", "/*/", _name(path)) for path in self.targets})
+        targets = sorted({re.sub(f"/(\\d+|{STACKED})/", "/*/", _name(path)) for path in self.targets})
         full = sorted({_name(path) for path in self.full})
+        kernels = sum(len(self.layout[(*path, "kernel")]) for path in self.targets)
         return (
             f"LoRA rank {self.rank} (alpha {self.config.lora_alpha:g}, dropout {self.config.lora_dropout:g}) on "
-            f"{len(self.targets)} kernels ({', '.join(targets)}); trained in full: {', '.join(full) or 'nothing'}; "
+            f"{kernels} kernels ({', '.join(targets)}); trained in full: {', '.join(full) or 'nothing'}; "
             f"{trainable_count:,} trainable parameters, {100 * trainable_count / model_count:.2f}% of the "
             f"model's {model_count:,}"
         )
@@ -269,15 +284,17 @@ class Lora:
             return out
         tensors, targets, to_save = {}, [], set()
         for path in self.targets:
-            module = self.layout[(*path, "kernel")][0].removesuffix(".weight")
-            targets.append(module)
-            for part in ("lora_A", "lora_B"):
-                array = flat[(*_keys(path), part)]
-                if part == "lora_B":  # its columns are the kernel's: an LM head's run over the padded vocabulary
-                    array = self._unpadded((*path, "kernel"), array)
-                tensors[f"base_model.model.{module}.{part}.weight"] = np.ascontiguousarray(array.T)
+            for layer, (name, _) in self.layout[(*path, "kernel")].items():  # one per layer of a stacked kernel
+                module = name.removesuffix(".weight")
+                targets.append(module)
+                for part in ("lora_A", "lora_B"):
+                    array = flat[(*_keys(path), part)]
+                    array = array if layer is None else array[layer]
+                    if part == "lora_B":  # its columns are the kernel's: an LM head's run over the padded vocabulary
+                        array = self._unpadded((*path, "kernel"), array)
+                    tensors[f"base_model.model.{module}.{part}.weight"] = np.ascontiguousarray(array.T)
         for path in self.full:
-            name, transposed = self.layout[path]
+            name, transposed = self.layout[path][None]
             array = self._unpadded(path, flat[_keys(path)])
             tensors[f"base_model.model.{name}"] = np.ascontiguousarray(array.T if transposed else array)
             to_save.add(name.rsplit(".", 1)[0])
@@ -347,7 +364,8 @@ def read_adapter(folder: str | os.PathLike) -> tuple[dict, dict[str, np.ndarray]
 
 def _adapter_config(config: LoraConfig, adapter: dict, tensors: dict, layout: dict) -> LoraConfig:
     """``config`` with the adapter's rank, alpha and dropout, and regexes that match exactly the kernels it
-    adapts and the parameters it saved in full."""
+    adapts and the parameters it saved in full (``layout``: ``Lora.layout``)."""
+    paths = {name: path for path, names in layout.items() for name, _ in names.values()}
     rank = int(adapter["r"])
     if config.lora_rank not in (0, rank):
         raise JaxseqError(
@@ -359,12 +377,12 @@ def _adapter_config(config: LoraConfig, adapter: dict, tensors: dict, layout: di
         name = key.removeprefix(_PREFIX)
         module, dot, part = name.rpartition(".lora_")
         torch_name = f"{module}.weight" if dot else name
-        if torch_name not in layout or (dot and part not in ("A.weight", "B.weight")):
+        if torch_name not in paths or (dot and part not in ("A.weight", "B.weight")):
             raise JaxseqError(
                 f"--lora_adapter {config.lora_adapter} has {key}, which is no parameter of this model; "
                 "pass the adapter of this base model"
             )
-        (adapted if dot else full).add(_name(layout[torch_name][0]))
+        (adapted if dot else full).add(_name(paths[torch_name]))
     exactly = lambda names: "^(" + "|".join(map(re.escape, sorted(names))) + ")$" if names else ""
     return dataclasses.replace(
         config,
@@ -388,19 +406,20 @@ def merge_adapter(model: nnx.Module, folder: str | os.PathLike) -> nnx.Module:
     return model
 
 
-class _AdapterDot:
-    """A dense layer's ``dot_general`` with the LoRA branch added: ``x W + scale * dropout(x) A B``."""
+class _AdapterDot(nnx.Module):
+    """A dense layer's ``dot_general`` with the LoRA branch added: ``x W + scale * dropout(x) A B``. The adapters
+    (and the dropout key) are variables, so a scanned stack (``layers.Stacked``) gives each layer its own slice."""
 
     def __init__(self, a, b, scale: float, rate: float, key):
-        self.a, self.b, self.scale, self.rate, self.key = a, b, scale, rate, key
+        self.a, self.b, self.scale, self.rate = nnx.Variable(a), nnx.Variable(b), scale, rate
+        self.key = None if key is None else nnx.Variable(key)
 
     def __call__(self, x, kernel, dimension_numbers, precision=None, **kwargs):
         y = jax.lax.dot_general(x, kernel, dimension_numbers, precision=precision, **kwargs)
         if self.rate:
-            x = dropout_with_key(x, self.rate, self.key)
-        h = jnp.matmul(
-            jnp.matmul(x, self.a.astype(x.dtype), precision=precision), self.b.astype(x.dtype), precision=precision
-        )
+            x = dropout_with_key(x, self.rate, self.key[...])
+        a, b = self.a[...].astype(x.dtype), self.b[...].astype(x.dtype)
+        h = jnp.matmul(jnp.matmul(x, a, precision=precision), b, precision=precision)
         return y + (self.scale * h).astype(y.dtype)
 
 

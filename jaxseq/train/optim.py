@@ -12,7 +12,7 @@ import optax
 
 from jaxseq.config import arg
 from jaxseq.errors import JaxseqError
-from jaxseq.sharding import path_string
+from jaxseq.sharding import STACKED, path_string
 
 OPTIMIZERS = ("adamw", "adafactor", "lion", "sgd", "muon", "lbfgs")
 # Distributed Shampoo is left out: optax-shampoo 0.0.6 (the newest on PyPI) calls jax.tree_map, which
@@ -87,8 +87,11 @@ def make_schedule(config: OptimizerConfig, total_steps: int) -> optax.Schedule:
 
 
 def decay_mask(params):
-    """Weight decay on matrices only: biases and norm scales (1-D) are left alone, as transformers does."""
-    return jax.tree.map(lambda p: p.ndim >= 2, params)
+    """Weight decay on matrices only: biases and norm scales (1-D; stacked by a scanned stack, 2-D with their
+    leading layer axis, ``STACKED``) are left alone, as transformers does."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, p: p.ndim - (STACKED in path_string(path).split("/")) >= 2, params
+    )
 
 
 def needs_value_fn(config: OptimizerConfig) -> bool:
