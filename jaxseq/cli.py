@@ -250,6 +250,7 @@ def script(main):
     @functools.wraps(main)
     def wrapper(argv=None):
         argv = sys.argv[1:] if argv is None else argv
+        skip_absent_tpu()  # every job, before anything starts JAX (jobs that never call ``start`` too)
         try:
             return main(argv) or 0
         except (JaxseqError, OSError, KeyboardInterrupt) as e:

@@ -493,3 +493,22 @@ def test_gptj_from_scratch_then_from_its_own_checkpoint(tmp_path, assets, script
     first, second = (json.loads((out / "eval_results.json").read_text()) for out in (scratch, continued))
     assert second["eval_loss"] == pytest.approx(first["eval_loss"], rel=1e-6)
     assert first["eval_samples"] == second["eval_samples"] == 12
+
+
+@pytest.mark.parametrize("count", [1, 8])
+def test_peak_flops_is_measured_on_every_device_of_a_mesh(count, monkeypatch):
+    """`jaxseq clm` and `chat` pass a mesh's ``devices.flat``, an iterator: the CPU peak was measured on what
+    the published-peak lookup left of it (7 of 8 devices; with one device, nothing: a crash)."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxseq.mesh import make_mesh
+    from jaxseq.train import throughput
+
+    measured = []
+    monkeypatch.setattr(throughput, "measure_peak_flops", lambda devices, dtype: measured.append(list(devices)) or 1.0)
+    mesh = make_mesh("dp=-1", devices=jax.devices()[:count])
+    assert throughput.peak_flops(mesh.devices.flat, jnp.float32) == (1.0, "measured matmul")
+    assert measured == [list(mesh.devices.flat)]
+    monkeypatch.undo()
+    assert throughput.peak_flops(mesh.devices.flat, jnp.float32)[0] > 0  # a real matmul on every device

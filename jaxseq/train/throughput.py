@@ -122,7 +122,9 @@ def published_peak_flops(devices) -> float | None:
 
 def peak_flops(devices, dtype, given: float = 0.0) -> tuple[float, str]:
     """What MFU is measured against, and a label saying which: ``given`` (--peak_flops), else the chips'
-    published bf16 peak (TPU, GPU), else a jitted matmul measured here (CPU: "of measured matmul")."""
+    published bf16 peak (TPU, GPU), else a jitted matmul measured here (CPU: "of measured matmul") on all of
+    ``devices`` (any iterable, such as a mesh's ``devices.flat``: it is read once)."""
+    devices = list(devices)
     if given:
         return given, "given --peak_flops"
     published = published_peak_flops(devices)
