@@ -29,7 +29,7 @@ from jaxseq.models.layers import (  # noqa: E402
     unstacked_path,
 )
 from jaxseq.models.weights import read_checkpoint, torch_layout  # noqa: E402
-from jaxseq.train.lora import LoraConfig  # noqa: E402
+from jaxseq.train.lora import LoraConfig, merge_adapter  # noqa: E402
 from jaxseq.train.objectives import CausalLM  # noqa: E402
 from tests.reference import padded_batch  # noqa: E402
 from tests.test_gather_layers import constraints  # noqa: E402
@@ -334,14 +334,18 @@ def test_lora_on_stacked_kernels_equals_unrolled(folders, tmp_path):
         program.lora.save_adapter(trained, tmp_path / side / "adapter", base_model=None)
     assert "on 6 kernels" in got[3].lora.describe(100, 1)  # q and v of 3 layers
 
+    # and the unrolled model's PEFT adapter merged into a scanned model
+    base = load_pretrained(folders["llama"], "causal-lm", scan_layers=True)
+    save_pretrained(merge_adapter(base, tmp_path / "unrolled" / "adapter"), tmp_path / "scanned" / "merged-adapter")
+
     def files(side, kind):
         folder = tmp_path / side / kind
-        if kind == "merged":
-            return {name: read() for name, read in read_checkpoint(folder).items()}
-        return load_file(folder / "adapter_model.safetensors")
+        if kind == "adapter":
+            return load_file(folder / "adapter_model.safetensors")
+        return {name: read() for name, read in read_checkpoint(folder).items()}
 
-    for kind in ("merged", "adapter"):
-        ours, theirs = files("scanned", kind), files("unrolled", kind)
+    for kind, other in (("merged", "merged"), ("adapter", "adapter"), ("merged-adapter", "merged")):
+        ours, theirs = files("scanned", kind), files("unrolled", other)
         assert set(ours) == set(theirs)
         for name, array in theirs.items():
             np.testing.assert_allclose(ours[name], array, atol=1e-6, err_msg=name)

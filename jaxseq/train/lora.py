@@ -36,9 +36,9 @@ from jax.sharding import PartitionSpec as P
 from jaxseq.config import arg
 from jaxseq.errors import JaxseqError
 from jaxseq.files import atomic_folder
-from jaxseq.models.layers import Conv1D, dropout_with_key
+from jaxseq.models.layers import Conv1D, dropout_with_key, layer_paths, unstacked_path
 from jaxseq.models.registry import family_for
-from jaxseq.models.weights import resize_vocab, stored_layout
+from jaxseq.models.weights import resize_vocab, torch_layout
 from jaxseq.partition import gather, get_partition_rules, match_partition_rules, path_string
 from jaxseq.sharding import STACKED
 
@@ -125,10 +125,13 @@ class Lora:
         """``param_specs``: PartitionSpecs of the model's parameters (``nnx.split(model)[1]``'s structure).
         With ``config.lora_adapter`` the adapter's own settings and weights (``adapter_weights``) are used."""
         self.adapter = read_adapter(config.lora_adapter) if config.lora_adapter else None
-        # our path -> {layer (None: not stacked, see layers.Stacked): (PyTorch name, transposed)}
-        self.layout = stored_layout(model)
+        layout = torch_layout(model)
+        self.layout = {path: (name, transposed) for name, (path, transposed) in layout.items()}  # unrolled paths
         if self.adapter is not None:
-            config = _adapter_config(config, *self.adapter, self.layout)
+            where = layer_paths(nnx.state(model, nnx.Param))
+            config = _adapter_config(
+                config, *self.adapter, {name: where[path][0] for name, (path, _) in layout.items()}
+            )
         self.config, self.rank = config, config.lora_rank
         self.scale = config.lora_alpha / config.lora_rank
         family = family_for(model.config.model_type)
@@ -193,10 +196,10 @@ class Lora:
         tensors = self.adapter[1]
         out = {}
         for path, (fan_in, fan_out) in self.targets.items():
-            names = self.layout[(*path, "kernel")]  # one per layer of a stacked kernel
+            names = self._names((*path, "kernel"))
             for part, shape in (("lora_A", (self.rank, fan_in)), ("lora_B", (fan_out, self.rank))):
                 layers = []
-                for _, (name, _) in sorted(names.items()):
+                for _, name in sorted(names.items()):
                     module = name.removesuffix(".weight")
                     if f"{_PREFIX}{module}.{part}.weight" not in tensors:  # adapted in other layers only
                         raise JaxseqError(
@@ -214,7 +217,7 @@ class Lora:
                     layers.append(array)
                 out[(*path, part)] = (layers[0] if None in names else np.stack(layers)).astype(np.float32)
         for path in self.full:
-            name, transposed = self.layout[path][None]
+            name, transposed = self.layout[path]
             array = tensors[_PREFIX + name]
             array = self._padded(path, array.T if transposed else array)
             if array.shape != self.shapes[path]:
@@ -260,7 +263,7 @@ class Lora:
     def describe(self, model_count: int, trainable_count: int) -> str:
         targets = sorted({re.sub(f"/(\\d+|{STACKED})/", "/*/", _name(path)) for path in self.targets})
         full = sorted({_name(path) for path in self.full})
-        kernels = sum(len(self.layout[(*path, "kernel")]) for path in self.targets)
+        kernels = sum(len(self._names((*path, "kernel"))) for path in self.targets)
         return (
             f"LoRA rank {self.rank} (alpha {self.config.lora_alpha:g}, dropout {self.config.lora_dropout:g}) on "
             f"{kernels} kernels ({', '.join(targets)}); trained in full: {', '.join(full) or 'nothing'}; "
@@ -284,7 +287,7 @@ class Lora:
             return out
         tensors, targets, to_save = {}, [], set()
         for path in self.targets:
-            for layer, (name, _) in self.layout[(*path, "kernel")].items():  # one per layer of a stacked kernel
+            for layer, name in self._names((*path, "kernel")).items():
                 module = name.removesuffix(".weight")
                 targets.append(module)
                 for part in ("lora_A", "lora_B"):
@@ -294,7 +297,7 @@ class Lora:
                         array = self._unpadded((*path, "kernel"), array)
                     tensors[f"base_model.model.{module}.{part}.weight"] = np.ascontiguousarray(array.T)
         for path in self.full:
-            name, transposed = self.layout[path][None]
+            name, transposed = self.layout[path]
             array = self._unpadded(path, flat[_keys(path)])
             tensors[f"base_model.model.{name}"] = np.ascontiguousarray(array.T if transposed else array)
             to_save.add(name.rsplit(".", 1)[0])
@@ -321,6 +324,13 @@ class Lora:
             if tokenizer is not None:
                 tokenizer.save_pretrained(tmp)
         return out
+
+    def _names(self, path) -> dict[int | None, str]:
+        """The PyTorch names of our parameter at ``path`` by layer: one per layer of a stacked one
+        (``layers.Stacked``), else ``{None: name}``."""
+        if STACKED not in path:
+            return {None: self.layout[path][0]}
+        return {i: self.layout[unstacked_path(path, i)][0] for i in range(self.shapes[path][0])}
 
     def _unpadded(self, path, array: np.ndarray) -> np.ndarray:
         """``array`` (shaped like the parameter at ``path`` along its vocabulary axis) trimmed to the real
@@ -362,10 +372,9 @@ def read_adapter(folder: str | os.PathLike) -> tuple[dict, dict[str, np.ndarray]
     return config, load_file(weights)
 
 
-def _adapter_config(config: LoraConfig, adapter: dict, tensors: dict, layout: dict) -> LoraConfig:
+def _adapter_config(config: LoraConfig, adapter: dict, tensors: dict, paths: dict) -> LoraConfig:
     """``config`` with the adapter's rank, alpha and dropout, and regexes that match exactly the kernels it
-    adapts and the parameters it saved in full (``layout``: ``Lora.layout``)."""
-    paths = {name: path for path, names in layout.items() for name, _ in names.values()}
+    adapts and the parameters it saved in full (``paths``: PyTorch name -> where the model keeps it)."""
     rank = int(adapter["r"])
     if config.lora_rank not in (0, rank):
         raise JaxseqError(
