@@ -81,6 +81,11 @@ class _Switch(argparse.Action):
             setattr(namespace, self.dest, self.value)
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Flags with their defaults; the job's description (its module docstring, example commands included)
+    as written, not reflowed into one paragraph."""
+
+
 class _OneLineErrors(argparse.ArgumentParser):
     def error(self, message):  # argparse's default prints usage; keep it to one line
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
@@ -89,7 +94,7 @@ class _OneLineErrors(argparse.ArgumentParser):
 def build_parser(description: str, *sections: type) -> argparse.ArgumentParser:
     # no abbreviations: a misspelt flag (--learning_rat) is an error, not silently another flag
     parser = _OneLineErrors(
-        description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter, allow_abbrev=False
+        description=description, formatter_class=_HelpFormatter, allow_abbrev=False
     )
     parser.add_argument(
         "--config",

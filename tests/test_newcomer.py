@@ -207,6 +207,9 @@ def test_readme_command_runs_as_a_newcomer_runs_it(world, line, command):
     assert not missing, f"README:{line} `{command}` left no {missing}\n{result.stdout[-2000:]}"
     if "--help" in command.split():
         assert result.stdout.startswith("usage: jaxseq"), result.stdout[:300]
+        job = JOB.search(command).group(1)
+        if job != "--help":  # a job's examples keep their own lines (not reflowed into the paragraph)
+            assert re.search(rf"^ +jaxseq {job} --", result.stdout, re.M), result.stdout[:2000]
 
 
 def test_the_demo_config_runs_as_a_newcomer_runs_it(world):

@@ -163,13 +163,18 @@ def _shapes(tree) -> dict[str, tuple]:
     }
 
 
+_NO_METRICS = "Requested `tracked_metric`; did not provide metrics"
+
+
 class _DropOrbaxErrors(logging.Filter):
     """Orbax logs a failed background save with tracebacks before raising it where we wait for the save;
-    that raise becomes the one line (and, with --debug, shows the same traceback as its cause)."""
+    that raise becomes the one line (and, with --debug, shows the same traceback as its cause). Also dropped:
+    the warning that a save carries no metrics while the best checkpoint is tracked, which every save
+    between evaluations does by design (the best is chosen among evaluated steps)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         if record.levelno < logging.ERROR:
-            return True
+            return not (_from_orbax(record.pathname) and record.getMessage().startswith(_NO_METRICS))
         if _from_orbax(record.pathname):
             return False
         # asyncio's "Task/_GatheringFuture exception was never retrieved" for one of the failed save's writes:
