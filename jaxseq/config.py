@@ -93,9 +93,7 @@ class _OneLineErrors(argparse.ArgumentParser):
 
 def build_parser(description: str, *sections: type) -> argparse.ArgumentParser:
     # no abbreviations: a misspelt flag (--learning_rat) is an error, not silently another flag
-    parser = _OneLineErrors(
-        description=description, formatter_class=_HelpFormatter, allow_abbrev=False
-    )
+    parser = _OneLineErrors(description=description, formatter_class=_HelpFormatter, allow_abbrev=False)
     parser.add_argument(
         "--config",
         type=config_path,
