@@ -8,7 +8,7 @@ TORCH := torch==2.13.0
 MODEL ?= $(if $(wildcard ../shared/models/all-MiniLM-L6-v2),../shared/models/all-MiniLM-L6-v2,sentence-transformers/all-MiniLM-L6-v2)
 GLUE_DIR ?= $(wildcard ../shared/data/glue)
 
-.PHONY: demo test lint clean
+.PHONY: demo test newcomer lint clean
 
 $(BIN)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -23,6 +23,10 @@ demo: $(BIN)/.installed
 
 test: $(BIN)/.installed
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile
+
+# README's commands as a new user runs them (one CPU device, default flags); part of `make test` too
+newcomer: $(BIN)/.installed
+	$(BIN)/python -m pytest -q tests/test_newcomer.py
 
 # ruff's lint rules and formatting, configured in pyproject.toml (CI runs this before the tests)
 lint: $(BIN)/.installed
