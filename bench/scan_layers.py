@@ -11,7 +11,8 @@ device memory carried over): it builds the model with random weights, lowers and
 train step (AdamW, all dropout 0, random token ids), then times ``--steps`` steps after ``--warmup``, dispatched
 back to back with one sync at the end. Rows: ``lower_seconds`` (tracing to StableHLO), ``compile_seconds`` (XLA),
 ``seconds_per_step``, ``hlo_bytes`` (the optimised program's text: its size in depth), the device's peak memory
-where it reports one. Results merge into bench/results/scan_layers.json under the device's key.
+where it reports one. Results merge into bench/results/scan_layers.json under the device's key (and the remat
+policy's, if not none).
 """
 
 from __future__ import annotations
@@ -158,7 +159,8 @@ def main() -> int:
     with contextlib.suppress(OSError):  # no git where the bench runs: no commit recorded
         device["environment"] = records.environment()
     results = json.loads(args.json.read_text()) if args.json.is_file() else {}
-    results[f"{device['platform']}:{device['device']}"] = {**device, "settings": settings, "rows": rows}
+    key = f"{device['platform']}:{device['device']}" + ("" if args.remat == "none" else f" remat={args.remat}")
+    results[key] = {**device, "settings": settings, "rows": rows}
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(results, indent=2) + "\n")
     print(f"wrote {args.json}")
