@@ -112,6 +112,34 @@ def row_env(platform: str) -> dict:
     return env
 
 
+def markdown(results: dict) -> str:
+    """BENCHMARKS.md's tables: one per device (and remat policy), a row per depth and mode."""
+    lines = []
+    for key, entry in results.items():
+        s, env = entry["settings"], entry.get("environment", {})
+        lines += [
+            f"**{key}** ({env.get('date')}, jax {env.get('versions', {}).get('jax')}): GPT-2 shapes {s['width']} "
+            f"wide, {s['heads']} heads, vocabulary {s['vocab']}, {s['batch']} x {s['seq']} tokens, {s['dtype']}, "
+            f"remat {s['remat']}, mean of {s['steps']} steps.",
+            "",
+            "| blocks | mode | lower | compile | step | program (HLO text) | peak memory |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for row in entry["rows"]:
+            if "error" in row:
+                lines.append(f"| {row['depth']} | {row['mode']} | {row['error']} | | | | |")
+                continue
+            peak = row.get("peak_memory_bytes")
+            lines.append(
+                f"| {row['depth']} | {row['mode']} | {row['lower_seconds']:.2f} s | {row['compile_seconds']:.2f} s | "
+                f"{1000 * row['seconds_per_step']:.1f} ms | {row['hlo_bytes'] / 1e6:.2f} MB | "
+                + ("-" if peak is None else f"{peak / 2**30:.1f} GiB")
+                + " |"
+            )
+        lines.append("")
+    return "\n".join(lines)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cpu", choices=("cpu", "gpu", "tpu"), help="the JAX platform to run on")
@@ -129,8 +157,11 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps after compiling")
     parser.add_argument("--row_timeout", type=float, default=600, help="seconds a row may take")
     parser.add_argument("--json", type=Path, default=records.RESULTS / "scan_layers.json", help="results file")
+    parser.add_argument("--markdown", action="store_true", help="run nothing: write BENCHMARKS.md's tables")
     parser.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.markdown:
+        return records.write_markdown("scan_layers", markdown)
     if args.worker:
         print(json.dumps(run_row(args, int(args.worker[0]), args.worker[1])))
         return 0

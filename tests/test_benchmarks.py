@@ -8,7 +8,13 @@ from pathlib import Path
 import pytest
 
 BENCH = Path(__file__).resolve().parents[1] / "bench"
-TABLES = {"plans": "plans", "train": "train_vs_pytorch", "glue": "glue_vs_pytorch", "generate": "generate_vs_pytorch"}
+TABLES = {
+    "plans": "plans",
+    "train": "train_vs_pytorch",
+    "glue": "glue_vs_pytorch",
+    "generate": "generate_vs_pytorch",
+    "scan_layers": "scan_layers",
+}
 
 
 @pytest.mark.parametrize("name", sorted(TABLES))
