@@ -97,7 +97,8 @@ def plan_run(
     jax.config.update("jax_platforms", "cpu")  # compiling for the slice needs no accelerator of this machine
     topo = topology(plan.compile_topology)
     mesh = make_mesh(runtime.mesh or None, devices=topo.devices)
-    model = abstract_model(config, task, dtype=jax.numpy.dtype(runtime.dtype))
+    scan_layers = trainer_config.scans(config.model_type)
+    model = abstract_model(config, task, dtype=jax.numpy.dtype(runtime.dtype), scan_layers=scan_layers)
     enable_remat(model, trainer_config.remat)
     use_attention(model, trainer_config.attention, mesh, say=print)  # beside the plan; stderr keeps errors
     accumulate = trainer_config.gradient_accumulation_steps
@@ -136,6 +137,7 @@ def plan_run(
         batch=batch,
         model_flops=flops,
     )
+    result["layers"] = "scanned" if scan_layers else "unrolled"
     output_dir = Path(trainer_config.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     write_plan(output_dir / "plan.json", result)

@@ -796,7 +796,7 @@ def _out_of_memory(message: str) -> int | None:
 
 
 def format_table(plan: dict) -> str:
-    """A few lines for the terminal: memory per device in GiB, step time, MFU, attention kernel."""
+    """A few lines for the terminal: memory per device in GiB, step time, MFU, attention kernel, layers."""
     memory, hbm = plan["bytes_per_device"], plan["hbm_bytes_per_device"]
     mesh = " ".join(f"{k}={v}" for k, v in plan["mesh"].items())
     rows = [f"plan for {plan['accelerator']} ({plan['topology']}, {plan['devices']} devices, mesh {mesh})"]
@@ -808,6 +808,8 @@ def format_table(plan: dict) -> str:
     rows.append(f"  {'step time':<17}{step * 1e3:9.2f} ms" if step is not None else f"  {'step time':<17}{'-':>9}")
     rows.append(f"  {'MFU':<17}{mfu * 100:8.1f} %" if mfu is not None else f"  {'MFU':<17}{'-':>9}")
     rows.append(f"  {'attention':<17}{plan['attention_kernel'] or '-':>9}")
+    if "layers" in plan:  # scanned or unrolled (a run's plan: cli.plan_run)
+        rows.append(f"  {'layers':<17}{plan['layers']:>9}")
     rows.append(f"  ({plan['estimate_method']})")
     return "\n".join(rows)
 

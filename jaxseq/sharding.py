@@ -23,6 +23,13 @@ from jaxseq.errors import JaxseqError
 
 Rules = Sequence[tuple[str, P]]
 STACKED = "stacked"
+"""The path segment of blocks stacked with a leading layer axis (``models.layers.Stacked``), where the unrolled
+model's paths hold the layer's index."""
+
+
+def unstacked_path(path: tuple, layer: int) -> tuple:
+    """The path that layer ``layer`` of a stacked parameter's ``path`` has in the unrolled model."""
+    return tuple(layer if part == STACKED else part for part in path)
 
 
 def _key_name(key) -> str:
@@ -142,15 +149,23 @@ def gather(tree):
 
 
 def describe(tree, specs, mesh: Mesh) -> str:
-    """A table of every leaf: path, shape, dtype, spec and bytes per device, with totals."""
+    """A table of every leaf: path, shape, dtype, spec and bytes per device, with totals. A stacked leaf
+    (``STACKED`` in its path) is a row per layer, named, shaped and split as the unrolled model's."""
     rows, total, per_device = [], 0, 0
     flat_specs = jax.tree.leaves(specs, is_leaf=_is_spec)
     for (name, leaf), spec in zip(named_leaves(tree), flat_specs):
         shape, dtype = tuple(np.shape(leaf)), np.dtype(leaf.dtype)
-        nbytes = math.prod(shape) * dtype.itemsize
         split = math.prod(_axes_size(mesh, axes) for axes in spec)
-        rows.append((name, str(shape), dtype.name, str(spec), nbytes // split))
-        total, per_device = total + nbytes, per_device + nbytes // split
+        names = tuple(name.split("/"))
+        layers = [(name, shape, spec)]
+        if STACKED in names:
+            layers = [("/".join(map(str, unstacked_path(names, i))), shape[1:], P(*spec[1:])) for i in range(shape[0])]
+        for name, layer_shape, layer_spec in layers:
+            nbytes = math.prod(layer_shape) * dtype.itemsize
+            rows.append((name, str(layer_shape), dtype.name, str(layer_spec), nbytes // split))
+            total, per_device = total + nbytes, per_device + nbytes // split
+    if any(f"/{STACKED}/" in name for name, _ in named_leaves(tree)):  # in the unrolled tree's order
+        rows.sort(key=lambda row: [(0, int(p), "") if p.isdigit() else (1, 0, p) for p in row[0].split("/")])
     widths = [
         max(len(str(r[i])) for r in rows + [("path", "shape", "dtype", "spec", "bytes/device")]) for i in range(5)
     ]

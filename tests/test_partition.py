@@ -1,5 +1,7 @@
 """Sharded forward and AdamW step on 8 virtual devices equal the single-device result, per family."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -257,3 +259,21 @@ def test_describe_totals():
     assert [c.strip() for c in rows["w"] if c.strip()] == ["w", "(8, 16)", "float32", "P(None, 'mp')", "128"]
     assert [c.strip() for c in rows["b"] if c.strip()] == ["b", "(16,)", "float32", "P()", "64"]
     assert "2 arrays" in table and "per device" in table
+
+
+def test_the_parameter_table_of_a_scanned_model_is_the_unrolled_models():
+    """A stacked parameter is listed per layer, named, shaped, split and ordered as the unrolled model's."""
+    from transformers import GPT2Config
+
+    from jaxseq.models import from_config
+    from jaxseq.sharding import describe
+
+    mesh = make_mesh("dp=2,fsdp=2,mp=2")
+    config = GPT2Config(n_layer=12, n_embd=32, n_head=2, vocab_size=128, n_positions=64)
+    tables = []
+    for scan in (False, True):
+        params = nnx.state(from_config(config, "causal-lm", mesh=mesh, scan_layers=scan), nnx.Param)
+        specs = partition.match_partition_rules(partition.get_partition_rules("gpt2"), params)
+        tables.append(describe(params, specs, mesh))
+    assert tables[1] == tables[0]
+    assert re.search(r"^transformer/h/11/mlp/c_fc/kernel +\(32, 128\)", tables[1], re.M)

@@ -6,6 +6,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -26,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 FIELDS = {
     "topology", "accelerator", "devices", "mesh", "hbm_bytes_per_device", "bytes_per_device", "fits",
     "model_flops_per_step", "compiled_flops_per_device", "estimated_step_seconds", "estimated_mfu",
-    "estimate_method", "attention_kernel", "compile_seconds", "jax_version", "libtpu_version",
+    "estimate_method", "attention_kernel", "compile_seconds", "jax_version", "libtpu_version", "layers",
 }  # fmt: skip
 
 if importlib.util.find_spec("libtpu") is None:
@@ -59,17 +60,23 @@ def check_fields(plan: dict, accelerator: str, devices: int) -> None:
     assert plan["attention_kernel"] in ("splash", "cudnn", "xla")
 
 
-def test_clm_plan_on_v5e_8(tmp_path):
+@pytest.mark.parametrize(("remat", "layers"), [("none", "unrolled"), ("full", "scanned")])
+def test_clm_plan_on_v5e_8(tmp_path, remat, layers):
+    """The plan compiles the run's step: its blocks scanned as the run's would be (--scan_layers auto: under
+    --remat full), with the same bytes per device either way. (No attention dropout: at this tiny shape, XLA's
+    attention dropout under remat, scanned or not, overflows the stack of libtpu 0.0.42.1's compiler.)"""
     n_layer, n_embd, vocab = 2, 128, 1024
     result, found = plan(
         "pretrain_clm.py", tmp_path,
-        "--model_type", "gpt2", "--config_overrides", f"n_layer={n_layer},n_embd={n_embd},n_head=4,vocab_size={vocab}",
+        "--model_type", "gpt2",
+        "--config_overrides", f"n_layer={n_layer},n_embd={n_embd},n_head=4,vocab_size={vocab},attn_pdrop=0",
         "--block_size", 256, "--per_device_train_batch_size", 2, "--mesh", "dp=2,fsdp=4", "--dtype", "bfloat16",
-        "--compile_topology", "v5e-8",
+        "--remat", remat, "--compile_topology", "v5e-8",
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     plan_ = found
     check_fields(plan_, "v5e-8", 8)
+    assert plan_["layers"] == layers and re.search(rf"^  layers +{layers}$", result.stdout, re.M)
     assert plan_["fits"] and plan_["mesh"] == {"dp": 2, "fsdp": 4, "mp": 1}
     assert "plan for v5e-8" in result.stdout and "fits" in result.stdout
     # float32 master weights, each device holding its shard under GPT-2's rules on this mesh (here, on CPU

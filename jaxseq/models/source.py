@@ -101,11 +101,14 @@ def load_tokenizer(name: str | Path | None, *, fast: bool = True):
     return tokenizer
 
 
-def build_model(source: ModelSource, task: str, config, folder, overrides, *, mesh, dtype, seed: int):
-    """The pretrained checkpoint (with ``overrides``) or a fresh model of ``config``, placed on ``mesh``."""
+def build_model(
+    source: ModelSource, task: str, config, folder, overrides, *, mesh, dtype, seed: int, scan_layers: bool = False
+):
+    """The pretrained checkpoint (with ``overrides``) or a fresh model of ``config``, placed on ``mesh``;
+    ``scan_layers``: its blocks stacked and scanned (``layers.Stacked``)."""
     if source.model_name_or_path:
-        return load_pretrained(folder, task, mesh=mesh, dtype=dtype, seed=seed, **overrides)
-    return from_config(config, task, mesh=mesh, dtype=dtype, seed=seed)
+        return load_pretrained(folder, task, mesh=mesh, dtype=dtype, seed=seed, scan_layers=scan_layers, **overrides)
+    return from_config(config, task, mesh=mesh, dtype=dtype, seed=seed, scan_layers=scan_layers)
 
 
 def check_vocabulary(tokenizer, config) -> None:

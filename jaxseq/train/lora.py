@@ -36,11 +36,11 @@ from jax.sharding import PartitionSpec as P
 from jaxseq.config import arg
 from jaxseq.errors import JaxseqError
 from jaxseq.files import atomic_folder
-from jaxseq.models.layers import Conv1D, dropout_with_key, layer_paths, unstacked_path
+from jaxseq.models.layers import Conv1D, dropout_with_key, layer_paths
 from jaxseq.models.registry import family_for
 from jaxseq.models.weights import resize_vocab, torch_layout
 from jaxseq.partition import gather, get_partition_rules, match_partition_rules, path_string
-from jaxseq.sharding import STACKED
+from jaxseq.sharding import STACKED, unstacked_path
 
 EXPORTS = ("merged", "adapter")
 ADAPTER_HELP = (

@@ -27,6 +27,7 @@ from jaxseq.errors import Interrupted, JaxseqError
 from jaxseq.files import RunLock
 from jaxseq.models.attention import ATTENTION_KERNELS, use_attention
 from jaxseq.models.layers import REMAT_POLICIES, enable_remat
+from jaxseq.models.registry import family_for
 from jaxseq.train.checkpoint import Checkpointer
 from jaxseq.train.feeding import Feeder, with_rows
 from jaxseq.train.logs import Finished, RunLogger
@@ -86,6 +87,15 @@ class TrainerConfig:
         choices=REMAT_POLICIES,
         const="full",
         switches={"gradient_checkpointing": "full"},
+    )
+    scan_layers: str = arg(
+        "auto",
+        "stack the transformer blocks and run them with one scan (compile time flat in depth) instead of a "
+        "Python loop: true, false, or auto (scanned when blocks rematerialise in full, --remat full, where an "
+        "H100 steps as fast scanned; unrolled otherwise, where the scan is slower: bench/scan_layers.py); "
+        "checkpoints resume only into the same layout",
+        choices=("auto", "true", "false"),
+        const="true",
     )
     attention: str = arg(
         "auto",
@@ -147,6 +157,16 @@ class TrainerConfig:
             raise JaxseqError(f"--remat {self.remat!r} is not one of {', '.join(REMAT_POLICIES)}")
         check_writable_dir(self.output_dir, "--output_dir")
         self.backends = parse_report_to(self.report_to)
+
+    def scans(self, model_type: str) -> bool:
+        """Whether a run of a ``model_type`` model stacks and scans its blocks (``--scan_layers``; auto: when
+        its family can and ``--remat full``). On an H100 (GPT-2 small widths, 16 x 1024 tokens, 24 blocks) the
+        scanned step took 81.5 ms against 79.8 unrolled under full remat, 83.9 against 72.1 under dots, and
+        99.3 against 65.6 without remat, while compiling in 6.2-6.9 s at any depth (unrolled: 10.9 s at 12
+        blocks, 34.3 s at 48)."""
+        if self.scan_layers != "auto":
+            return self.scan_layers == "true"
+        return self.remat == "full" and family_for(model_type).scan_layers
 
 
 def check_writable_dir(path: str | os.PathLike, flag: str) -> None:
