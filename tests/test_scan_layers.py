@@ -1,6 +1,8 @@
 """Scanned layers (``scan_layers=True``, ``jaxseq.models.layers.Stacked``): the blocks' parameters stacked with a
 leading layer axis and run by one scan give the unrolled model's logits, gradients, generations, train steps and
-Hugging Face files, from the same (perturbed) weights."""
+Hugging Face files, from the same (perturbed) weights: decoders (GPT-2, GPT-J, Llama, Mistral), BERT (its
+classifier's last layer at the [CLS] tokens alone, apart from the scan) and T5 (v1.0 and v1.1; the position bias
+of the unrolled first block beside each stack)."""
 
 import json
 
@@ -15,6 +17,7 @@ from safetensors.numpy import load_file
 transformers = pytest.importorskip("transformers")
 
 from jaxseq import partition  # noqa: E402
+from jaxseq.data import glue, packing  # noqa: E402
 from jaxseq.errors import JaxseqError  # noqa: E402
 from jaxseq.generation import generate  # noqa: E402
 from jaxseq.mesh import batch_sharding, make_mesh  # noqa: E402
@@ -26,11 +29,12 @@ from jaxseq.models.layers import (  # noqa: E402
     enable_remat,
     gather_layers,
     layer_paths,
-    unstacked_path,
 )
+from jaxseq.models.t5 import shift_right  # noqa: E402
 from jaxseq.models.weights import read_checkpoint, torch_layout  # noqa: E402
+from jaxseq.sharding import unstacked_path  # noqa: E402
 from jaxseq.train.lora import LoraConfig, merge_adapter  # noqa: E402
-from jaxseq.train.objectives import CausalLM  # noqa: E402
+from jaxseq.train.objectives import CausalLM, Seq2SeqLM, SequenceClassification  # noqa: E402
 from tests.reference import padded_batch  # noqa: E402
 from tests.test_gather_layers import constraints  # noqa: E402
 from tests.test_step_parity import flat_params, jaxseq_program  # noqa: E402
@@ -66,8 +70,60 @@ def mistral_config():
     )  # fmt: skip
 
 
-CONFIGS = {"gpt2": gpt2_config, "gptj": gptj_config, "llama": llama_config, "mistral": mistral_config}
-STACKS = {"gpt2": "transformer/h", "gptj": "transformer/h", "llama": "model/layers", "mistral": "model/layers"}
+def bert_config():
+    return transformers.BertConfig(
+        num_hidden_layers=3, hidden_size=32, intermediate_size=48, num_attention_heads=4, vocab_size=VOCAB,
+        max_position_embeddings=32, num_labels=3, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+    )  # fmt: skip
+
+
+def t5_config(**kw):
+    return transformers.T5Config(
+        num_layers=3, num_decoder_layers=2, d_model=32, d_kv=8, num_heads=4, d_ff=48, vocab_size=VOCAB,
+        relative_attention_num_buckets=8, relative_attention_max_distance=16, dropout_rate=0.0,
+        decoder_start_token_id=0, pad_token_id=0, eos_token_id=1, **kw,
+    )  # fmt: skip
+
+
+def t5_v11_config():
+    return t5_config(feed_forward_proj="gated-gelu", tie_word_embeddings=False)
+
+
+CONFIGS = {
+    "gpt2": gpt2_config,
+    "gptj": gptj_config,
+    "llama": llama_config,
+    "mistral": mistral_config,
+    "bert": bert_config,
+    "bert-mlm": bert_config,
+    "t5": t5_config,
+    "t5-v1.1": t5_v11_config,
+}
+TASKS = {"bert": "sequence-classification", "bert-mlm": "masked-lm", "t5": "seq2seq-lm", "t5-v1.1": "seq2seq-lm"}
+STACKS = {
+    "gpt2": ("transformer/h",),
+    "gptj": ("transformer/h",),
+    "llama": ("model/layers",),
+    "mistral": ("model/layers",),
+    "bert": ("bert/encoder/layer",),
+    "bert-mlm": ("bert/encoder/layer",),
+    "t5": ("encoder/block", "decoder/block"),
+    "t5-v1.1": ("encoder/block", "decoder/block"),
+}
+T5_BIAS = "first_only/layer/0/SelfAttention/relative_attention_bias/embedding"  # beside each T5 stack
+
+
+def task(family: str) -> str:
+    return TASKS.get(family, "causal-lm")
+
+
+def objective(family: str, batch_shards: int | None = None):
+    """The family's training objective (a causal LM's in chunks of 4 tokens, its batch in ``batch_shards``)."""
+    if family.startswith("t5"):
+        return Seq2SeqLM()
+    if family.startswith("bert"):
+        return SequenceClassification(glue.get_task("mnli"))
+    return CausalLM() if batch_shards is None else CausalLM(chunk_tokens=4, batch_shards=batch_shards)
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +132,7 @@ def folders(tmp_path_factory):
     folder (padding vocabulary rows come back as zeros, as a load gives them)."""
     out = {}
     for family, make in CONFIGS.items():
-        model = from_config(make(), "causal-lm", seed=0)
+        model = from_config(make(), task(family), seed=0)
         state = nnx.state(model, nnx.Param)
         leaves, treedef = jax.tree.flatten(state)
         keys = jax.random.split(jax.random.key(1), len(leaves))
@@ -86,11 +142,10 @@ def folders(tmp_path_factory):
     return out
 
 
-def pair(folder, **kwargs):
-    """The unrolled and the scanned model loaded from ``folder``."""
-    return load_pretrained(folder, "causal-lm", **kwargs), load_pretrained(
-        folder, "causal-lm", scan_layers=True, **kwargs
-    )
+def pair(folders, family, **kwargs):
+    """The unrolled and the scanned model of ``family`` loaded from its folder."""
+    load = lambda **more: load_pretrained(folders[family], task(family), **kwargs, **more)
+    return load(), load(scan_layers=True)
 
 
 def per_layer(tree) -> dict[str, np.ndarray]:
@@ -103,22 +158,47 @@ def per_layer(tree) -> dict[str, np.ndarray]:
     return out
 
 
-def batch():
-    ids, mask = padded_batch(VOCAB, lengths=(12, 9, 5, 12))
-    return {"input_ids": jnp.asarray(ids), "attention_mask": jnp.asarray(mask)}
+def batch(family="gpt2", packed=False):
+    """Right-padded rows; BERT's with token types and labels (``packed``: into 3 rows), T5's with targets."""
+    ids, mask = padded_batch(VOCAB, lengths=(12, 7, 5, 4) if family.startswith("bert") else (12, 9, 5, 12))
+    out = {"input_ids": ids, "attention_mask": mask}
+    if family.startswith("bert"):
+        types = (np.arange(12)[None, :] >= mask.sum(1, keepdims=True) // 2) & (mask == 1)
+        out.update(token_type_ids=types.astype(np.int32), labels=np.array([0, 2, 1, 2], np.int32))
+        out = packing.pack(out, 3) if packed else out
+    if family.startswith("t5"):
+        labels, target_mask = padded_batch(VOCAB, lengths=(6, 3, 7, 5), seed=1)
+        out.update(labels=labels, decoder_attention_mask=target_mask)
+    return {name: jnp.asarray(array) for name, array in out.items()}
+
+
+def on_mesh(b, mesh):
+    """Batch ``b`` split over the mesh's batch axes."""
+    return {name: jax.device_put(array, batch_sharding(mesh, array.ndim)) for name, array in b.items()}
+
+
+def logits(family, model, b):
+    if family.startswith("t5"):
+        return model(b["input_ids"], b["attention_mask"], shift_right(b["labels"], 0, 0)).logits
+    extra = {name: b[name] for name in ("token_type_ids", "position_ids", "pool_index") if name in b}
+    out = model(b["input_ids"], b["attention_mask"], **extra)
+    return out if family.startswith("bert") else out.logits
 
 
 @pytest.mark.parametrize("family", list(CONFIGS))
 def test_stacked_storage_keeps_hugging_face_names(family, folders, tmp_path):
-    """One stacked module, each parameter with a leading layer axis; the same PyTorch names, and an export
-    with exactly the unrolled model's tensors."""
-    unrolled, scanned = pair(folders[family])
-    stack = STACKS[family]
-    layers = CONFIGS[family]().num_hidden_layers
+    """One stacked module per stack, each parameter with a leading layer axis (beside T5's stacks, the position
+    bias of their unrolled first block); the same PyTorch names, and an export with exactly the unrolled model's
+    tensors."""
+    unrolled, scanned = pair(folders, family)
+    config = CONFIGS[family]()
     params = partition.named_leaves(nnx.state(scanned, nnx.Param))
-    stacked = {name: x.shape for name, x in params if name.startswith(stack + "/")}
-    assert stacked and all(name.startswith(f"{stack}/stacked/") for name in stacked)
-    assert all(shape[0] == layers for shape in stacked.values())
+    for stack in STACKS[family]:
+        layers = config.num_decoder_layers if stack.startswith("decoder") else config.num_hidden_layers
+        inside = {name: x.shape for name, x in params if name.startswith(stack + "/")}
+        stacked = {name: shape for name, shape in inside.items() if name.startswith(f"{stack}/stacked/")}
+        assert stacked and all(shape[0] == layers for shape in stacked.values())
+        assert set(inside) - set(stacked) == ({f"{stack}/{T5_BIAS}"} if family.startswith("t5") else set())
     assert torch_layout(scanned) == torch_layout(unrolled)
 
     save_pretrained(scanned, tmp_path / "scanned")
@@ -134,17 +214,16 @@ def test_stacked_storage_keeps_hugging_face_names(family, folders, tmp_path):
 
 @pytest.mark.parametrize("family", list(CONFIGS))
 def test_scanned_logits_equal_unrolled(family, folders):
-    unrolled, scanned = pair(folders[family])
-    b = batch()
-    want = unrolled(b["input_ids"], b["attention_mask"]).logits
-    got = scanned(b["input_ids"], b["attention_mask"]).logits
-    np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5)
+    unrolled, scanned = pair(folders, family)
+    for packed in (False, True) if family == "bert" else (False,):
+        b = batch(family, packed)
+        np.testing.assert_allclose(logits(family, scanned, b), logits(family, unrolled, b), atol=2e-5, rtol=1e-5)
 
 
-def loss_and_grads(model, b, mesh=None):
+def loss_and_grads(model, b, family="gpt2", mesh=None):
     graphdef, params = nnx.split(model)
-    task = CausalLM(chunk_tokens=4, batch_shards=1 if mesh is None else 4)
-    return jax.jit(jax.value_and_grad(lambda p: task.loss(nnx.merge(graphdef, p), b, None)))(params)
+    loss = objective(family, 1 if mesh is None else 4).loss
+    return jax.jit(jax.value_and_grad(lambda p: loss(nnx.merge(graphdef, p), b, None)))(params)
 
 
 def assert_same_grads(got, want):
@@ -156,22 +235,35 @@ def assert_same_grads(got, want):
 
 
 @pytest.mark.parametrize(
-    "family, policy", [("gpt2", "none"), ("gpt2", "full"), ("gptj", "dots"), ("llama", "offload"), ("mistral", "full")]
+    "family, policy, packed",
+    [
+        ("gpt2", "none", False),
+        ("gpt2", "full", False),
+        ("gptj", "dots", False),
+        ("llama", "offload", False),
+        ("mistral", "full", False),
+        ("bert", "none", False),
+        ("bert", "full", True),
+        ("t5", "none", False),
+        ("t5-v1.1", "dots", False),
+    ],
 )
-def test_scanned_gradients_equal_unrolled(family, policy, folders):
-    unrolled, scanned = pair(folders[family])
-    want = loss_and_grads(unrolled, batch())
-    got = loss_and_grads(enable_remat(scanned, policy), batch())
+def test_scanned_gradients_equal_unrolled(family, policy, packed, folders):
+    unrolled, scanned = pair(folders, family)
+    b = batch(family, packed)
+    want = loss_and_grads(unrolled, b, family)
+    got = loss_and_grads(enable_remat(scanned, policy), b, family)
     assert_same_grads(got, want)
 
 
-@pytest.mark.parametrize("family", ["gpt2", "llama"])
+@pytest.mark.parametrize("family", ["gpt2", "llama", "bert", "t5"])
 def test_rules_take_a_leading_layer_axis(family, folders):
     """The family's own rules shard a stacked parameter behind a replicated layer axis, and a model loaded
     onto a mesh is placed straight onto those shardings."""
     mesh = make_mesh("dp=2,fsdp=2,mp=2")
-    _, scanned = pair(folders[family], mesh=mesh)
-    kernel = {"gpt2": "attn/c_attn/kernel", "llama": "self_attn/q_proj/kernel"}[family]
+    _, scanned = pair(folders, family, mesh=mesh)
+    kernels = {"gpt2": "attn/c_attn", "llama": "self_attn/q_proj", "bert": "self/query", "t5": "SelfAttention/q"}
+    kernel = kernels[family] + "/kernel"
     for name, x in partition.named_leaves(nnx.state(scanned, nnx.Param)):
         if name.endswith(kernel):
             assert x.sharding.spec == P(None, "fsdp", "mp"), name
@@ -179,24 +271,28 @@ def test_rules_take_a_leading_layer_axis(family, folders):
             assert shard.data.shape == x.sharding.shard_shape(x.shape), name
 
 
-@pytest.mark.parametrize("family", ["gpt2", "mistral"])
+@pytest.mark.parametrize("family", ["gpt2", "mistral", "bert", "t5-v1.1"])
 def test_gathered_one_layer_at_a_time_inside_the_scan(family, folders):
     """fsdp's per-block gather works inside the scanned body: the same loss and gradients on a (dp, fsdp, mp)
-    mesh, and the program gathers one layer's weights (as many constraints as one block has, not one per layer)."""
+    mesh, and the program gathers one layer's weights (as many constraints as one block has, not one per layer;
+    BERT's classifier gathers its last layer's once more, where it runs apart from the scan)."""
     mesh = make_mesh("dp=2,fsdp=2,mp=2")
-    unrolled, scanned = pair(folders[family], mesh=mesh)
-    b = jax.device_put(batch(), batch_sharding(mesh))
-    want = loss_and_grads(unrolled, b, mesh)
-    model = gather_layers(enable_remat(scanned), mesh, partition.get_partition_rules(family))
-    weights = next(m for _, m in nnx.iter_modules(model) if isinstance(m, Stacked)).stacked.weight_gather.weights
-    assert weights and all(len(sharding.spec) == 2 and "fsdp" not in str(sharding.spec) for _, _, sharding in weights)
-    assert_same_grads(loss_and_grads(model, b, mesh), want)
+    unrolled, scanned = pair(folders, family, mesh=mesh)
+    b = on_mesh(batch(family), mesh)
+    want = loss_and_grads(unrolled, b, family, mesh)
+    model = gather_layers(enable_remat(scanned), mesh, partition.get_partition_rules(family.split("-")[0]))
+    stacks = [m.stacked.weight_gather.weights for _, m in nnx.iter_modules(model) if isinstance(m, Stacked)]
+    assert len(stacks) == len(STACKS[family])
+    for weights in stacks:
+        assert weights and all(len(s.spec) == 2 and "fsdp" not in str(s.spec) for _, _, s in weights)
+    assert_same_grads(loss_and_grads(model, b, family, mesh), want)
 
     _, params = nnx.split(model)
-    loss = lambda p: CausalLM(chunk_tokens=4, batch_shards=4).loss(nnx.merge(nnx.graphdef(model), p), b, None)
+    loss = lambda p: objective(family, 4).loss(nnx.merge(nnx.graphdef(model), p), b, None)
     found = [spec for spec, _, _ in constraints(jax.make_jaxpr(loss)(params).jaxpr)]
-    gathered = {sharding.spec for _, _, sharding in weights}
-    assert sum(spec in gathered for spec in found) == len(weights)  # once in the scan's body, for every layer
+    gathered = {sharding.spec for weights in stacks for _, _, sharding in weights}
+    runs = 2 if family == "bert" else 1  # once in each scan's body, for every layer
+    assert sum(spec in gathered for spec in found) == runs * sum(map(len, stacks))
 
 
 def test_each_layer_draws_its_own_dropout_key():
@@ -221,7 +317,7 @@ def test_each_layer_draws_its_own_dropout_key():
 
 
 def test_scanned_training_with_dropout_runs(folders):
-    _, scanned = pair(folders["gpt2"], resid_pdrop=0.3, attn_pdrop=0.2)
+    _, scanned = pair(folders, "gpt2", resid_pdrop=0.3, attn_pdrop=0.2)
     b = batch()
     graphdef, params = nnx.split(scanned)
     loss = lambda p, seed: CausalLM().loss(nnx.merge(graphdef, p), b, nnx.Rngs(dropout=jax.random.key(seed)))
@@ -230,25 +326,26 @@ def test_scanned_training_with_dropout_runs(folders):
     assert loss(params, 1) != first and loss(params, 0) == first
 
 
-@pytest.mark.parametrize("family", list(CONFIGS))
+@pytest.mark.parametrize("family", ["gpt2", "gptj", "llama", "mistral", "t5", "t5-v1.1"])
 def test_scanned_generation_equals_unrolled(family, folders):
-    """Greedy tokens from a stacked KV cache (``[layers, batch, ...]``, carried through the scan) equal the
-    unrolled model's, with left padding, also on a mesh."""
-    unrolled, scanned = pair(folders[family])
-    cache = scanned.init_cache(2, 8)
-    assert cache.layers.k.shape[0] == CONFIGS[family]().num_hidden_layers
+    """Greedy tokens from a stacked KV cache (``[layers, batch, ...]``, carried through the scan; T5's
+    cross-attention keys/values stacked too) equal the unrolled model's, with left padding, also on a mesh."""
+    unrolled, scanned = pair(folders, family)
+    config = CONFIGS[family]()
     ids, mask = padded_batch(VOCAB, lengths=(7, 3))
+    if family.startswith("t5"):
+        cache = scanned.init_cache(scanned.encode(jnp.asarray(ids), jnp.asarray(mask)), jnp.asarray(mask), 8)
+        assert cache.layers.k.shape[0] == cache.cross.k.shape[0] == config.num_decoder_layers
+    else:
+        assert scanned.init_cache(2, 8).layers.k.shape[0] == config.num_hidden_layers
     want = generate(unrolled, ids, mask, max_new_tokens=10).sequences
     np.testing.assert_array_equal(generate(scanned, ids, mask, max_new_tokens=10).sequences, want)
-    if family == "gpt2":
-        _, on_mesh = pair(folders[family], mesh=make_mesh("dp=2,mp=4"))
-        np.testing.assert_array_equal(generate(on_mesh, ids, mask, max_new_tokens=10).sequences, want)
+    if family in ("gpt2", "t5-v1.1"):
+        _, sharded = pair(folders, family, mesh=make_mesh("dp=2,mp=4"))
+        np.testing.assert_array_equal(generate(sharded, ids, mask, max_new_tokens=10).sequences, want)
 
 
-def test_families_that_cannot_scan_say_so():
-    bert = transformers.BertConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, intermediate_size=64)
-    with pytest.raises(JaxseqError, match="bert models cannot scan their layers yet"):
-        abstract_model(bert, "sequence-classification", scan_layers=True)
+def test_configs_that_cannot_scan_say_so():
     qwen = transformers.Qwen2Config(
         num_hidden_layers=3, hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2,
         vocab_size=VOCAB, use_sliding_window=True, sliding_window=4, max_window_layers=1,
@@ -261,16 +358,16 @@ def one_device():
     return make_mesh("dp=1", devices=jax.devices()[:1])
 
 
-def train_step(folder, mesh, *, scan_layers, remat="none", lora=None, adapters=None):
+def train_step(folders, family, mesh, *, scan_layers, remat="none", lora=None, adapters=None):
     """One step of the train program (``TrainProgram.step``): (loss, trained parameters before and after by the
     unrolled model's paths or, with LoRA, as trained, the program and the frozen weights)."""
-    model = enable_remat(load_pretrained(folder, "causal-lm", mesh=mesh, scan_layers=scan_layers), remat)
-    program = jaxseq_program(model, CausalLM(), mesh, max_grad_norm=1.0, lora=lora)
+    model = load_pretrained(folders[family], task(family), mesh=mesh, scan_layers=scan_layers)
+    program = jaxseq_program(enable_remat(model, remat), objective(family), mesh, max_grad_norm=1.0, lora=lora)
     frozen = nnx.state(model) if lora else None
     trained = nnx.state(model) if lora is None else adapters(program, frozen)
     before = per_layer(trained) if lora is None else flat_params(trained)
     state = program.init_state(trained)
-    state, metrics = program.step(state, frozen, jax.device_put(batch(), batch_sharding(mesh)))
+    state, metrics = program.step(state, frozen, on_mesh(batch(family), mesh))
     after = per_layer(state.params) if lora is None else flat_params(state.params)
     return float(metrics["loss"]), before, after, program, frozen
 
@@ -286,12 +383,12 @@ def assert_same_step(got, want):
         assert np.all(np.abs(got[2][name] - after) <= tol), name
 
 
-@pytest.mark.parametrize("family", ["gpt2", "llama"])
+@pytest.mark.parametrize("family", ["gpt2", "llama", "bert", "t5-v1.1"])
 def test_sharded_scanned_step_equals_one_device(family, folders):
     """A scanned model's train step on a (dp=2, fsdp=2, mp=2) mesh, per-layer gathers and remat inside the scan,
     equals the unrolled model's step on one device."""
-    want = train_step(folders[family], one_device(), scan_layers=False)
-    got = train_step(folders[family], make_mesh("dp=2,fsdp=2,mp=2"), scan_layers=True, remat="full")
+    want = train_step(folders, family, one_device(), scan_layers=False)
+    got = train_step(folders, family, make_mesh("dp=2,fsdp=2,mp=2"), scan_layers=True, remat="full")
     assert_same_step(got, want)
 
 
@@ -319,8 +416,8 @@ def test_lora_on_stacked_kernels_equals_unrolled(folders, tmp_path):
         return traverse_util.unflatten_dict(flat)
 
     mesh = one_device()
-    want = train_step(folders["llama"], mesh, scan_layers=False, lora=config, adapters=unrolled)
-    got = train_step(folders["llama"], mesh, scan_layers=True, lora=config, adapters=stacked)
+    want = train_step(folders, "llama", mesh, scan_layers=False, lora=config, adapters=unrolled)
+    got = train_step(folders, "llama", mesh, scan_layers=True, lora=config, adapters=stacked)
     assert got[0] == pytest.approx(want[0], rel=1e-6)
     for name, array in got[2].items():
         for i, layer in enumerate(array):

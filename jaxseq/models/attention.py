@@ -115,20 +115,20 @@ class Cache(NamedTuple):
         return (self.layers if isinstance(self.layers, KVCache) else self.layers[layer]).max_len
 
 
-def run_blocks(blocks, remat: str, x, mask, *args, cache: Cache | None, rngs):
+def run_blocks(blocks, remat: str, x, mask, *args, cache: Cache | None, rngs, **kwargs):
     """Run decoder blocks in order (a list, or a scanned ``Stacked`` one), each reading and writing its own
-    layer of ``cache`` (if given) at the cache's index; returns the output and the cache advanced past ``x``'s
-    positions."""
+    layer of ``cache`` (if given) at the cache's index, and reading its own cross-attention keys/values
+    (``cache.cross``, as ``cross=``); returns the output and the cache advanced past ``x``'s positions."""
     index = 0 if cache is None else cache.index
+    own = {} if cache is None else {"cache": cache.layers, "cross": cache.cross}
+    own = {name: value for name, value in own.items() if value is not None}
     if isinstance(blocks, Stacked):
-        layers = None if cache is None else cache.layers
-        x, layers = blocks(remat, x, mask, *args, cache=layers, index=index, rngs=rngs)
+        x, layers = blocks(remat, x, mask, *args, per_layer=own, index=index, rngs=rngs, **kwargs)
     else:
         layers = []
         for i, block in enumerate(blocks):
-            x, layer = call_block(
-                block, remat, x, mask, *args, cache=None if cache is None else cache.layers[i], index=index, rngs=rngs
-            )
+            layer = {name: value[i] for name, value in own.items()}
+            x, layer = call_block(block, remat, x, mask, *args, index=index, rngs=rngs, **layer, **kwargs)
             layers.append(layer)
         layers = tuple(layers)
     if cache is not None:

@@ -19,7 +19,9 @@ from jaxseq.models.attention import (
 from jaxseq.models.family import Family
 from jaxseq.models.layers import (
     Linear,
+    Stacked,
     activation,
+    blocks,
     call_block,
     dropout,
     normal,
@@ -132,19 +134,28 @@ class BertLayer(nnx.Module):
 
 
 class BertEncoder(nnx.Module):
-    def __init__(self, config, *, dtype, param_dtype, rngs: nnx.Rngs):
-        kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-        self.layer = nnx.List([BertLayer(config, **kw) for _ in range(config.num_hidden_layers)])
+    """The layers: a list, or (``scan_layers``) stacked and scanned (``layers.Stacked``)."""
+
+    def __init__(self, config, *, dtype, param_dtype, rngs: nnx.Rngs, scan_layers: bool = False):
+        make = lambda i, rngs: BertLayer(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.layer = blocks(make, config.num_hidden_layers, rngs, scan=scan_layers)
         self.remat = "none"  # see layers.enable_remat
 
     def __call__(self, x, mask, rngs=None, positions=None):
         """The last layer's states, ``[batch, seq, d]``; with ``positions`` (flat), only theirs: the last layer
-        then computes its queries, feed-forward and norms there alone (a classifier reads nothing else)."""
-        if positions is not None and not len(self.layer):
+        then computes its queries, feed-forward and norms there alone (a classifier reads nothing else); a
+        scanned stack runs it apart from the scan, from its slice of the stacked parameters."""
+        n = len(self.layer)
+        if positions is not None and not n:
             return take_positions(x, positions)
-        for i, layer in enumerate(self.layer):
-            at = {"positions": positions} if positions is not None and i == len(self.layer) - 1 else {}
-            x = call_block(layer, self.remat, x, mask, rngs, **at)
+        whole = n if positions is None else n - 1  # the layers over every token
+        if isinstance(self.layer, Stacked):
+            x, _ = self.layer(self.remat, x, mask, layers=slice(whole), rngs=rngs)
+        else:
+            for i in range(whole):
+                x = call_block(self.layer[i], self.remat, x, mask, rngs)
+        if positions is not None:
+            x = call_block(self.layer[n - 1], self.remat, x, mask, rngs, positions=positions)
         return x
 
 
@@ -169,7 +180,8 @@ class BertModel(nnx.Module):
     """The encoder, and the pooler unless ``add_pooling_layer=False`` (as in ``BertForMaskedLM``).
     ``attention_mask`` is ``[batch, seq]`` (1 = token, 0 = padding, or packed segment ids, see
     ``jaxseq.data.packing``); ``token_type_ids`` default to 0 (segment A) and ``position_ids`` to
-    ``0 .. seq - 1``. Attention is bidirectional unless ``config.is_decoder``."""
+    ``0 .. seq - 1``. Attention is bidirectional unless ``config.is_decoder``. ``scan_layers``: the encoder's
+    layers stacked and scanned (``layers.Stacked``)."""
 
     hf_architecture = "BertModel"
 
@@ -181,6 +193,7 @@ class BertModel(nnx.Module):
         dtype=jnp.float32,
         param_dtype=jnp.float32,
         rngs: nnx.Rngs,
+        scan_layers: bool = False,
     ):
         position_type = getattr(config, "position_embedding_type", None) or "absolute"
         if position_type != "absolute":
@@ -190,7 +203,7 @@ class BertModel(nnx.Module):
         self.config = config
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.embeddings = BertEmbeddings(config, **kw)
-        self.encoder = BertEncoder(config, **kw)
+        self.encoder = BertEncoder(config, scan_layers=scan_layers, **kw)
         self.pooler = BertPooler(config, **kw) if add_pooling_layer else None
 
     def __call__(
@@ -235,9 +248,11 @@ class BertForSequenceClassification(nnx.Module):
     pooled_token = "first"  # which token of a packed example pool_index points at
     task_head = r"^classifier/"  # what fine-tuning adds to the pretrained model (trained in full beside LoRA)
 
-    def __init__(self, config, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
+    def __init__(
+        self, config, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs, scan_layers: bool = False
+    ):
         self.config = config
-        self.bert = BertModel(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.bert = BertModel(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs, scan_layers=scan_layers)
         self.classifier = Linear(
             config.hidden_size,
             config.num_labels,
@@ -302,10 +317,12 @@ class BertForMaskedLM(nnx.Module):
 
     hf_architecture = "BertForMaskedLM"
 
-    def __init__(self, config, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
+    def __init__(
+        self, config, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs, scan_layers: bool = False
+    ):
         self.config = config
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-        self.bert = BertModel(config, add_pooling_layer=False, **kw)
+        self.bert = BertModel(config, add_pooling_layer=False, scan_layers=scan_layers, **kw)
         self.cls = BertOnlyMLMHead(config, **kw)
 
     def __call__(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None, *, rngs=None):
@@ -335,6 +352,7 @@ FAMILY = Family(
     },
     ignore=(r"(^|\.)position_ids$",),
     lora_targets=r"/(query|value)/kernel$",
+    scan_layers=True,
     vocab_params=((r"word_embeddings/embedding$", 0), (r"decoder/kernel$", 1), (r"(decoder|predictions)/bias$", 0)),
     # Megatron-style: q/k/v and the feed-forward input split by output column over mp, the attention and
     # feed-forward outputs by input row; the other kernel dimension over fsdp. Token embeddings and the

@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxseq.errors import JaxseqError
 from jaxseq.mesh import batch_spec, data_parallel_size
-from jaxseq.sharding import STACKED, match_partition_rules, named_leaves, path_string
+from jaxseq.sharding import STACKED, match_partition_rules, named_leaves, path_string, unstacked_path
 
 
 def gelu_exact(x: jax.Array) -> jax.Array:
@@ -309,7 +309,9 @@ class Stacked(nnx.Module):
     ``Stacked``). ``make(rngs)`` builds one block; each layer is initialised from its own split of ``rngs``.
     A block class whose numbers depend on its layer (GPT-2's ``scale_attn_by_inverse_layer_idx``) sets
     ``uses_layer_index`` and is called with ``layer=`` its (traced) index. Parameter paths hold ``STACKED``
-    where the unrolled model's hold the layer index (``unstacked_path``)."""
+    where the unrolled model's hold the layer index (``unstacked_path``). Parameters that only the unrolled
+    stack's first block holds (T5's relative position bias) live beside the stack, in ``first_only``, at their
+    paths inside that block (``nested``): the unrolled paths hold 0 where theirs hold ``FIRST_ONLY``."""
 
     def __init__(self, make, count: int, rngs: nnx.Rngs):
         @nnx.split_rngs(splits=count)
@@ -320,22 +322,50 @@ class Stacked(nnx.Module):
         self.stacked = build(rngs)
         self.count = count
 
-    def __call__(self, remat: str, x, *args, cache=None, rngs: nnx.Rngs | None = None, **kwargs):
-        """``x`` through every block in order under ``call_block``, each with its own layer of ``cache`` (stacked
-        keys/values, or None) and its own dropout key (``rngs``' next one folded with the layer index); returns
-        the output and the blocks' caches, stacked."""
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, layer: int) -> nnx.Module:
+        """Block ``layer`` on its own, its parameters a slice of the stack's."""
+        graphdef, state = nnx.split(self.stacked)
+        return nnx.merge(graphdef, jax.tree.map(lambda a: a[layer], state))
+
+    def each(self, fn):
+        """``fn(block)`` of every block, stacked (a ``vmap`` over the layers)."""
+        graphdef, state = nnx.split(self.stacked)
+        return jax.vmap(lambda state: fn(nnx.merge(graphdef, state)))(state)
+
+    def __call__(self, remat: str, x, *args, per_layer=None, layers=slice(None), rngs: nnx.Rngs | None = None, **kw):
+        """``x`` through the blocks in order (``layers``: a slice of them) under ``call_block``, each given its own
+        layer of ``per_layer`` (keyword arguments stacked over the layers: a decoder's KV caches) and its own
+        dropout key (``rngs``' next one folded with the layer index); returns the output and what the blocks
+        return beside it (their caches), stacked, or None from blocks that return their output alone."""
         graphdef, state = nnx.split(self.stacked)
         key = None if rngs is None else rngs.dropout()
         layered = getattr(type(self.stacked), "uses_layer_index", False)
 
         def body(x, xs):
-            state, layer, cache = xs
+            state, layer, own = xs
             block_rngs = None if key is None else nnx.Rngs(dropout=jax.random.fold_in(key, layer))
             extra = {"layer": layer} if layered else {}
             block = nnx.merge(graphdef, state)
-            return call_block(block, remat, x, *args, cache=cache, rngs=block_rngs, **kwargs, **extra)
+            out = call_block(block, remat, x, *args, rngs=block_rngs, **kw, **own, **extra)
+            return out if isinstance(out, tuple) else (out, None)
 
-        return jax.lax.scan(body, x, (state, jnp.arange(self.count, dtype=jnp.int32), cache))
+        xs = (state, jnp.arange(self.count, dtype=jnp.int32), per_layer or {})
+        return jax.lax.scan(body, x, jax.tree.map(lambda a: a[layers], xs))
+
+
+FIRST_ONLY = "first_only"
+"""The path segment of parameters that only a scanned stack's unrolled first block holds (``Stacked``)."""
+
+
+def nested(path: str, module: nnx.Module) -> nnx.Module:
+    """``module`` inside containers that put it at ``path`` (``layer/0/SelfAttention``; a number is a list's
+    first item) of the result, as ``Stacked.first_only`` keeps what the unrolled first block holds."""
+    for part in reversed(path.split("/")):
+        module = nnx.List([module]) if part == "0" else nnx.Dict({part: module})
+    return module
 
 
 def blocks(make, count: int, rngs: nnx.Rngs, *, scan: bool) -> nnx.List | Stacked:
@@ -346,19 +376,14 @@ def blocks(make, count: int, rngs: nnx.Rngs, *, scan: bool) -> nnx.List | Stacke
     return nnx.List([make(i, rngs) for i in range(count)])
 
 
-def unstacked_path(path: tuple, layer: int) -> tuple:
-    """The path that layer ``layer`` of a stacked parameter's ``path`` has in the unrolled model."""
-    return tuple(layer if part == STACKED else part for part in path)
-
-
 def layer_paths(state) -> dict[tuple, tuple[tuple, int | None]]:
     """The one map from the unrolled model's parameter paths (``transformer/h/3/attn/c_attn/kernel``) to where a
-    model of either kind keeps them: ``(path, layer)``, ``layer`` None for a parameter that is not stacked.
-    ``state``: the model's parameters (arrays or shapes)."""
+    model of either kind keeps them: ``(path, layer)``, ``layer`` None for a parameter that is not stacked
+    (``Stacked.first_only``'s included). ``state``: the model's parameters (arrays or shapes)."""
     out = {}
     for path, value in nnx.to_flat_state(state):
         if STACKED in path:
             out.update({unstacked_path(path, i): (path, i) for i in range(value.get_value().shape[0])})
         else:
-            out[path] = (path, None)
+            out[tuple(0 if part == FIRST_ONLY else part for part in path)] = (path, None)
     return out

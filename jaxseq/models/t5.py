@@ -9,6 +9,10 @@ to the shared embeddings with the decoder output scaled by ``d_model**-0.5``) an
 Encoder and decoder can run apart: ``encode`` once, then ``decode`` as often as needed. For generation,
 ``init_cache`` computes every decoder layer's cross-attention keys/values from the encoder output once
 (``Cache.cross``) and preallocates the self-attention cache that ``decode`` fills position by position.
+
+``scan_layers=True`` stacks each stack's blocks and runs them by one scan (``layers.Stacked``); the relative
+position bias table of the unrolled first block then lives beside the stack (``Stacked.first_only``), and
+each stack computes its bias once, before its blocks, as the unrolled model does.
 """
 
 from __future__ import annotations
@@ -31,15 +35,18 @@ from jaxseq.models.attention import (
     make_mask,
     merge_heads,
     query_positions,
+    run_blocks,
     split_heads,
     update_kv,
 )
 from jaxseq.models.family import Family
 from jaxseq.models.layers import (
     Linear,
+    Stacked,
     activation,
-    call_block,
+    blocks,
     dropout,
+    nested,
     normal,
     one_hot_lookup,
     padded_vocab_size,
@@ -117,13 +124,36 @@ def shift_right(labels, decoder_start_token_id: int, pad_token_id: int):
     return jnp.where(shifted == -100, jnp.asarray(pad_token_id, labels.dtype), shifted)
 
 
+def position_table(config, *, dtype, param_dtype, rngs: nnx.Rngs) -> nnx.Embed:
+    """A stack's relative position bias, ``[buckets, heads]``: what its first self-attention layer holds."""
+    return nnx.Embed(
+        config.relative_attention_num_buckets,
+        config.num_heads,
+        embedding_init=normal(config.initializer_factor * config.d_model**-0.5),
+        dtype=dtype,
+        param_dtype=param_dtype,
+        rngs=rngs,
+    )
+
+
+def position_bias(table: nnx.Embed, config, q_len: int, kv_len: int, index=0, *, is_decoder: bool):
+    """``[1, heads, q_len, kv_len]`` bias of ``table`` (``position_table``) for queries at ``index ..`` and keys
+    at ``0 .. kv_len - 1`` (causal buckets in the decoder, bidirectional in the encoder)."""
+    relative = jnp.arange(kv_len, dtype=jnp.int32)[None, :] - query_positions(q_len, index)[:, None]
+    buckets = relative_position_bucket(
+        relative,
+        bidirectional=not is_decoder,
+        num_buckets=config.relative_attention_num_buckets,
+        max_distance=config.relative_attention_max_distance,
+    )
+    return jnp.transpose(one_hot_lookup(table, buckets), (2, 0, 1))[None]
+
+
 class T5Attention(nnx.Module):
     """Unscaled multi-head attention; the first self-attention layer of each stack also owns the
     relative position bias that every layer of the stack adds to its scores."""
 
-    def __init__(
-        self, config, *, has_relative_attention_bias=False, is_decoder=False, dtype, param_dtype, rngs: nnx.Rngs
-    ):
+    def __init__(self, config, *, has_relative_attention_bias=False, dtype, param_dtype, rngs: nnx.Rngs):
         d, heads, d_kv, f = config.d_model, config.num_heads, config.d_kv, config.initializer_factor
         inner = heads * d_kv
         kw = dict(use_bias=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
@@ -132,35 +162,13 @@ class T5Attention(nnx.Module):
         self.v = Linear(d, inner, kernel_init=normal(f * d**-0.5), **kw)
         self.o = Linear(inner, d, kernel_init=normal(f * inner**-0.5), **kw)
         if has_relative_attention_bias:
-            self.relative_attention_bias = nnx.Embed(
-                config.relative_attention_num_buckets,
-                heads,
-                embedding_init=normal(f * d**-0.5),
-                dtype=dtype,
-                param_dtype=param_dtype,
-                rngs=rngs,
-            )
-        self.is_decoder = is_decoder
+            self.relative_attention_bias = position_table(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.num_heads = heads
-        self.num_buckets = config.relative_attention_num_buckets
-        self.max_distance = config.relative_attention_max_distance
         self.dropout_rate = config.dropout_rate
         self.attention = AttentionKernel()  # always XLA: the fused kernels cannot add the position bias
 
     fused_kernels = False
     dropout_field = "dropout_rate"
-
-    def compute_bias(self, q_len: int, kv_len: int, index=0):
-        """``[1, heads, q_len, kv_len]`` bias for queries at ``index ..`` and keys at ``0 .. kv_len - 1``
-        (causal buckets in the decoder, bidirectional in the encoder)."""
-        relative = jnp.arange(kv_len, dtype=jnp.int32)[None, :] - query_positions(q_len, index)[:, None]
-        buckets = relative_position_bucket(
-            relative,
-            bidirectional=not self.is_decoder,
-            num_buckets=self.num_buckets,
-            max_distance=self.max_distance,
-        )
-        return jnp.transpose(one_hot_lookup(self.relative_attention_bias, buckets), (2, 0, 1))[None]
 
     def key_values(self, states) -> tuple[jax.Array, jax.Array]:
         """Keys and values of ``states``, ``[batch, len, heads, d_kv]``."""
@@ -203,11 +211,9 @@ class T5Attention(nnx.Module):
 
 
 class T5LayerSelfAttention(nnx.Module):
-    def __init__(self, config, *, has_relative_attention_bias, is_decoder, dtype, param_dtype, rngs: nnx.Rngs):
+    def __init__(self, config, *, has_relative_attention_bias, dtype, param_dtype, rngs: nnx.Rngs):
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-        self.SelfAttention = T5Attention(
-            config, has_relative_attention_bias=has_relative_attention_bias, is_decoder=is_decoder, **kw
-        )
+        self.SelfAttention = T5Attention(config, has_relative_attention_bias=has_relative_attention_bias, **kw)
         self.layer_norm = nnx.RMSNorm(config.d_model, epsilon=config.layer_norm_epsilon, **kw)
         self.dropout_rate = config.dropout_rate
 
@@ -219,7 +225,7 @@ class T5LayerSelfAttention(nnx.Module):
 class T5LayerCrossAttention(nnx.Module):
     def __init__(self, config, *, dtype, param_dtype, rngs: nnx.Rngs):
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-        self.EncDecAttention = T5Attention(config, is_decoder=True, **kw)
+        self.EncDecAttention = T5Attention(config, **kw)
         self.layer_norm = nnx.RMSNorm(config.d_model, epsilon=config.layer_norm_epsilon, **kw)
         self.dropout_rate = config.dropout_rate
 
@@ -272,11 +278,7 @@ class T5Block(nnx.Module):
 
     def __init__(self, config, *, has_relative_attention_bias, is_decoder, dtype, param_dtype, rngs: nnx.Rngs):
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-        layers = [
-            T5LayerSelfAttention(
-                config, has_relative_attention_bias=has_relative_attention_bias, is_decoder=is_decoder, **kw
-            )
-        ]
+        layers = [T5LayerSelfAttention(config, has_relative_attention_bias=has_relative_attention_bias, **kw)]
         if is_decoder:
             layers.append(T5LayerCrossAttention(config, **kw))
         layers.append(T5LayerFF(config, **kw))
@@ -293,18 +295,38 @@ class T5Block(nnx.Module):
 
 
 class T5Stack(nnx.Module):
-    """The encoder or the decoder: blocks and a final RMS norm, fed embeddings of the shared table."""
+    """The encoder or the decoder: blocks and a final RMS norm, fed embeddings of the shared table;
+    ``scan_layers``: the blocks stacked and scanned (``layers.Stacked``)."""
 
-    def __init__(self, config, *, is_decoder: bool, dtype, param_dtype, rngs: nnx.Rngs):
+    def __init__(self, config, *, is_decoder: bool, dtype, param_dtype, rngs: nnx.Rngs, scan_layers: bool = False):
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-        n = config.num_decoder_layers if is_decoder else config.num_layers
-        self.block = nnx.List(
-            [T5Block(config, has_relative_attention_bias=i == 0, is_decoder=is_decoder, **kw) for i in range(n)]
+        self.block = blocks(
+            lambda i, rngs: T5Block(
+                config,
+                has_relative_attention_bias=i == 0 and not scan_layers,
+                is_decoder=is_decoder,
+                dtype=dtype,
+                param_dtype=param_dtype,
+                rngs=rngs,
+            ),
+            config.num_decoder_layers if is_decoder else config.num_layers,
+            rngs,
+            scan=scan_layers,
         )
+        if scan_layers:
+            table = position_table(config, **kw)
+            self.block.first_only = nested("layer/0/SelfAttention/relative_attention_bias", table)
         self.final_layer_norm = nnx.RMSNorm(config.d_model, epsilon=config.layer_norm_epsilon, **kw)
+        self.config = config
         self.is_decoder = is_decoder
         self.dropout_rate = config.dropout_rate
         self.remat = "none"  # see layers.enable_remat
+
+    @property
+    def bias_table(self) -> nnx.Embed:
+        """The relative position bias of every layer: the unrolled first block's (``position_table``)."""
+        first = self.block.first_only if isinstance(self.block, Stacked) else self.block[0]
+        return first.layer[0].SelfAttention.relative_attention_bias
 
     def __call__(
         self,
@@ -320,34 +342,27 @@ class T5Stack(nnx.Module):
         ``max_len`` positions. The decoder attends to ``encoder_hidden`` or to ``cache.cross``."""
         seq = embeds.shape[1]
         index = 0 if cache is None else cache.index
-        kv_len = seq if cache is None else cache.layers[0].max_len
+        kv_len = seq if cache is None else cache.max_len()
         mask = make_mask(attention_mask, seq, kv_len, causal=self.is_decoder, index=index)
-        bias = self.block[0].layer[0].SelfAttention.compute_bias(seq, kv_len, index).astype(embeds.dtype)
+        bias = position_bias(self.bias_table, self.config, seq, kv_len, index, is_decoder=self.is_decoder)
         cross_mask = None
         if self.is_decoder:
             if cache is None and encoder_hidden is None:
                 raise JaxseqError("the T5 decoder needs encoder_hidden (or a cache from init_cache)")
-            enc_len = encoder_hidden.shape[1] if cache is None else cache.cross[0].max_len
+            enc_len = encoder_hidden.shape[1] if cache is None else jax.tree.leaves(cache.cross)[0].shape[-2]
             cross_mask = make_mask(encoder_mask, seq, enc_len, causal=False, cross=True)
         x = dropout(embeds, self.dropout_rate, rngs)
-        new_layers = []
-        for i, block in enumerate(self.block):
-            x, layer_cache = call_block(
-                block,
-                self.remat,
-                x,
-                mask,
-                bias,
-                encoder_hidden=encoder_hidden,
-                encoder_mask=cross_mask,
-                cross=None if cache is None else cache.cross[i],
-                cache=None if cache is None else cache.layers[i],
-                index=index,
-                rngs=rngs,
-            )
-            new_layers.append(layer_cache)
-        if cache is not None:
-            cache = Cache(tuple(new_layers), cache.index + seq, cache.cross)
+        x, cache = run_blocks(
+            self.block,
+            self.remat,
+            x,
+            mask,
+            bias.astype(embeds.dtype),
+            cache=cache,
+            rngs=rngs,
+            encoder_hidden=encoder_hidden,
+            encoder_mask=cross_mask,
+        )
         return BaseOutput(dropout(self.final_layer_norm(x), self.dropout_rate, rngs), cache)
 
 
@@ -357,14 +372,16 @@ class T5ForConditionalGeneration(nnx.Module):
 
     hf_architecture = "T5ForConditionalGeneration"
 
-    def __init__(self, config, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
+    def __init__(
+        self, config, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs, scan_layers: bool = False
+    ):
         self.config = config
         self.dtype = dtype
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         f = config.initializer_factor
         self.shared = nnx.Embed(padded_vocab_size(config.vocab_size), config.d_model, embedding_init=normal(f), **kw)
-        self.encoder = T5Stack(config, is_decoder=False, **kw)
-        self.decoder = T5Stack(config, is_decoder=True, **kw)
+        self.encoder = T5Stack(config, is_decoder=False, scan_layers=scan_layers, **kw)
+        self.decoder = T5Stack(config, is_decoder=True, scan_layers=scan_layers, **kw)
         self.tied = uses_shared_lm_head(config)
         if not self.tied:
             self.lm_head = Linear(
@@ -438,13 +455,11 @@ class T5ForConditionalGeneration(nnx.Module):
                 f"encoder_attention_mask has shape {tuple(encoder_attention_mask.shape)} but the encoder "
                 f"output is {(batch, enc_len)}; pass the mask given to encode"
             )
-        c, dtype = self.config, dtype or self.dtype
-        layer = KVCache.zeros(batch, max_len, c.num_heads, c.d_kv, dtype)
-        cross = tuple(
-            KVCache.of(*block.layer[1].EncDecAttention.key_values(encoder_hidden), dtype)
-            for block in self.decoder.block
-        )
-        return Cache(tuple(layer for _ in self.decoder.block), jnp.zeros((), jnp.int32), cross)
+        c, dtype, stack = self.config, dtype or self.dtype, self.decoder.block
+        cross = lambda block: KVCache.of(*block.layer[1].EncDecAttention.key_values(encoder_hidden), dtype)
+        stacked = isinstance(stack, Stacked)
+        layers = Cache.zeros(len(stack), batch, max_len, c.num_heads, c.d_kv, dtype, stacked=stacked)
+        return layers._replace(cross=stack.each(cross) if stacked else tuple(map(cross, stack)))
 
 
 FAMILY = Family(
@@ -453,6 +468,7 @@ FAMILY = Family(
     base_prefix=None,
     heads=(r"^lm_head\.",),
     lora_targets=r"Attention/(q|v)/kernel$",
+    scan_layers=True,
     vocab_params=((r"shared/embedding$", 0), (r"lm_head/kernel$", 1)),
     aliases={
         "encoder.embed_tokens.weight": "shared.weight",
