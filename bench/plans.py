@@ -89,6 +89,10 @@ MODELS = {
         ["--model_type", "gptj", "--config_overrides", "n_positions=8192", "--block_size", 8192, "--attention", "xla"],
     ),
 }
+# the same runs with their blocks scanned (--scan_layers true; auto keeps them unrolled on an fsdp mesh): compile
+# time flat in depth, against the memory per chip these rows show
+SCANNED = ("gptj-6b", "t5-v1_1-xl", "llama3-8b", "llama3-8b-lora")
+MODELS.update({f"{model}-scan": (MODELS[model][0], [*MODELS[model][1], "--scan_layers", "true"]) for model in SCANNED})
 KERNEL_ROWS = ("gpt2-small-splash", "gpt2-small-xla", "gptj-6b-xla", "gptj-6b-8k-splash", "gptj-6b-8k-xla")
 # Cloud TPU slice -> mesh: every chip one fsdp shard (a v4-8 is 4 chips of 32 GiB). Each model has a v5e-8 and a
 # v4-8 row, and the v5e slices that bracket its smallest fit (Cloud has no v5e-2: v5e-1, v5e-4, v5e-8, ...).
@@ -107,6 +111,7 @@ SLICES = {
     "gptj-6b-8k-splash": ["v5e-8"],
     "gptj-6b-8k-xla": ["v5e-8"],
 }
+SLICES.update({f"{model}-scan": SLICES[model] for model in SCANNED})
 ROWS = {  # name -> (script, flags)
     f"{model}/{slice_}": (script, [*flags, "--mesh", MESH[slice_]])
     for model, (script, flags) in MODELS.items()
@@ -117,6 +122,7 @@ BATCH = {
     "gpt2-small-xla": 8, "gptj-6b-xla": 1, "gptj-6b-8k-splash": 1, "gptj-6b-8k-xla": 1, "llama3-8b": 1,
     "llama3-8b-lora": 1,
 }  # fmt: skip
+BATCH.update({f"{model}-scan": BATCH[model] for model in SCANNED})
 
 
 def run(name: str, script: str, flags: list) -> dict:
@@ -157,6 +163,7 @@ NAMES = {
     "gptj-6b-8k-splash": "GPT-J-6B, --attention splash",
     "gptj-6b-8k-xla": "GPT-J-6B, --attention xla",
 }
+NAMES.update({f"{model}-scan": f"{NAMES[model]}, scanned layers" for model in SCANNED})
 GiB = 2**30
 
 
@@ -183,7 +190,7 @@ def _cells(row: dict) -> list[str]:
     head = [f"{NAMES.get(model, model)}, {_tokens(row['command'])}"]
     if plan is None:  # failed before a plan was written: the error's line
         message = re.sub(r"\*\*\*.*\*\*\* PC: @ \S+ \(unknown\)", "in", row["message"] or "")  # a crash: where
-        return [*head, f"{slice_}, -", "-", "-", "-", "-", f"**failed**: {message}", "-", "-", "-"]
+        return [*head, f"{slice_}, -", "-", "-", "-", "-", f"**failed**: {message}", "-", "-", "-", "-"]
     mesh = ",".join(f"{axis}={n}" for axis, n in plan["mesh"].items() if n > 1) or "one chip"
     memory, hbm = plan["bytes_per_device"], plan["hbm_bytes_per_device"]
     verdict = "fits" if plan["fits"] else "refused"
@@ -198,6 +205,7 @@ def _cells(row: dict) -> list[str]:
         f"{step * 1e3:.0f} ms" if step else "-",
         f"{mfu:.0%}" if mfu else "-",
         plan["attention_kernel"] or "-",
+        f"{plan['compile_seconds']:.0f} s" if plan["fits"] else "-",
     ]
 
 
@@ -224,7 +232,7 @@ def _chips(plan: dict) -> int:
 def markdown(results: dict) -> str:
     """The table of BENCHMARKS.md's "Will it fit?", one row per plan, then each model's smallest v5e slice."""
     columns = ["model, tokens per chip", "slice, mesh", "params", "opt. state", "temporaries",
-               "total / usable HBM", "est. step", "est. MFU", "attention"]  # fmt: skip
+               "total / usable HBM", "est. step", "est. MFU", "attention", "compile"]  # fmt: skip
     lines = [f"Plans of {results['date']} ({results['settings']}):", "", "| " + " | ".join(columns) + " |"]
     lines.append("|" + "---|" * len(columns))
     lines += ["| " + " | ".join(_cells(row)) + " |" for row in results["rows"]]

@@ -60,10 +60,10 @@ def check_fields(plan: dict, accelerator: str, devices: int) -> None:
     assert plan["attention_kernel"] in ("splash", "cudnn", "xla")
 
 
-@pytest.mark.parametrize(("remat", "layers"), [("none", "unrolled"), ("full", "scanned")])
-def test_clm_plan_on_v5e_8(tmp_path, remat, layers):
-    """The plan compiles the run's step: its blocks scanned as the run's would be (--scan_layers auto: under
-    --remat full), with the same bytes per device either way. (No attention dropout: at this tiny shape, XLA's
+@pytest.mark.parametrize(("remat", "scan", "layers"), [("none", "auto", "unrolled"), ("full", "true", "scanned")])
+def test_clm_plan_on_v5e_8(tmp_path, remat, scan, layers):
+    """The plan compiles the run's step, its blocks scanned as the run's would be (--scan_layers), with the
+    same parameter and optimizer bytes per device either way. (No attention dropout: at this tiny shape, XLA's
     attention dropout under remat, scanned or not, overflows the stack of libtpu 0.0.42.1's compiler.)"""
     n_layer, n_embd, vocab = 2, 128, 1024
     result, found = plan(
@@ -71,7 +71,7 @@ def test_clm_plan_on_v5e_8(tmp_path, remat, layers):
         "--model_type", "gpt2",
         "--config_overrides", f"n_layer={n_layer},n_embd={n_embd},n_head=4,vocab_size={vocab},attn_pdrop=0",
         "--block_size", 256, "--per_device_train_batch_size", 2, "--mesh", "dp=2,fsdp=4", "--dtype", "bfloat16",
-        "--remat", remat, "--compile_topology", "v5e-8",
+        "--remat", remat, "--scan_layers", scan, "--compile_topology", "v5e-8",
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     plan_ = found

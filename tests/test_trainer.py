@@ -333,3 +333,19 @@ def test_eta_stays_within_a_fifth_of_the_time_left(tmp_path):
             seconds = sum(int(part) * 60**i for i, part in enumerate(reversed(eta.split(":"))))
             assert abs(seconds - (end - clock[0])) <= 0.2 * (end - clock[0]), (step, seconds, end - clock[0])
     logger.close()
+
+
+@pytest.mark.parametrize(
+    ("flag", "remat", "mesh", "scans"),
+    [
+        ("auto", "full", "dp=8", True),  # full remat without fsdp: as fast scanned on an H100, at the same memory
+        ("auto", "full", "dp=4,fsdp=2", False),  # fsdp: more memory per chip scanned (BENCHMARKS.md's plans)
+        ("auto", "none", "dp=8", False),  # without remat the scanned step is slower
+        ("auto", "dots", "dp=8", False),
+        ("true", "none", "dp=4,fsdp=2", True),
+        ("false", "full", "dp=8", False),
+    ],
+)
+def test_scan_layers_auto_scans_under_full_remat_without_fsdp(tmp_path, flag, remat, mesh, scans):
+    config = TrainerConfig(output_dir=str(tmp_path), scan_layers=flag, remat=remat)
+    assert config.scans("llama", make_mesh(mesh)) is scans

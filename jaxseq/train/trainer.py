@@ -91,9 +91,9 @@ class TrainerConfig:
     scan_layers: str = arg(
         "auto",
         "stack the transformer blocks and run them with one scan (compile time flat in depth) instead of a "
-        "Python loop: true, false, or auto (scanned when blocks rematerialise in full, --remat full, where an "
-        "H100 steps as fast scanned; unrolled otherwise, where the scan is slower: bench/scan_layers.py); "
-        "checkpoints resume only into the same layout",
+        "Python loop: true, false, or auto (scanned under --remat full on a mesh without fsdp, where an H100 "
+        "steps as fast scanned; unrolled otherwise: slower steps without remat, more memory per chip with fsdp "
+        "in TPU plans; BENCHMARKS.md); checkpoints resume only into the same layout",
         choices=("auto", "true", "false"),
         const="true",
     )
@@ -158,15 +158,17 @@ class TrainerConfig:
         check_writable_dir(self.output_dir, "--output_dir")
         self.backends = parse_report_to(self.report_to)
 
-    def scans(self, model_type: str) -> bool:
-        """Whether a run of a ``model_type`` model stacks and scans its blocks (``--scan_layers``; auto: when
-        its family can and ``--remat full``). On an H100 (GPT-2 small widths, 16 x 1024 tokens, 24 blocks) the
-        scanned step took 81.5 ms against 79.8 unrolled under full remat, 83.9 against 72.1 under dots, and
-        99.3 against 65.6 without remat, while compiling in 6.2-6.9 s at any depth (unrolled: 10.9 s at 12
-        blocks, 34.3 s at 48)."""
+    def scans(self, model_type: str, mesh) -> bool:
+        """Whether a run of a ``model_type`` model on ``mesh`` stacks and scans its blocks (``--scan_layers``;
+        auto: when its family can, under ``--remat full``, on a mesh without fsdp). On an H100 (GPT-2 small
+        widths, 16 x 1024 tokens) the scanned step took 46.0 ms against 45.0 unrolled at 12 blocks under full
+        remat (at the same memory), 83.9 against 72.1 under dots, 99.3 against 65.6 without remat (24 blocks),
+        and it compiles in about 6 s at any depth (unrolled: 10 s at 12 blocks, over a minute at 48). With fsdp,
+        XLA:TPU holds more per chip in the scanned program (Llama-3-8B on a v5e-8: 17.40 GiB against 14.05,
+        no longer fitting; GPT-J-6B: 13.53 against 12.44), while it compiles in a quarter of the time."""
         if self.scan_layers != "auto":
             return self.scan_layers == "true"
-        return self.remat == "full" and family_for(model_type).scan_layers
+        return self.remat == "full" and mesh.shape["fsdp"] == 1 and family_for(model_type).scan_layers
 
 
 def check_writable_dir(path: str | os.PathLike, flag: str) -> None:
