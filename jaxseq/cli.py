@@ -97,7 +97,7 @@ def plan_run(
     jax.config.update("jax_platforms", "cpu")  # compiling for the slice needs no accelerator of this machine
     topo = topology(plan.compile_topology)
     mesh = make_mesh(runtime.mesh or None, devices=topo.devices)
-    scan_layers = trainer_config.scans(config.model_type, mesh)
+    scan_layers = trainer_config.scans(mesh)
     model = abstract_model(config, task, dtype=jax.numpy.dtype(runtime.dtype), scan_layers=scan_layers)
     enable_remat(model, trainer_config.remat)
     use_attention(model, trainer_config.attention, mesh, say=print)  # beside the plan; stderr keeps errors

@@ -91,7 +91,7 @@ def main(argv) -> int:
     dtype = jnp.dtype(runtime.dtype)
     model = build_model(
         source, "causal-lm", config, folder, overrides, mesh=mesh, dtype=dtype, seed=trainer_config.seed,
-        scan_layers=trainer_config.scans(config.model_type, mesh),
+        scan_layers=trainer_config.scans(mesh),
     )  # fmt: skip
     peak, peak_source = peak_flops(mesh.devices.flat, dtype, speed.peak_flops)
     flops = flops_per_token(model, block_size)

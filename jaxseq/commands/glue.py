@@ -201,7 +201,7 @@ def main(argv) -> int:
         mesh=mesh,
         dtype=jnp.dtype(runtime.dtype),
         seed=trainer_config.seed,
-        scan_layers=trainer_config.scans(config.model_type, mesh),
+        scan_layers=trainer_config.scans(mesh),
     )
     # tokenized when a batch first needs them, by the process that takes them: each process only its share
     tokenize = functools.partial(encode, task, tokenizer=tokenizer, max_seq_length=glue.max_seq_length)

@@ -135,7 +135,7 @@ def main(argv) -> int:
         mesh=mesh,
         dtype=jnp.dtype(runtime.dtype),
         seed=trainer_config.seed,
-        scan_layers=trainer_config.scans(config.model_type, mesh),
+        scan_layers=trainer_config.scans(mesh),
     )
     max_new = (data.generation_max_length or data.max_target_length) if data.predict_with_generate else 0
     objective = Seq2SeqLM(tokenizer, max_new_tokens=max_new)

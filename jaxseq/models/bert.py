@@ -352,7 +352,6 @@ FAMILY = Family(
     },
     ignore=(r"(^|\.)position_ids$",),
     lora_targets=r"/(query|value)/kernel$",
-    scan_layers=True,
     vocab_params=((r"word_embeddings/embedding$", 0), (r"decoder/kernel$", 1), (r"(decoder|predictions)/bias$", 0)),
     # Megatron-style: q/k/v and the feed-forward input split by output column over mp, the attention and
     # feed-forward outputs by input row; the other kernel dimension over fsdp. Token embeddings and the

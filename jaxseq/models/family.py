@@ -28,8 +28,6 @@ class Family:
     - ``vocab_params``: ``(regex, axis)`` pairs: the parameters (``/``-joined paths) whose ``axis`` runs
       over the vocabulary, padded to ``layers.padded_vocab_size``; checkpoints are padded with zeros on load
       and trimmed back to ``config.vocab_size`` on export.
-    - ``scan_layers``: whether its classes take ``scan_layers=True`` (blocks stacked and scanned,
-      ``layers.Stacked``).
     """
 
     model_type: str
@@ -42,7 +40,6 @@ class Family:
     partition_rules: tuple = ()
     lora_targets: str = ""
     vocab_params: tuple[tuple[str, int], ...] = ()
-    scan_layers: bool = False
 
     def is_head(self, name: str) -> bool:
         return any(re.search(p, name) for p in self.heads)

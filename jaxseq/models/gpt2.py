@@ -257,7 +257,6 @@ FAMILY = Family(
     base_prefix="transformer",
     heads=(r"^lm_head\.", r"^score\."),
     lora_targets=r"/c_attn/kernel$",
-    scan_layers=True,
     vocab_params=((r"wte/embedding$", 0), (r"lm_head/kernel$", 1)),
     aliases={"lm_head.weight": "transformer.wte.weight"},
     ignore=(r"\.attn\.bias$", r"\.attn\.masked_bias$"),

@@ -224,7 +224,6 @@ FAMILY = Family(
     base_prefix="transformer",
     heads=(r"^lm_head\.", r"^score\."),
     lora_targets=r"/(q_proj|v_proj)/kernel$",
-    scan_layers=True,
     vocab_params=((r"wte/embedding$", 0), (r"lm_head/kernel$", 1), (r"lm_head/bias$", 0)),
     aliases={"lm_head.weight": "transformer.wte.weight"},
     ignore=(r"\.attn\.bias$", r"\.attn\.masked_bias$"),

@@ -148,11 +148,7 @@ def apply_overrides(config, *, num_labels: int | None = None, **overrides):
 def _constructor(config, task, dtype, param_dtype, seed, scan_layers=False):
     """The model's constructor; ``scan_layers``: its blocks stacked and scanned (``layers.Stacked``)."""
     cls = model_class(config, task)
-    if not scan_layers:
-        return lambda: cls(config, dtype=dtype, param_dtype=param_dtype, rngs=nnx.Rngs(seed))
-    if not family_for(config.model_type).scan_layers:
-        raise JaxseqError(f"{config.model_type} models cannot scan their layers yet; leave scan_layers off")
-    return lambda: cls(config, dtype=dtype, param_dtype=param_dtype, rngs=nnx.Rngs(seed), scan_layers=True)
+    return lambda: cls(config, dtype=dtype, param_dtype=param_dtype, rngs=nnx.Rngs(seed), scan_layers=scan_layers)
 
 
 def _initialising(shardings):

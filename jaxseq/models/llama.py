@@ -359,7 +359,6 @@ def _family(model_type: str, base: type, causal_lm: type, classifier: type) -> F
         base_prefix="model",
         heads=(r"^lm_head\.", r"^score\."),
         lora_targets=r"/(q_proj|v_proj)/kernel$",
-        scan_layers=True,
         vocab_params=((r"embed_tokens/embedding$", 0), (r"lm_head/kernel$", 1)),
         aliases={"lm_head.weight": "model.embed_tokens.weight"},
         ignore=(r"\.rotary_emb\.inv_freq$",),

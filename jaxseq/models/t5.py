@@ -468,7 +468,6 @@ FAMILY = Family(
     base_prefix=None,
     heads=(r"^lm_head\.",),
     lora_targets=r"Attention/(q|v)/kernel$",
-    scan_layers=True,
     vocab_params=((r"shared/embedding$", 0), (r"lm_head/kernel$", 1)),
     aliases={
         "encoder.embed_tokens.weight": "shared.weight",
