@@ -376,6 +376,15 @@ CASES = {
         after="loss becomes NaN",
         trains=True,
     ),
+    "output dir holding the model's checkpoint with other --scan_layers": Case(
+        "pretrain_clm.py",
+        lambda a, t, o: clm_args(a, o, scan_layers="true"),
+        1,
+        "holds the model's blocks unrolled; resume with --scan_layers false",
+        left=other_run_untouched,
+        after="loss becomes NaN",
+        trains=True,
+    ),
     "loss becomes NaN": Case(
         "pretrain_clm.py",
         lambda a, t, o: clm_args(a, o, learning_rate=1e30, save_steps=1),

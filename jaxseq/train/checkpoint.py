@@ -17,6 +17,7 @@ import orbax.checkpoint as ocp
 from orbax.checkpoint import checkpoint_managers as policies
 
 from jaxseq.errors import JaxseqError, first_line
+from jaxseq.sharding import STACKED
 
 
 class Checkpointer:
@@ -104,6 +105,13 @@ class Checkpointer:
         extra = [f"{k} is not in this model" for k in theirs if k not in ours]
         differences = changed + missing + extra
         more = f" and {len(differences) - 1} more difference(s)" if len(differences) > 1 else ""
+        stacked = [any(f"/{STACKED}/" in k for k in side) for side in (theirs, ours)]
+        if stacked[0] != stacked[1]:  # the same model, its blocks stacked on one side only
+            layout = "true" if stacked[0] else "false"
+            raise JaxseqError(
+                f"the checkpoint in {self.directory / str(step)} holds the model's blocks "
+                f"{'scanned' if stacked[0] else 'unrolled'}; resume with --scan_layers {layout}"
+            )
         raise JaxseqError(
             f"the checkpoint in {self.directory / str(step)} was written for a different model or optimizer "
             f"({differences[0]}{more}); use a fresh --output_dir, or the settings that wrote it"
