@@ -191,7 +191,6 @@ class Trainer:
         eval_sets: Mapping[str, Rows | Mapping[str, np.ndarray]],
         mesh: jax.sharding.Mesh,
         rules=None,
-        logger: RunLogger | None = None,
         loss_scaling: bool = False,
         pack: str | None = None,
         tokens_per_example: int | None = None,
@@ -279,7 +278,7 @@ class Trainer:
         self.lock = RunLock(self.output_dir)
         if jax.process_index() == 0:
             self.lock.acquire()
-        self.logger = logger or RunLogger(
+        self.logger = RunLogger(
             self.output_dir,
             self.total_steps,
             report_to=config.backends,
