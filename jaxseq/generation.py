@@ -37,6 +37,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxseq.errors import JaxseqError
 from jaxseq.mesh import BATCH_AXES, batch_sharding, data_parallel_size
+from jaxseq.models.hub import position_limit
 from jaxseq.models.t5 import decoder_start_id
 
 PROMPT_BUCKET = 32
@@ -250,7 +251,7 @@ def _check(model, ids, mask, max_new_tokens, do_sample, temperature, top_k, top_
     if ids.shape[0] == 0 or not lengths.all():
         empty = [int(i) for i in np.flatnonzero(lengths == 0)]
         raise JaxseqError(f"prompt row(s) {empty or 'all'} have no tokens; every prompt needs at least one")
-    limit = getattr(model.config, "n_positions", None)
+    limit = position_limit(model.config)
     if not hasattr(model, "encode") and limit and lengths.max() + max_new_tokens > limit:
         raise JaxseqError(
             f"a prompt of {lengths.max()} tokens plus max_new_tokens={max_new_tokens} exceeds the model's "

@@ -287,6 +287,19 @@ def test_bad_arguments_are_one_line_errors(gpt2):
         generate(model, ids, mask, max_new_tokens=4, do_sample=True, top_p=0.0)
 
 
+def test_a_llama_prompt_is_checked_against_its_positions():
+    """Llama-family configs name their limit max_position_embeddings (GPT-2's n_positions): checked alike."""
+    from jaxseq.models import from_config
+
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=2, max_position_embeddings=64,
+    )  # fmt: skip
+    ids, mask = prompts()
+    with pytest.raises(JaxseqError, match="exceeds the model's 64 positions"):
+        generate(from_config(config, "causal-lm"), ids, mask, max_new_tokens=53)
+
+
 # --------------------------------------------------------------------------- scripts/generate.py
 
 

@@ -30,7 +30,7 @@ from jaxseq.config import arg
 from jaxseq.distributed import DistributedConfig
 from jaxseq.errors import JaxseqError
 from jaxseq.generation import generate
-from jaxseq.models.hub import load_config, load_pretrained, parse_overrides, resolve
+from jaxseq.models.hub import load_config, load_pretrained, parse_overrides, position_limit, resolve
 from jaxseq.models.registry import families_with, family_for
 from jaxseq.models.source import PretrainedModel, check_vocabulary, load_tokenizer
 from jaxseq.sharding import gather
@@ -133,7 +133,7 @@ def main(argv) -> int:
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
 
     encoded = [tokenizer(p)["input_ids"] for p in prompts]
-    limit = getattr(config, "n_positions", None) if task == "causal-lm" else None
+    limit = position_limit(config) if task == "causal-lm" else None
     for i, ids in enumerate(encoded):
         if not ids:
             raise JaxseqError(f"prompt {i + 1} has no tokens after tokenization")

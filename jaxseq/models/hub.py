@@ -94,6 +94,12 @@ def load_config(folder: Path, *, num_labels: int | None = None, **overrides):
     return apply_overrides(config, num_labels=num_labels, **overrides)
 
 
+def position_limit(config) -> int | None:
+    """The most positions a model of ``config`` takes: GPT-2's ``n_positions``, the others'
+    ``max_position_embeddings``; None for T5, whose relative positions have no limit."""
+    return getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None)
+
+
 def parse_overrides(text: str | None, config) -> dict:
     """``"n_layer=2,n_embd=128,resid_pdrop=0"`` -> typed values (the type of the config's current value,
     a number for an unset field, ``None`` for ``none``/``null``). Unknown field names are left for

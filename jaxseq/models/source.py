@@ -11,7 +11,15 @@ from transformers import AutoConfig, AutoTokenizer
 
 from jaxseq.config import arg
 from jaxseq.errors import JaxseqError, first_line
-from jaxseq.models.hub import apply_overrides, from_config, load_config, load_pretrained, parse_overrides, resolve
+from jaxseq.models.hub import (
+    apply_overrides,
+    from_config,
+    load_config,
+    load_pretrained,
+    parse_overrides,
+    position_limit,
+    resolve,
+)
 from jaxseq.models.registry import families_with
 
 
@@ -123,7 +131,7 @@ def check_vocabulary(tokenizer, config) -> None:
 def sequence_length(requested: int | None, config, flag: str, default: int) -> int:
     """``requested`` (the value of ``--flag``), or the model's positions up to ``default``; more positions than
     the model has stop in one line."""
-    limit = getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None)
+    limit = position_limit(config)
     if requested is None:
         return min(default, limit or default)
     if limit is not None and requested > limit:
