@@ -1,7 +1,8 @@
 """Text generation: prefill a KV cache once, then a ``lax.while_loop`` that writes one position per step.
 
-``generate(model, input_ids, attention_mask, max_new_tokens=...)`` works for the decoder-only language
-models (GPT-2, GPT-J, Llama, Mistral, Qwen2) and for T5:
+``generate(model, input_ids, attention_mask, max_new_tokens=...)`` works for every family's decoder-only
+language model (``causal-lm``) and encoder-decoder (``seq2seq-lm``, T5's; ``models.registry.family_names``
+lists them):
 
 - Decoder-only: each prompt row is left-aligned (padding first, wherever the caller put it), its
   position ids come from the mask's cumulative sum as in transformers, and one forward pass fills the
@@ -38,7 +39,6 @@ from jax.sharding import PartitionSpec as P
 from jaxseq.errors import JaxseqError
 from jaxseq.mesh import BATCH_AXES, batch_sharding, data_parallel_size
 from jaxseq.models.hub import position_limit
-from jaxseq.models.t5 import decoder_start_id
 
 PROMPT_BUCKET = 32
 
@@ -278,9 +278,10 @@ def generate(
 ) -> GenerationOutput:
     """Continue each prompt of the batch by up to ``max_new_tokens`` tokens.
 
-    ``model``: a ``causal-lm`` (GPT-2, GPT-J, Llama, Mistral, Qwen2) or ``seq2seq-lm`` (T5) model. ``input_ids`` and
-    ``attention_mask`` (1 = token, 0 = padding; default all ones): ``[batch, prompt_length]`` host or
-    device arrays; either padding side works (decoder prompts are left-aligned internally).
+    ``model``: a ``causal-lm`` or ``seq2seq-lm`` model (of the families
+    ``registry.family_names("causal-lm", "seq2seq-lm")`` lists). ``input_ids`` and ``attention_mask`` (1 = token,
+    0 = padding; default all ones): ``[batch, prompt_length]`` host or device arrays; either padding side works
+    (decoder prompts are left-aligned internally).
 
     Greedy (the most likely token) unless ``do_sample``, which draws from the logits divided by
     ``temperature`` and restricted to the ``top_k`` most likely tokens and the ``top_p`` nucleus (see
@@ -296,7 +297,7 @@ def generate(
     pad = pad_token_id if pad_token_id is not None else (eos[0] if eos else 0)
     decoder_start = None
     if hasattr(model, "encode"):
-        decoder_start = decoder_start_id(model.config)
+        decoder_start = model.decoder_start_id()
         if decoder_start is None:
             raise JaxseqError("the model's config has no decoder_start_token_id; set it (T5 uses the pad id, 0)")
 
@@ -336,7 +337,7 @@ def greedy_tokens(
     """Greedy ``sequences`` of ``generate`` as plain traced JAX, for use inside another jitted function
     (an evaluation step): no host-side checks, bucketing or program cache; the caller's jit compiles it."""
     graphdef, state = nnx.split(model)
-    decoder_start = decoder_start_id(model.config) if hasattr(model, "encode") else None
+    decoder_start = model.decoder_start_id() if hasattr(model, "encode") else None
     settings = Settings(
         max_new_tokens=max_new_tokens,
         do_sample=False,

@@ -42,6 +42,10 @@ class GlueTask:
     def is_regression(self) -> bool:
         return self.labels is None
 
+    def metrics(self, predictions: np.ndarray, labels: np.ndarray) -> dict[str, float]:
+        """The task's metrics (``metric_names``) from predictions and labels (``compute_metrics``)."""
+        return compute_metrics(self, predictions, labels)
+
 
 TASKS = {
     t.name: t

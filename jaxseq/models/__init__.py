@@ -1,5 +1,5 @@
-"""Model families (GPT-2, GPT-J, T5, BERT, Llama, Mistral, Qwen2) as Flax NNX modules, and Hugging Face
-checkpoint I/O."""
+"""Model families as Flax NNX modules, one folder each (``jaxseq/models/<model_type>/``, listed in
+``registry.FAMILIES``: ``registry.family_names()`` names them), and Hugging Face checkpoint I/O."""
 
 from jaxseq.models.attention import use_attention
 from jaxseq.models.hub import from_config, load_config, load_pretrained, save_pretrained

@@ -1,14 +1,21 @@
-"""What the loader needs to know about a model family, declared next to its modules."""
+"""What jaxseq needs to know about a model family, declared in the family's folder
+(``jaxseq/models/<model_type>/``) and listed once in ``models.registry``."""
 
 from __future__ import annotations
 
 import dataclasses
 import re
+from collections.abc import Callable
+
+from jaxseq.errors import JaxseqError
 
 
 @dataclasses.dataclass(frozen=True)
 class Family:
-    """A model family: its NNX classes per task and how its PyTorch checkpoints are named.
+    """A model family: its name, its NNX classes per task, how its PyTorch checkpoints are named and what its
+    config says about its size.
+
+    ``name`` is what people call it (``GPT-2``), shown wherever jaxseq lists its families.
 
     ``tasks`` maps a task (``causal-lm``, ``sequence-classification``, ...) to the NNX class; each class
     carries ``hf_architecture`` (the transformers PyTorch class it mirrors). Parameter paths mirror the
@@ -28,9 +35,14 @@ class Family:
     - ``vocab_params``: ``(regex, axis)`` pairs: the parameters (``/``-joined paths) whose ``axis`` runs
       over the vocabulary, padded to ``layers.padded_vocab_size``; checkpoints are padded with zeros on load
       and trimmed back to ``config.vocab_size`` on export.
+    - ``positions``: the config field holding the most positions the model takes (``n_positions``), None
+      where positions are relative and have no limit (T5); read through ``position_limit``.
+    - ``flops``: ``flops(config, task, rows, seq_len, target_len, training) -> float``, the model FLOPs of one
+      step from the config alone (``jaxseq.models.flops``); read through ``model_flops``.
     """
 
     model_type: str
+    name: str
     tasks: dict[str, type]
     base_prefix: str | None = None
     heads: tuple[str, ...] = ()
@@ -40,6 +52,29 @@ class Family:
     partition_rules: tuple = ()
     lora_targets: str = ""
     vocab_params: tuple[tuple[str, int], ...] = ()
+    positions: str | None = "max_position_embeddings"
+    flops: Callable[..., float] | None = None
+
+    @property
+    def is_encoder_decoder(self) -> bool:
+        """Whether its models encode a source and decode a target (``seq2seq-lm``, T5)."""
+        return "seq2seq-lm" in self.tasks
+
+    def position_limit(self, config) -> int | None:
+        """The most positions a model of ``config`` takes, None where there is no limit."""
+        return getattr(config, self.positions, None) if self.positions else None
+
+    def model_flops(
+        self, config, task: str, rows: int, seq_len: int, target_len: int = 0, *, training: bool = True
+    ) -> float:
+        """Model FLOPs of one step over ``rows`` rows of ``seq_len`` tokens (an encoder-decoder's source; its
+        target is ``target_len`` tokens): forward and backward when ``training``, else the forward pass. Only
+        matrix products count, attention's causal half once (``jaxseq.models.flops``)."""
+        if task not in self.tasks:
+            raise JaxseqError(f"task {task!r} is not available for {self.name}; choose one of {', '.join(self.tasks)}")
+        if self.flops is None:
+            raise JaxseqError(f"jaxseq has no FLOP count for {self.name}")
+        return float(self.flops(config, task, rows, seq_len, target_len, training))
 
     def is_head(self, name: str) -> bool:
         return any(re.search(p, name) for p in self.heads)

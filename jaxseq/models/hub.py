@@ -95,9 +95,9 @@ def load_config(folder: Path, *, num_labels: int | None = None, **overrides):
 
 
 def position_limit(config) -> int | None:
-    """The most positions a model of ``config`` takes: GPT-2's ``n_positions``, the others'
-    ``max_position_embeddings``; None for T5, whose relative positions have no limit."""
-    return getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None)
+    """The most positions a model of ``config`` takes, from the config field its family names
+    (``Family.positions``); None where positions are relative and have no limit (T5)."""
+    return family_for(config.model_type).position_limit(config)
 
 
 def parse_overrides(text: str | None, config) -> dict:

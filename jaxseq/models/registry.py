@@ -1,15 +1,25 @@
 """Which model families jaxseq has: ``model_type`` (as in a Hugging Face ``config.json``) -> ``Family``
-(NNX classes per task, partition rules, checkpoint names). Adding a family is one module with a ``FAMILY``
-(or ``FAMILIES``, for families that share one architecture, as Llama, Mistral and Qwen2) and one line here."""
+(NNX classes per task, partition rules, checkpoint names, position limit, FLOPs). A family is a folder,
+``jaxseq/models/<model_type>/``, whose ``FAMILY`` is one line of ``FAMILIES`` below; every list of families
+jaxseq shows (help, errors, docs) is read from here (``family_names``)."""
 
 from __future__ import annotations
 
 from jaxseq.errors import JaxseqError
-from jaxseq.models import bert, gpt2, gptj, llama, t5
+from jaxseq.models import bert, gpt2, gptj, llama, mistral, qwen2, t5
 from jaxseq.models.family import Family
 
 FAMILIES: dict[str, Family] = {
-    f.model_type: f for f in (gpt2.FAMILY, gptj.FAMILY, t5.FAMILY, bert.FAMILY, *llama.FAMILIES)
+    family.model_type: family
+    for family in (
+        gpt2.FAMILY,
+        gptj.FAMILY,
+        t5.FAMILY,
+        bert.FAMILY,
+        llama.FAMILY,
+        mistral.FAMILY,
+        qwen2.FAMILY,
+    )
 }
 TASKS = ("base", "causal-lm", "seq2seq-lm", "sequence-classification", "masked-lm")
 
@@ -33,3 +43,16 @@ def model_class(config, task: str) -> type:
 def families_with(task: str) -> list[str]:
     """Model types that have a ``task`` model, sorted."""
     return sorted(name for name, family in FAMILIES.items() if task in family.tasks)
+
+
+def family_names(*tasks: str, conjunction: str = "or") -> str:
+    """The families (their ``name``s, in registry order) that have a model for any of ``tasks`` (all families
+    without ``tasks``), as a list in a sentence: ``"GPT-2, GPT-J, Llama, Mistral or Qwen2"``."""
+    names = [f.name for f in FAMILIES.values() if not tasks or any(t in f.tasks for t in tasks)]
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} {conjunction} {names[-1]}"
+
+
+def model_flops(config, task: str, rows: int, seq_len: int, target_len: int = 0, *, training: bool = True) -> float:
+    """Model FLOPs of one step of ``config``'s model for ``task`` over ``rows`` rows of ``seq_len`` tokens
+    (an encoder-decoder's source; ``target_len`` its target): ``Family.model_flops`` of its family."""
+    return family_for(config.model_type).model_flops(config, task, rows, seq_len, target_len, training=training)

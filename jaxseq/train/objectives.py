@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
+from typing import Protocol
 
 import jax
 import jax.numpy as jnp
@@ -11,18 +12,27 @@ import numpy as np
 import optax
 
 from jaxseq.config import arg
-from jaxseq.data.glue import GlueTask, compute_metrics
 from jaxseq.errors import JaxseqError
 from jaxseq.generation import greedy_tokens
 from jaxseq.metrics import perplexity
 from jaxseq.models.layers import padded_vocab_size
-from jaxseq.models.t5 import decoder_start_id, shift_right
+
+
+class ClassificationTask(Protocol):
+    """What ``SequenceClassification`` reads of its task (``jaxseq.data.glue.GlueTask`` is one)."""
+
+    metric_names: tuple[str, ...]
+
+    @property
+    def is_regression(self) -> bool: ...
+
+    def metrics(self, predictions: np.ndarray, labels: np.ndarray) -> dict[str, float]: ...
 
 
 class SequenceClassification:
     """Cross-entropy over classes, or mean squared error when the task is a regression (STS-B)."""
 
-    def __init__(self, task: GlueTask):
+    def __init__(self, task: ClassificationTask):
         self.task = task
 
     @property
@@ -52,7 +62,7 @@ class SequenceClassification:
     def metrics(self, outputs: dict[str, np.ndarray]) -> dict[str, float]:
         return {
             "loss": float(outputs["loss"].mean()),
-            **compute_metrics(self.task, outputs["prediction"], outputs["labels"]),
+            **self.task.metrics(outputs["prediction"], outputs["labels"]),
         }
 
 
@@ -252,9 +262,8 @@ class Seq2SeqLM(TokenLoss):
             self.metric_names = (*TokenLoss.metric_names, "exact_match")
 
     def _token_losses(self, model, batch, rngs=None) -> tuple[jax.Array, jax.Array]:
-        config, labels = model.config, batch["labels"]
-        decoder_input_ids = shift_right(labels, decoder_start_id(config), config.pad_token_id)
-        logits = model(batch["input_ids"], batch["attention_mask"], decoder_input_ids, rngs=rngs).logits
+        labels = batch["labels"]
+        logits = model(batch["input_ids"], batch["attention_mask"], model.decoder_inputs(labels), rngs=rngs).logits
         weights = self._weights(batch)
         return optax.softmax_cross_entropy_with_integer_labels(logits, labels) * weights, weights
 

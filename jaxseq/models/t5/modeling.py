@@ -23,7 +23,6 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import PartitionSpec as P
 
 from jaxseq.errors import JaxseqError
 from jaxseq.models.attention import (
@@ -39,7 +38,6 @@ from jaxseq.models.attention import (
     split_heads,
     update_kv,
 )
-from jaxseq.models.family import Family
 from jaxseq.models.layers import (
     Linear,
     Stacked,
@@ -393,6 +391,14 @@ class T5ForConditionalGeneration(nnx.Module):
                 **kw,
             )
 
+    def decoder_start_id(self) -> int | None:
+        """The token the decoder starts from (``decoder_start_id`` of the config)."""
+        return decoder_start_id(self.config)
+
+    def decoder_inputs(self, labels):
+        """Teacher-forcing decoder inputs of ``labels``: shifted right behind the start token (``shift_right``)."""
+        return shift_right(labels, decoder_start_id(self.config), self.config.pad_token_id)
+
     def encode(self, input_ids, attention_mask=None, *, rngs=None):
         """Encoder output ``[batch, source_len, d_model]`` (``attention_mask``: 1 = token, 0 = padding)."""
         return self.encoder(self.shared(input_ids), attention_mask, rngs=rngs).last_hidden_state
@@ -460,34 +466,3 @@ class T5ForConditionalGeneration(nnx.Module):
         stacked = isinstance(stack, Stacked)
         layers = Cache.zeros(len(stack), batch, max_len, c.num_heads, c.d_kv, dtype, stacked=stacked)
         return layers._replace(cross=stack.each(cross) if stacked else tuple(map(cross, stack)))
-
-
-FAMILY = Family(
-    model_type="t5",
-    tasks={"seq2seq-lm": T5ForConditionalGeneration},
-    base_prefix=None,
-    heads=(r"^lm_head\.",),
-    lora_targets=r"Attention/(q|v)/kernel$",
-    vocab_params=((r"shared/embedding$", 0), (r"lm_head/kernel$", 1)),
-    aliases={
-        "encoder.embed_tokens.weight": "shared.weight",
-        "decoder.embed_tokens.weight": "shared.weight",
-        "lm_head.weight": "shared.weight",
-    },
-    fallbacks={"lm_head.weight": "shared.weight"},
-    # Old checkpoints carry a relative bias for the first cross-attention that T5 never uses.
-    ignore=(r"^decoder\.block\.0\.layer\.1\.EncDecAttention\.relative_attention_bias\.weight$",),
-    # Megatron-style, as GPT-2: q/k/v and wi* split by output column (heads, d_ff) over mp, o and wo by
-    # input row; the other kernel dimension over fsdp; embeddings split by vocabulary. The relative
-    # position tables (buckets x heads) are tiny and replicated.
-    partition_rules=(
-        (r"shared/embedding$", P("mp", "fsdp")),
-        (r"relative_attention_bias/embedding$", P()),
-        (r"(SelfAttention|EncDecAttention)/(q|k|v)/kernel$", P("fsdp", "mp")),
-        (r"(SelfAttention|EncDecAttention)/o/kernel$", P("mp", "fsdp")),
-        (r"DenseReluDense/(wi|wi_0|wi_1)/kernel$", P("fsdp", "mp")),
-        (r"DenseReluDense/wo/kernel$", P("mp", "fsdp")),
-        (r"layer_norm/scale$", P()),
-        (r"lm_head/kernel$", P("fsdp", "mp")),
-    ),
-)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import PartitionSpec as P
 
 from jaxseq.models.attention import (
     AttentionKernel,
@@ -24,8 +23,7 @@ from jaxseq.models.attention import (
     split_heads,
     update_kv,
 )
-from jaxseq.models.family import Family
-from jaxseq.models.gpt2 import DecoderLM, LastTokenClassifier
+from jaxseq.models.gpt2.modeling import DecoderLM, LastTokenClassifier
 from jaxseq.models.layers import (
     Linear,
     Stacked,
@@ -212,32 +210,3 @@ class GPTJForCausalLM(DecoderLM):
 class GPTJForSequenceClassification(LastTokenClassifier):
     hf_architecture = "GPTJForSequenceClassification"
     base = GPTJModel
-
-
-FAMILY = Family(
-    model_type="gptj",
-    tasks={
-        "base": GPTJModel,
-        "causal-lm": GPTJForCausalLM,
-        "sequence-classification": GPTJForSequenceClassification,
-    },
-    base_prefix="transformer",
-    heads=(r"^lm_head\.", r"^score\."),
-    lora_targets=r"/(q_proj|v_proj)/kernel$",
-    vocab_params=((r"wte/embedding$", 0), (r"lm_head/kernel$", 1), (r"lm_head/bias$", 0)),
-    aliases={"lm_head.weight": "transformer.wte.weight"},
-    ignore=(r"\.attn\.bias$", r"\.attn\.masked_bias$"),
-    # Megatron-style, as GPT-2: q/k/v and fc_in split by output column (whole heads) over mp, out_proj and
-    # fc_out by input row; the other kernel dimension over fsdp; embeddings and the head by vocabulary.
-    partition_rules=(
-        (r"wte/embedding$", P("mp", "fsdp")),
-        (r"(q_proj|k_proj|v_proj|fc_in)/kernel$", P("fsdp", "mp")),
-        (r"fc_in/bias$", P("mp")),
-        (r"(out_proj|fc_out)/kernel$", P("mp", "fsdp")),
-        (r"fc_out/bias$", P()),
-        (r"(ln_1|ln_f)/(scale|bias)$", P()),
-        (r"lm_head/kernel$", P("fsdp", "mp")),
-        (r"lm_head/bias$", P("mp")),
-        (r"score/kernel$", P("fsdp", None)),
-    ),
-)

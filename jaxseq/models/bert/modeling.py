@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import PartitionSpec as P
 
 from jaxseq.errors import JaxseqError
 from jaxseq.models.attention import (
@@ -16,7 +15,6 @@ from jaxseq.models.attention import (
     split_heads,
     take_positions,
 )
-from jaxseq.models.family import Family
 from jaxseq.models.layers import (
     Linear,
     Stacked,
@@ -335,42 +333,3 @@ class BertForMaskedLM(nnx.Module):
         else:
             logits = head.decoder(h)
         return logits[..., : self.config.vocab_size].astype(jnp.float32)  # accumulated in float32
-
-
-FAMILY = Family(
-    model_type="bert",
-    tasks={
-        "base": BertModel,
-        "sequence-classification": BertForSequenceClassification,
-        "masked-lm": BertForMaskedLM,
-    },
-    base_prefix="bert",
-    heads=(r"^classifier\.", r"^cls\.", r"(^|\.)pooler\."),
-    aliases={
-        "cls.predictions.decoder.weight": "bert.embeddings.word_embeddings.weight",
-        "cls.predictions.decoder.bias": "cls.predictions.bias",
-    },
-    ignore=(r"(^|\.)position_ids$",),
-    lora_targets=r"/(query|value)/kernel$",
-    vocab_params=((r"word_embeddings/embedding$", 0), (r"decoder/kernel$", 1), (r"(decoder|predictions)/bias$", 0)),
-    # Megatron-style: q/k/v and the feed-forward input split by output column over mp, the attention and
-    # feed-forward outputs by input row; the other kernel dimension over fsdp. Token embeddings and the
-    # MLM head are split by (padded) vocabulary over mp; position and token-type embeddings by hidden size.
-    partition_rules=(
-        (r"word_embeddings/embedding$", P("mp", "fsdp")),
-        (r"_embeddings/embedding$", P(None, "fsdp")),
-        (r"(query|key|value)/kernel$", P("fsdp", "mp")),
-        (r"(query|key|value)/bias$", P("mp")),
-        (r"intermediate/dense/kernel$", P("fsdp", "mp")),
-        (r"intermediate/dense/bias$", P("mp")),
-        (r"output/dense/kernel$", P("mp", "fsdp")),
-        (r"output/dense/bias$", P()),
-        (r"LayerNorm/(scale|bias)$", P()),
-        (r"(pooler|transform)/dense/kernel$", P("fsdp", None)),
-        (r"(pooler|transform)/dense/bias$", P()),
-        (r"classifier/kernel$", P("fsdp", None)),
-        (r"classifier/bias$", P()),
-        (r"decoder/kernel$", P("fsdp", "mp")),
-        (r"(decoder|predictions)/bias$", P("mp")),
-    ),
-)

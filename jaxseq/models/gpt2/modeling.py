@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import PartitionSpec as P
 
 from jaxseq.models.attention import (
     AttentionKernel,
@@ -19,7 +18,6 @@ from jaxseq.models.attention import (
     take_positions,
     update_kv,
 )
-from jaxseq.models.family import Family
 from jaxseq.models.layers import (
     Conv1D,
     Linear,
@@ -245,32 +243,3 @@ class LastTokenClassifier(nnx.Module):
 class GPT2ForSequenceClassification(LastTokenClassifier):
     hf_architecture = "GPT2ForSequenceClassification"
     base = GPT2Model
-
-
-FAMILY = Family(
-    model_type="gpt2",
-    tasks={
-        "base": GPT2Model,
-        "causal-lm": GPT2LMHeadModel,
-        "sequence-classification": GPT2ForSequenceClassification,
-    },
-    base_prefix="transformer",
-    heads=(r"^lm_head\.", r"^score\."),
-    lora_targets=r"/c_attn/kernel$",
-    vocab_params=((r"wte/embedding$", 0), (r"lm_head/kernel$", 1)),
-    aliases={"lm_head.weight": "transformer.wte.weight"},
-    ignore=(r"\.attn\.bias$", r"\.attn\.masked_bias$"),
-    # Megatron-style: q/k/v and MLP-in split by output column over mp, attention-out and MLP-out by input
-    # row; the other kernel dimension over fsdp; embeddings split by vocabulary.
-    partition_rules=(
-        (r"wte/embedding$", P("mp", "fsdp")),
-        (r"wpe/embedding$", P(None, "fsdp")),
-        (r"(c_attn|c_fc)/kernel$", P("fsdp", "mp")),
-        (r"(c_attn|c_fc)/bias$", P("mp")),
-        (r"c_proj/kernel$", P("mp", "fsdp")),
-        (r"c_proj/bias$", P()),
-        (r"(ln_\d|ln_f)/(scale|bias)$", P()),
-        (r"lm_head/kernel$", P("fsdp", "mp")),
-        (r"score/kernel$", P("fsdp", None)),
-    ),
-)

@@ -20,7 +20,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import PartitionSpec as P
 
 from jaxseq.errors import JaxseqError
 from jaxseq.models.attention import (
@@ -40,8 +39,7 @@ from jaxseq.models.attention import (
     update_kv,
     update_ring,
 )
-from jaxseq.models.family import Family
-from jaxseq.models.gpt2 import DecoderLM, LastTokenClassifier
+from jaxseq.models.gpt2.modeling import DecoderLM, LastTokenClassifier
 from jaxseq.models.layers import Linear, Stacked, activation, blocks, normal, padded_vocab_size, tied_logits
 from jaxseq.models.outputs import BaseOutput
 
@@ -306,68 +304,3 @@ class LlamaForSequenceClassification(LastTokenClassifier):
     hf_architecture = "LlamaForSequenceClassification"
     base = LlamaModel
     base_name = "model"
-
-
-# Mistral and Qwen2: the same modules under transformers' class names (what an export's config names)
-
-
-class MistralModel(LlamaModel):
-    hf_architecture = "MistralModel"
-
-
-class MistralForCausalLM(LlamaForCausalLM):
-    hf_architecture = "MistralForCausalLM"
-
-
-class MistralForSequenceClassification(LlamaForSequenceClassification):
-    hf_architecture = "MistralForSequenceClassification"
-
-
-class Qwen2Model(LlamaModel):
-    hf_architecture = "Qwen2Model"
-
-
-class Qwen2ForCausalLM(LlamaForCausalLM):
-    hf_architecture = "Qwen2ForCausalLM"
-
-
-class Qwen2ForSequenceClassification(LlamaForSequenceClassification):
-    hf_architecture = "Qwen2ForSequenceClassification"
-
-
-# Megatron-style, as GPT-2: q/k/v, gate and up split by output column over mp, o and down by input row; the
-# other kernel dimension over fsdp; embeddings and the head by vocabulary. k/v's columns are kv_heads x head_dim:
-# whole key/value heads per device when mp divides num_key_value_heads, else each head's features split over mp
-# (mp divides kv_heads * head_dim), which GSPMD gathers where attention needs them: the same numbers either way
-# (tests/test_llama.py runs one key/value head on mp=2).
-PARTITION_RULES = (
-    (r"embed_tokens/embedding$", P("mp", "fsdp")),
-    (r"(q_proj|k_proj|v_proj|gate_proj|up_proj)/kernel$", P("fsdp", "mp")),
-    (r"(q_proj|k_proj|v_proj|gate_proj|up_proj)/bias$", P("mp")),
-    (r"(o_proj|down_proj)/kernel$", P("mp", "fsdp")),
-    (r"(o_proj|down_proj)/bias$", P()),
-    (r"(input_layernorm|post_attention_layernorm|norm)/scale$", P()),
-    (r"lm_head/kernel$", P("fsdp", "mp")),
-    (r"score/kernel$", P("fsdp", None)),
-)
-
-
-def _family(model_type: str, base: type, causal_lm: type, classifier: type) -> Family:
-    return Family(
-        model_type=model_type,
-        tasks={"base": base, "causal-lm": causal_lm, "sequence-classification": classifier},
-        base_prefix="model",
-        heads=(r"^lm_head\.", r"^score\."),
-        lora_targets=r"/(q_proj|v_proj)/kernel$",
-        vocab_params=((r"embed_tokens/embedding$", 0), (r"lm_head/kernel$", 1)),
-        aliases={"lm_head.weight": "model.embed_tokens.weight"},
-        ignore=(r"\.rotary_emb\.inv_freq$",),
-        partition_rules=PARTITION_RULES,
-    )
-
-
-FAMILIES = (
-    _family("llama", LlamaModel, LlamaForCausalLM, LlamaForSequenceClassification),
-    _family("mistral", MistralModel, MistralForCausalLM, MistralForSequenceClassification),
-    _family("qwen2", Qwen2Model, Qwen2ForCausalLM, Qwen2ForSequenceClassification),
-)
