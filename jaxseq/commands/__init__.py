@@ -16,7 +16,7 @@ COMMANDS = {
     "clm": ("clm", "pretrain or keep training a causal language model (run_clm.py flags)"),
     "chat": ("chat", "fine-tune a causal LM on chats, learning only the assistant's turns"),
     "seq2seq": ("seq2seq", "fine-tune T5 on source/target pairs"),
-    "generate": ("generate", "generate text with a GPT-2, GPT-J, Llama, Mistral, Qwen2 or T5 checkpoint"),
+    "generate": ("generate", "generate text with a causal or seq2seq language model (`jaxseq generate --help`)"),
     "push": ("push", "push a finished run's model, results and model card to the Hugging Face Hub"),
 }
 

@@ -1,5 +1,4 @@
-"""Generate text with a Hugging Face GPT-2, GPT-J, Llama, Mistral, Qwen2 or T5 checkpoint in jaxseq (sharded over
-every device).
+"""Generate text with a Hugging Face {families} checkpoint in jaxseq (sharded over every device).
 
     jaxseq generate --model_name_or_path gpt2 --prompt "The meaning of life is" --max_new_tokens 32
     jaxseq generate --model_name_or_path out/model --prompt_file prompts.jsonl \\
@@ -31,10 +30,12 @@ from jaxseq.distributed import DistributedConfig
 from jaxseq.errors import JaxseqError
 from jaxseq.generation import generate
 from jaxseq.models.hub import load_config, load_pretrained, parse_overrides, position_limit, resolve
-from jaxseq.models.registry import families_with, family_for
+from jaxseq.models.registry import families_with, family_for, family_names
 from jaxseq.models.source import PretrainedModel, check_vocabulary, load_tokenizer
 from jaxseq.sharding import gather
 from jaxseq.train.lora import ADAPTER_HELP, merge_adapter
+
+__doc__ = __doc__.format(families=family_names("causal-lm", "seq2seq-lm"))  # the families the registry lists
 
 
 @dataclasses.dataclass
@@ -125,7 +126,7 @@ def main(argv) -> int:
     if task is None:
         raise JaxseqError(
             f"{config.model_type} models cannot generate text; "
-            "use a GPT-2, GPT-J, Llama, Mistral, Qwen2 or T5 checkpoint"
+            f"use a {family_names('causal-lm', 'seq2seq-lm')} checkpoint"
         )
     overrides = parse_overrides(source.config_overrides, config)
     tokenizer = load_tokenizer(source.tokenizer_name or folder, fast=False)
