@@ -165,17 +165,13 @@ def run_jaxseq(args) -> dict:
 
 
 def model_flops_per_step(model: str) -> float:
-    """Training FLOPs of one step (jaxseq.train.throughput's 6 N + 12 L d s per token, N counted on the
-    model's shapes; nothing is computed)."""
-    from flax import nnx
-
-    from jaxseq.models import from_config
-    from jaxseq.train.throughput import flops_per_token
+    """Training FLOPs of one step: the family's count from the config (``jaxseq.models.registry.model_flops``,
+    causal attention counted over its lower triangle; nothing is built or computed)."""
+    from jaxseq.models.registry import model_flops
 
     setting = SETTINGS[model]
     task = "causal-lm" if model == "gpt2" else "sequence-classification"
-    abstract = nnx.eval_shape(lambda: from_config(hf_config(model), task))
-    return flops_per_token(abstract, setting.seq) * setting.seq * setting.batch
+    return model_flops(hf_config(model), task, setting.batch, setting.seq)
 
 
 def torch_peak_flops(size: int = 1024) -> float:

@@ -291,12 +291,12 @@ AUTO = {
         ("gpt2", "sequence-classification"),
     ],
 )
-def test_flops_per_token_counts_every_matmul_parameter_once(model_type, task):
+def test_matmul_parameters_counts_every_matmul_parameter_once(model_type, task):
     import torch
     from flax import nnx
 
     from jaxseq.models.registry import model_class
-    from jaxseq.train.throughput import flops_per_token, matmul_parameters
+    from jaxseq.train.throughput import matmul_parameters
 
     config = transformers.AutoConfig.for_model(model_type, **SMALL[model_type])
     config.pad_token_id = 0
@@ -309,7 +309,6 @@ def test_flops_per_token_counts_every_matmul_parameter_once(model_type, task):
     expected += config.vocab_size * 64 if tied else 0
     model = nnx.eval_shape(lambda: model_class(config, task)(config, rngs=nnx.Rngs(0)))  # shapes only
     assert matmul_parameters(model) == expected
-    assert flops_per_token(model, 32) == 6 * expected + 12 * 2 * 64 * 32
 
 
 def hf_group_texts(examples: dict[str, list], block_size: int) -> dict[str, list]:

@@ -45,6 +45,15 @@ def families_with(task: str) -> list[str]:
     return sorted(name for name, family in FAMILIES.items() if task in family.tasks)
 
 
+def task_of(model) -> str:
+    """The task whose class ``model`` is (``Family.tasks``)."""
+    family = family_for(model.config.model_type)
+    task = next((task for task, cls in family.tasks.items() if type(model) is cls), None)
+    if task is None:
+        raise JaxseqError(f"{type(model).__name__} is none of the {family.name} classes jaxseq has")
+    return task
+
+
 def family_names(*tasks: str, conjunction: str = "or") -> str:
     """The families (their ``name``s, in registry order) that have a model for any of ``tasks`` (all families
     without ``tasks``), as a list in a sentence: ``"GPT-2, GPT-J, Llama, Mistral or Qwen2"``."""

@@ -1,5 +1,6 @@
-"""How fast training runs: model FLOPs of a decoder, the machine's measured matmul peak, and a meter of
-tokens/s and model FLOPs utilisation (MFU) that leaves out compilation, evaluation and checkpointing."""
+"""How fast training runs: the machine's peak FLOP/s (published, or a matmul measured), and a meter of tokens/s
+and model FLOPs utilisation (MFU) that leaves out compilation, evaluation and checkpointing. Model FLOPs are
+each family's count (``models.registry.model_flops``, ``Family.model_flops``)."""
 
 from __future__ import annotations
 
@@ -14,8 +15,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxseq.config import arg
-from jaxseq.models.registry import family_for
-from jaxseq.plan import CHIPS, model_flops_per_step
+from jaxseq.models.registry import family_for, model_flops, task_of
+from jaxseq.plan import CHIPS
 
 
 @dataclasses.dataclass
@@ -37,7 +38,8 @@ def matmul_parameters(model: nnx.Module) -> int:
     plus the output projection when it reuses the token embedding (``tie_word_embeddings``), as nanoGPT's
     ``estimate_mfu`` counts them. A model's own ``tied`` (T5: transformers 5 reads v1.1's untied head as
     ``tie_word_embeddings=True, scale_decoder_outputs=False``) says whether it reuses the table. Models without
-    a language-model head (classifiers, the base model) meet no vocabulary projection, tied or not."""
+    a language-model head (classifiers, the base model) meet no vocabulary projection, tied or not.
+    Deprecated with ``plan.model_flops_per_step``, which it feeds: ``models.registry.model_flops`` counts a step."""
     config = model.config
     family = family_for(config.model_type)
     count = _dense_parameters(model, family, config.vocab_size)
@@ -64,30 +66,15 @@ def _dense_parameters(module: nnx.Module, family=None, vocab_size: int = 0) -> i
 
 
 def seq2seq_model_flops(model: nnx.Module, rows: int, source_len: int, target_len: int) -> float:
-    """Training FLOPs of one step of an encoder-decoder (T5) on ``rows`` pairs: the encoder's weights meet the
-    ``source_len`` source tokens, the decoder's and the LM head's the ``target_len`` target tokens; attention is
-    the encoder's over the source, the decoder's causal one over the target and its cross-attention from each
-    target token to the source (``model_flops_per_step`` for each part)."""
-    config = model.config
-    encoder = _dense_parameters(model.encoder)
-    decoder = matmul_parameters(model) - encoder
-    width = config.num_heads * config.d_kv
-    layers = config.num_decoder_layers
-    source, target = rows * source_len, rows * target_len
-    return (
-        model_flops_per_step(encoder, source, layers=config.num_layers, attention_width=width, seq_len=source_len,
-                             causal=False)
-        + model_flops_per_step(decoder, target, layers=layers, attention_width=width, seq_len=target_len)
-        + model_flops_per_step(0, target, layers=layers, attention_width=width, seq_len=source_len, causal=False)
-    )  # fmt: skip
+    """Training FLOPs of one step of an encoder-decoder on ``rows`` pairs. Deprecated: the family's count,
+    ``models.registry.model_flops(config, "seq2seq-lm", rows, source_len, target_len)``."""
+    return model_flops(model.config, "seq2seq-lm", rows, source_len, target_len)
 
 
 def flops_per_token(model: nnx.Module, seq_len: int) -> float:
-    """Training FLOPs (forward and backward) per token of a decoder at sequence length ``seq_len``: the
-    standard 6 N + 12 n_layer d_model seq (Kaplan et al. 2020; PaLM appendix B), N from ``matmul_parameters``;
-    the attention term counts the full (not causally halved) score matrix."""
-    config = model.config
-    return 6.0 * matmul_parameters(model) + 12.0 * config.num_hidden_layers * config.hidden_size * seq_len
+    """Training FLOPs per token of ``model`` on rows of ``seq_len`` tokens. Deprecated: the family's count of a
+    step, ``models.registry.model_flops(config, task, rows, seq_len)``, divided by its ``rows * seq_len``."""
+    return model_flops(model.config, task_of(model), 1, seq_len) / seq_len
 
 
 # Published dense bf16 peaks of one JAX device, by ``device_kind`` (TPU figures from ``jaxseq.plan.CHIPS``;

@@ -1,0 +1,169 @@
+"""One FLOP count per family (``Family.model_flops``), checked against the count written out by hand from each
+config's dimensions: 6 FLOPs per matrix weight and token in training (2 forward), plus attention's two
+products (QK^T and AV: 2 x 2 x width per query-key pair forward, 12 x width in training), causal attention
+over the lower triangle only (half the square), a sliding window over its window."""
+
+import pytest
+import transformers
+
+from jaxseq.models.registry import FAMILIES, model_flops
+
+ROWS, SEQ = 3, 16
+TOKENS = ROWS * SEQ
+V = 100  # vocabulary of every config below
+
+
+def causal_pairs(seq, window=None):
+    """Query-key pairs of one row of causal attention: half the square, or under a window the square minus
+    the triangle the window leaves out."""
+    w = min(window or seq, seq)
+    return seq * w - w * w / 2
+
+
+def test_gpt2():
+    d, layers, labels = 64, 2, 3
+    config = transformers.GPT2Config(n_embd=d, n_layer=layers, n_head=4, vocab_size=V, num_labels=labels)
+    per_layer = 3 * d * d + d * d + d * 4 * d + 4 * d * d  # c_attn, attn.c_proj, mlp.c_fc, mlp.c_proj
+    attention = 12 * layers * d * (SEQ * SEQ / 2) * ROWS  # QK^T and AV over the lower triangle
+    body = 6 * layers * per_layer * TOKENS + attention
+    assert model_flops(config, "causal-lm", ROWS, SEQ) == body + 6 * d * V * TOKENS  # + the LM head
+    assert model_flops(config, "sequence-classification", ROWS, SEQ) == body + 6 * d * labels * ROWS
+    assert model_flops(config, "base", ROWS, SEQ) == body
+    forward = 2 * layers * per_layer * TOKENS + 4 * layers * d * (SEQ * SEQ / 2) * ROWS + 2 * d * V * TOKENS
+    assert model_flops(config, "causal-lm", ROWS, SEQ, training=False) == forward
+    # the count can fail: full (not causally halved) attention, as throughput.flops_per_token once counted, differs
+    full = 6 * (layers * per_layer + d * V) * TOKENS + 12 * layers * d * SEQ * SEQ * ROWS
+    assert model_flops(config, "causal-lm", ROWS, SEQ) != full
+
+
+def test_gpt2_n_inner():
+    d, inner = 64, 96
+    config = transformers.GPT2Config(n_embd=d, n_layer=1, n_head=4, n_inner=inner, vocab_size=V)
+    per_layer = 4 * d * d + 2 * d * inner
+    assert model_flops(config, "base", 1, SEQ) == 6 * per_layer * SEQ + 12 * d * SEQ * SEQ / 2
+
+
+def test_gptj():
+    d, layers = 64, 2
+    config = transformers.GPTJConfig(n_embd=d, n_layer=layers, n_head=4, rotary_dim=8, vocab_size=V)
+    per_layer = 4 * d * d + 2 * d * 4 * d  # q, k, v, out_proj; fc_in, fc_out
+    expected = 6 * (layers * per_layer + d * V) * TOKENS + 12 * layers * d * (SEQ * SEQ / 2) * ROWS
+    assert model_flops(config, "causal-lm", ROWS, SEQ) == expected
+
+
+def llama_like(cls, **kw):
+    return cls(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=96,
+        vocab_size=V, **kw,
+    )  # fmt: skip
+
+
+def llama_layer(d=64, heads=4, kv_heads=2, dim=16, inner=96):
+    # q and o over every head; k and v over the key/value heads only; gate, up and down
+    return d * heads * dim + 2 * d * kv_heads * dim + heads * dim * d + 3 * d * inner
+
+
+def test_llama():
+    config = llama_like(transformers.LlamaConfig)
+    expected = 6 * (2 * llama_layer() + 64 * V) * TOKENS + 12 * 2 * (4 * 16) * causal_pairs(SEQ) * ROWS
+    assert model_flops(config, "causal-lm", ROWS, SEQ) == expected
+    assert (
+        model_flops(config, "sequence-classification", ROWS, SEQ) == expected - 6 * 64 * V * TOKENS + 6 * 64 * 2 * ROWS
+    )
+
+
+def test_llama_head_dim_apart_from_hidden_size():
+    config = llama_like(transformers.LlamaConfig, head_dim=32)  # heads x head_dim = 128, not hidden_size 64
+    expected = 6 * (2 * llama_layer(dim=32) + 64 * V) * TOKENS + 12 * 2 * (4 * 32) * causal_pairs(SEQ) * ROWS
+    assert model_flops(config, "causal-lm", ROWS, SEQ) == expected
+
+
+def test_mistral_sliding_window():
+    config = llama_like(transformers.MistralConfig, sliding_window=8)  # every layer sees its 8 latest keys
+    pairs = SEQ * 8 - 8 * 8 / 2  # 96 of the causal 128
+    expected = 6 * (2 * llama_layer() + 64 * V) * TOKENS + 12 * 2 * 64 * pairs * ROWS
+    assert model_flops(config, "causal-lm", ROWS, SEQ) == expected
+    unwindowed = llama_like(transformers.MistralConfig, sliding_window=None)
+    assert model_flops(config, "causal-lm", ROWS, SEQ) < model_flops(unwindowed, "causal-lm", ROWS, SEQ)
+
+
+def test_qwen2():
+    from jaxseq.models.llama import layer_windows
+
+    config = llama_like(transformers.Qwen2Config, use_sliding_window=True, sliding_window=8, max_window_layers=1)
+    assert layer_windows(config) == (None, 8)  # the first layer full causal, the second under its window
+    attention = 12 * 64 * (SEQ * SEQ / 2) * ROWS + 12 * 64 * (SEQ * 8 - 8 * 8 / 2) * ROWS
+    expected = 6 * (2 * llama_layer() + 64 * V) * TOKENS + attention
+    assert model_flops(config, "causal-lm", ROWS, SEQ) == expected
+    plain = llama_like(transformers.Qwen2Config)
+    assert model_flops(plain, "causal-lm", ROWS, SEQ) == model_flops(
+        llama_like(transformers.LlamaConfig), "causal-lm", ROWS, SEQ
+    )
+
+
+@pytest.mark.parametrize("gated", [False, True])
+def test_t5(gated):
+    d, inner, d_ff, enc, dec = 32, 4 * 8, 64, 2, 3
+    config = transformers.T5Config(
+        vocab_size=V, d_model=d, d_kv=8, num_heads=4, d_ff=d_ff, num_layers=enc, num_decoder_layers=dec,
+        feed_forward_proj="gated-gelu" if gated else "relu",
+    )  # fmt: skip
+    source, target = SEQ, 4
+    ff = (3 if gated else 2) * d * d_ff  # wi (wi_0 and wi_1 when gated) and wo
+    expected = 6 * enc * (4 * d * inner + ff) * ROWS * source  # encoder: q, k, v, o and the feed-forward
+    expected += 12 * enc * inner * source * source * ROWS  # encoder self-attention, bidirectional
+    # decoder: self-attention's q, k, v, o, cross-attention's q and o, the feed-forward and the LM head per target
+    expected += 6 * (dec * (4 * d * inner + 2 * d * inner + ff) + d * V) * ROWS * target
+    expected += 6 * dec * 2 * d * inner * ROWS * source  # cross-attention's k and v, from the source tokens
+    expected += 12 * dec * inner * (target * target / 2) * ROWS  # decoder self-attention, causal
+    expected += 12 * dec * inner * target * source * ROWS  # cross-attention: every target token over the source
+    assert model_flops(config, "seq2seq-lm", ROWS, source, target) == expected
+    # the count can fail: cross-attention's keys and values counted on the target tokens (as before) differ
+    assert model_flops(config, "seq2seq-lm", ROWS, source, target) != (
+        expected - 6 * dec * 2 * d * inner * ROWS * source + 6 * dec * 2 * d * inner * ROWS * target
+    )
+
+
+def test_bert():
+    d, layers, inner, labels = 64, 2, 128, 3
+    config = transformers.BertConfig(
+        hidden_size=d, num_hidden_layers=layers, num_attention_heads=4, intermediate_size=inner, vocab_size=V,
+        num_labels=labels,
+    )  # fmt: skip
+    layer = 4 * d * d + 2 * d * inner  # query, key, value, attention output; intermediate, output
+    full = 12 * d * SEQ * SEQ * ROWS  # one layer's bidirectional attention
+    masked_lm = 6 * (layers * layer + d * d + d * V) * TOKENS + layers * full  # + the head's transform and decoder
+    assert model_flops(config, "masked-lm", ROWS, SEQ) == masked_lm
+    assert model_flops(config, "base", ROWS, SEQ) == 6 * layers * layer * TOKENS + layers * full + 6 * d * d * ROWS
+    # the classifier: the last layer's keys and values at every token, the rest of it at each row's [CLS] only,
+    # whose one query reads SEQ keys; then the pooler and the classifier there
+    classification = 6 * (layers - 1) * layer * TOKENS + (layers - 1) * full
+    classification += 6 * 2 * d * d * TOKENS + 6 * (2 * d * d + 2 * d * inner) * ROWS + 12 * d * 1 * SEQ * ROWS
+    classification += 6 * (d * d + d * labels) * ROWS
+    assert model_flops(config, "sequence-classification", ROWS, SEQ) == classification
+
+
+def test_every_family_has_a_count_and_no_other_task():
+    assert set(FAMILIES) == {"gpt2", "gptj", "t5", "bert", "llama", "mistral", "qwen2"}
+    assert all(family.flops is not None for family in FAMILIES.values())
+    with pytest.raises(Exception, match="not available"):
+        model_flops(transformers.BertConfig(), "causal-lm", 1, 8)
+
+
+@pytest.mark.parametrize("model_type, task", [("gpt2", "causal-lm"), ("t5", "seq2seq-lm")])
+def test_throughput_shims_are_the_family_count(model_type, task):
+    """``throughput.flops_per_token`` and ``seq2seq_model_flops`` (kept until their callers move) are the count."""
+    from flax import nnx
+
+    from jaxseq.models.registry import model_class
+    from jaxseq.train.throughput import flops_per_token, seq2seq_model_flops
+
+    config = transformers.AutoConfig.for_model(model_type, vocab_size=V)
+    small = {"gpt2": dict(n_embd=32, n_layer=1, n_head=2), "t5": dict(d_model=32, num_layers=1, num_heads=2)}
+    for key, value in small[model_type].items():
+        setattr(config, key, value)
+    model = nnx.eval_shape(lambda: model_class(config, task)(config, rngs=nnx.Rngs(0)))
+    if task == "seq2seq-lm":
+        assert seq2seq_model_flops(model, ROWS, SEQ, 4) == model_flops(config, task, ROWS, SEQ, 4)
+    else:
+        assert flops_per_token(model, SEQ) * TOKENS == pytest.approx(model_flops(config, task, ROWS, SEQ))
