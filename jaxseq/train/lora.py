@@ -39,8 +39,7 @@ from jaxseq.files import atomic_folder
 from jaxseq.models.layers import Conv1D, dropout_with_key, layer_paths
 from jaxseq.models.registry import family_for
 from jaxseq.models.weights import resize_vocab, torch_layout
-from jaxseq.partition import gather, get_partition_rules, match_partition_rules, path_string
-from jaxseq.sharding import STACKED, unstacked_path
+from jaxseq.sharding import STACKED, gather, match_partition_rules, path_string, unstacked_path
 
 EXPORTS = ("merged", "adapter")
 ADAPTER_HELP = (
@@ -408,7 +407,7 @@ def merge_adapter(model: nnx.Module, folder: str | os.PathLike) -> nnx.Module:
     ``W + (alpha / r) A B`` and the adapter's saved head in place of the model's, as PEFT's
     ``merge_and_unload``. The weights keep their shardings."""
     state = nnx.state(model)
-    specs = match_partition_rules(get_partition_rules(model.config.model_type), state)
+    specs = match_partition_rules(family_for(model.config.model_type).partition_rules, state)
     lora = Lora(LoraConfig(lora_adapter=str(folder)), model, specs)
     shardings = jax.tree.map(lambda x: x.sharding, state)
     nnx.update(model, jax.jit(lora.merged, out_shardings=shardings)(lora.adapter_weights(), state))
