@@ -61,6 +61,14 @@ def family_names(*tasks: str, conjunction: str = "or") -> str:
     return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} {conjunction} {names[-1]}"
 
 
+def task_table() -> str:
+    """Markdown table of each task and the families that have a model for it (README's, checked by
+    ``tests/test_house.py``)."""
+    rows = ["| task | families |", "|---|---|"]
+    rows += [f"| `{task}` | {family_names(task, conjunction='and')} |" for task in TASKS]
+    return "\n".join(rows)
+
+
 def model_flops(config, task: str, rows: int, seq_len: int, target_len: int = 0, *, training: bool = True) -> float:
     """Model FLOPs of one step of ``config``'s model for ``task`` over ``rows`` rows of ``seq_len`` tokens
     (an encoder-decoder's source; ``target_len`` its target): ``Family.model_flops`` of its family."""
