@@ -67,6 +67,7 @@ def main(argv=None) -> dict:
     from jaxseq.train.feeding import abstract_batch
     from jaxseq.train.objectives import CausalLM
     from jaxseq.train.optim import OptimizerConfig
+    from jaxseq.train.spec import RunSpec
     from jaxseq.train.trainer import Trainer, TrainerConfig
 
     tokenizer = transformers.GPT2TokenizerFast(
@@ -80,20 +81,16 @@ def main(argv=None) -> dict:
     mesh = make_mesh(f"dp={DEVICES}")
     model = from_config(config, "causal-lm", mesh=mesh, seed=0)
     with tempfile.TemporaryDirectory() as out:
-        trainer = Trainer(
-            model,
-            CausalLM(args.loss_chunk_tokens or None),
-            TrainerConfig(
-                output_dir=out,
-                max_steps=1,
-                per_device_train_batch_size=1,
-                per_device_eval_batch_size=args.per_device_eval_batch_size,
-            ),
-            OptimizerConfig(),
-            {"input_ids": blocks},
-            {"": {"input_ids": blocks}},
-            mesh,
+        trainer_config = TrainerConfig(
+            output_dir=out,
+            max_steps=1,
+            per_device_train_batch_size=1,
+            per_device_eval_batch_size=args.per_device_eval_batch_size,
         )
+        spec = RunSpec(
+            mesh, config, "causal-lm", CausalLM(args.loss_chunk_tokens or None), trainer_config, OptimizerConfig()
+        )
+        trainer = Trainer(spec, model, {"input_ids": blocks}, {"": {"input_ids": blocks}})
         before = rss_mb()
         started = time.perf_counter()
         metrics = trainer.evaluate()

@@ -180,22 +180,19 @@ def hf_config(family: str):
 
 def run_jaxseq(model_name: str, kernel: str, args) -> dict:
     import jax
-    import jax.numpy as jnp
 
     from jaxseq.data.glue import get_task
     from jaxseq.mesh import make_mesh
-    from jaxseq.models import from_config
+    from jaxseq.models.registry import model_flops
     from jaxseq.train.objectives import CausalLM, SequenceClassification
     from jaxseq.train.optim import OptimizerConfig
-    from jaxseq.train.throughput import flops_per_token
+    from jaxseq.train.spec import RunSpec
     from jaxseq.train.trainer import Trainer, TrainerConfig
 
     family, seq, batch = MODELS[model_name]
     config = hf_config(family)
     mesh = make_mesh("dp=1")
     task = "causal-lm" if family == "gpt2" else "sequence-classification"
-    model = from_config(config, task, dtype=jnp.bfloat16, mesh=mesh, seed=0)
-    flops = flops_per_token(model, seq) * seq * batch
     data = synthetic_batches(family, seq, batch * (args.steps + args.warmup + 4), config.vocab_size)
     objective = (
         CausalLM(chunk_tokens=args.loss_chunk_tokens or None)
@@ -203,17 +200,14 @@ def run_jaxseq(model_name: str, kernel: str, args) -> dict:
         else SequenceClassification(get_task("sst2"))
     )
     with tempfile.TemporaryDirectory() as out:
-        trainer = Trainer(
-            model,
-            objective,
-            TrainerConfig(
-                output_dir=out, per_device_train_batch_size=batch, max_steps=10**6, attention=kernel, report_to="none"
-            ),
-            OptimizerConfig(learning_rate=LR, weight_decay=WEIGHT_DECAY, lr_scheduler_type="constant"),
-            data,
-            {},
-            mesh,
+        trainer_config = TrainerConfig(
+            output_dir=out, per_device_train_batch_size=batch, max_steps=10**6, attention=kernel, report_to="none"
         )
+        optimizer = OptimizerConfig(learning_rate=LR, weight_decay=WEIGHT_DECAY, lr_scheduler_type="constant")
+        spec = RunSpec(mesh, config, task, objective, trainer_config, optimizer, dtype="bfloat16")
+        model = spec.build_model()
+        flops = model_flops(config, task, batch, seq)
+        trainer = Trainer(spec, model, data, {})
         del model
         batches = trainer.feed.batches()
         start = time.perf_counter()

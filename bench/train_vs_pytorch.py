@@ -109,6 +109,7 @@ def run_jaxseq(args) -> dict:
     from jaxseq.models import from_config
     from jaxseq.train.objectives import CausalLM, SequenceClassification
     from jaxseq.train.optim import OptimizerConfig
+    from jaxseq.train.spec import RunSpec
     from jaxseq.train.throughput import measure_peak_flops
     from jaxseq.train.trainer import Trainer, TrainerConfig
 
@@ -120,15 +121,12 @@ def run_jaxseq(args) -> dict:
     model = from_config(hf_config(args.model), task, mesh=mesh, seed=0, dtype=jax.numpy.dtype(args.dtype))
     objective = CausalLM() if args.model == "gpt2" else SequenceClassification(TASKS["sst2"])
     with tempfile.TemporaryDirectory() as out:
-        trainer = Trainer(
-            model,
-            objective,
-            TrainerConfig(output_dir=out, per_device_train_batch_size=setting.batch, max_steps=10**6),
-            OptimizerConfig(learning_rate=setting.lr, weight_decay=setting.weight_decay, lr_scheduler_type="constant"),
-            data,
-            {},
-            mesh,
+        trainer_config = TrainerConfig(output_dir=out, per_device_train_batch_size=setting.batch, max_steps=10**6)
+        optimizer = OptimizerConfig(
+            learning_rate=setting.lr, weight_decay=setting.weight_decay, lr_scheduler_type="constant"
         )
+        spec = RunSpec(mesh, model.config, task, objective, trainer_config, optimizer, dtype=args.dtype)
+        trainer = Trainer(spec, model, data, {})
         del model
         batches = trainer.feed.batches()
         losses, times = [], []

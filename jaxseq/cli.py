@@ -17,15 +17,8 @@ from jaxseq.config import arg, build_parser, parse_args
 from jaxseq.distributed import DistributedConfig, initialize
 from jaxseq.errors import JaxseqError, first_line
 from jaxseq.hub_push import HubConfig, push_run
-from jaxseq.mesh import data_parallel_size, make_mesh
-from jaxseq.models.attention import use_attention
-from jaxseq.models.hub import abstract_model
-from jaxseq.models.layers import enable_remat
-from jaxseq.plan import compile_plan, format_table, model_flops_per_step, refusal, topology, write_plan
-from jaxseq.train.feeding import abstract_batch
+from jaxseq.mesh import make_mesh
 from jaxseq.train.results import export_model, write_results
-from jaxseq.train.step import TrainProgram
-from jaxseq.train.throughput import matmul_parameters, seq2seq_model_flops
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -72,79 +65,6 @@ def start(runtime: RuntimeConfig, distributed: DistributedConfig | None = None):
         initialize(distributed)
     setup_compilation_cache(runtime.compilation_cache_dir)
     return make_mesh(runtime.mesh or None)
-
-
-def plan_run(
-    plan: PlanConfig,
-    runtime: RuntimeConfig,
-    trainer_config,
-    optimizer,
-    lora,
-    *,
-    config,
-    task: str,
-    objective,
-    row: dict,
-    seq_len: int,
-    causal: bool,
-    target_len: int = 0,
-) -> dict:
-    """Compile the train step a run would use (its mesh, optimizer, dtype, remat, LoRA, accumulation) for
-    ``plan.compile_topology`` with abstract weights of ``config``, print the plan and write
-    ``output_dir/plan.json``. ``row``: name -> (shape of one example, dtype) of a training batch. A plan that
-    does not fit ends in one line (a JaxseqError) naming what is needed, of how much, and what to change.
-    ``target_len``: an encoder-decoder's target tokens (``seq_len`` is then the source's)."""
-    jax.config.update("jax_platforms", "cpu")  # compiling for the slice needs no accelerator of this machine
-    topo = topology(plan.compile_topology)
-    mesh = make_mesh(runtime.mesh or None, devices=topo.devices)
-    scan_layers = trainer_config.scans(mesh)
-    model = abstract_model(config, task, dtype=jax.numpy.dtype(runtime.dtype), scan_layers=scan_layers)
-    enable_remat(model, trainer_config.remat)
-    use_attention(model, trainer_config.attention, mesh, say=print)  # beside the plan; stderr keeps errors
-    accumulate = trainer_config.gradient_accumulation_steps
-    program = TrainProgram(
-        model,
-        objective,
-        mesh,
-        optimizer,
-        total_steps=max(trainer_config.max_steps, 1),
-        seed=trainer_config.seed,
-        accumulate=accumulate,
-        lora=lora,
-        loss_scaling=runtime.dtype == "float16",
-        skip_nonfinite_updates=trainer_config.skip_nonfinite_updates,
-    )
-    rows = trainer_config.per_device_train_batch_size * data_parallel_size(mesh)
-    batch = abstract_batch(mesh, rows, row, accumulate)
-    if target_len:
-        flops = seq2seq_model_flops(model, rows * accumulate, seq_len, target_len)
-    else:
-        flops = model_flops_per_step(
-            matmul_parameters(model),
-            rows * accumulate * seq_len,
-            layers=config.num_hidden_layers,
-            attention_width=config.hidden_size,
-            seq_len=seq_len,
-            causal=causal,
-        )
-    lowered = program.step.lower(program.abstract_state, program.abstract_frozen, batch)
-    state = program.abstract_state
-    result = compile_plan(
-        lowered,
-        topo,
-        parameters=(state.params, program.abstract_frozen, state.ema),
-        optimizer_state=state.opt_state,
-        batch=batch,
-        model_flops=flops,
-    )
-    result["layers"] = "scanned" if scan_layers else "unrolled"
-    output_dir = Path(trainer_config.output_dir)
-    output_dir.mkdir(parents=True, exist_ok=True)
-    write_plan(output_dir / "plan.json", result)
-    print(format_table(result))
-    if not result["fits"]:
-        raise JaxseqError(refusal(result, remat=trainer_config.remat))
-    return result
 
 
 def finish(

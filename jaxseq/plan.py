@@ -169,33 +169,6 @@ def _abstract_devices(libtpu_name: str, shape: list[int], options: dict) -> list
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Model FLOPs
-# ----------------------------------------------------------------------------------------------------------------
-
-
-def model_flops_per_step(
-    matmul_params: int,
-    tokens: int,
-    *,
-    layers: int = 0,
-    attention_width: int = 0,
-    seq_len: int = 0,
-    causal: bool = True,
-    training: bool = True,
-) -> float:
-    """Analytic FLOPs of one step, as MaxText's ``calculate_tflops_training_per_device`` counts them.
-
-    ``matmul_params``: weights that multiply every token (all dense kernels and a tied or untied LM head; not
-    embedding lookups, biases or norms). ``tokens``: tokens per step over the whole slice (global batch x length).
-    Attention adds ``12 x layers x attention_width x seq_len`` per token for training (QK^T and AV, forward and
-    backward), ``attention_width`` = heads x head_dim, halved when ``causal``. ``training=False``: 2x and 4x.
-    """
-    weight = (6 if training else 2) * matmul_params * tokens
-    attention = (12 if training else 4) * layers * attention_width * seq_len * tokens
-    return float(weight + (attention / 2 if causal else attention))
-
-
-# ----------------------------------------------------------------------------------------------------------------
 # Compiled HLO: FLOPs, HBM traffic and collective traffic per device, with loops counted by their trip counts
 # ----------------------------------------------------------------------------------------------------------------
 
@@ -808,7 +781,7 @@ def format_table(plan: dict) -> str:
     rows.append(f"  {'step time':<17}{step * 1e3:9.2f} ms" if step is not None else f"  {'step time':<17}{'-':>9}")
     rows.append(f"  {'MFU':<17}{mfu * 100:8.1f} %" if mfu is not None else f"  {'MFU':<17}{'-':>9}")
     rows.append(f"  {'attention':<17}{plan['attention_kernel'] or '-':>9}")
-    if "layers" in plan:  # scanned or unrolled (a run's plan: cli.plan_run)
+    if "layers" in plan:  # scanned or unrolled (a run's plan: runner.plan)
         rows.append(f"  {'layers':<17}{plan['layers']:>9}")
     rows.append(f"  ({plan['estimate_method']})")
     return "\n".join(rows)

@@ -148,22 +148,3 @@ def test_every_family_has_a_count_and_no_other_task():
     assert all(family.flops is not None for family in FAMILIES.values())
     with pytest.raises(Exception, match="not available"):
         model_flops(transformers.BertConfig(), "causal-lm", 1, 8)
-
-
-@pytest.mark.parametrize("model_type, task", [("gpt2", "causal-lm"), ("t5", "seq2seq-lm")])
-def test_throughput_shims_are_the_family_count(model_type, task):
-    """``throughput.flops_per_token`` and ``seq2seq_model_flops`` (kept until their callers move) are the count."""
-    from flax import nnx
-
-    from jaxseq.models.registry import model_class
-    from jaxseq.train.throughput import flops_per_token, seq2seq_model_flops
-
-    config = transformers.AutoConfig.for_model(model_type, vocab_size=V)
-    small = {"gpt2": dict(n_embd=32, n_layer=1, n_head=2), "t5": dict(d_model=32, num_layers=1, num_heads=2)}
-    for key, value in small[model_type].items():
-        setattr(config, key, value)
-    model = nnx.eval_shape(lambda: model_class(config, task)(config, rngs=nnx.Rngs(0)))
-    if task == "seq2seq-lm":
-        assert seq2seq_model_flops(model, ROWS, SEQ, 4) == model_flops(config, task, ROWS, SEQ, 4)
-    else:
-        assert flops_per_token(model, SEQ) * TOKENS == pytest.approx(model_flops(config, task, ROWS, SEQ))

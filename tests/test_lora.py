@@ -22,6 +22,7 @@ from jaxseq.train.lora import LoraConfig  # noqa: E402
 from jaxseq.train.objectives import CausalLM, SequenceClassification  # noqa: E402
 from jaxseq.train.optim import OptimizerConfig, ema_update  # noqa: E402
 from jaxseq.train.results import export_model  # noqa: E402
+from jaxseq.train.spec import RunSpec  # noqa: E402
 from jaxseq.train.trainer import Trainer, TrainerConfig  # noqa: E402
 
 VOCAB, SEQ, HIDDEN, RANK = 128, 16, 64, 4
@@ -83,16 +84,9 @@ def make_trainer(tmp_path, model, mesh, *, lora=None, objective=None, steps=4, *
         seed=0,
     )
     optimizer = OptimizerConfig(**{"learning_rate": 1e-2, **optim})
-    return Trainer(
-        model,
-        objective or SequenceClassification(get_task("sst2")),
-        config,
-        optimizer,
-        train,
-        {"": dev},
-        mesh,
-        lora=lora,
-    )
+    task = "sequence-classification" if objective is None else "causal-lm"
+    objective = objective or SequenceClassification(get_task("sst2"))
+    return Trainer(RunSpec(mesh, model.config, task, objective, config, optimizer, lora=lora), model, train, {"": dev})
 
 
 def host(tree):

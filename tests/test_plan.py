@@ -100,16 +100,6 @@ def test_chip_table():
     assert planlib.CHIPS["v5e"].usable_hbm == int(15.75 * GiB)
 
 
-# ---------------------------------------------------------------------------------------------- model FLOPs
-
-
-def test_model_flops_follow_maxtext():
-    flops = planlib.model_flops_per_step(124_000_000, 8 * 1024, layers=12, attention_width=768, seq_len=1024)
-    assert flops == 6 * 124_000_000 * 8192 + 12 * 12 * 768 * 1024 * 8192 / 2
-    full = planlib.model_flops_per_step(10, 4, layers=1, attention_width=2, seq_len=4, causal=False, training=False)
-    assert full == 2 * 10 * 4 + 4 * 1 * 2 * 4 * 4
-
-
 # ---------------------------------------------------------------------------------------------- compiled plans
 
 L, D, H, B = 4, 1024, 2048, 64  # layers, width, hidden, global batch
@@ -151,7 +141,7 @@ def mlp_step(mesh, layers=L, width=D, hidden=H, fsdp=True):
 def mlp_plan(v5e):
     mesh = make_mesh("fsdp=8", devices=v5e.devices)
     lowered, params, opt_state, batch = mlp_step(mesh)
-    flops = planlib.model_flops_per_step(2 * L * D * H, B)
+    flops = 6.0 * 2 * L * D * H * B  # forward and backward of the two matmuls per layer
     plan = planlib.compile_plan(
         lowered, v5e, parameters=params, optimizer_state=opt_state, batch=batch, model_flops=flops
     )

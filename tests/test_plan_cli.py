@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 FIELDS = {
     "topology", "accelerator", "devices", "mesh", "hbm_bytes_per_device", "bytes_per_device", "fits",
     "model_flops_per_step", "compiled_flops_per_device", "estimated_step_seconds", "estimated_mfu",
-    "estimate_method", "attention_kernel", "compile_seconds", "jax_version", "libtpu_version", "layers",
+    "estimate_method", "attention_kernel", "compile_seconds", "jax_version", "libtpu_version", "layers", "inputs",
 }  # fmt: skip
 
 if importlib.util.find_spec("libtpu") is None:
@@ -102,10 +102,20 @@ def test_glue_and_seq2seq_plans(tmp_path):
     minilm = shared_asset("models/all-MiniLM-L6-v2")
     result, plan_ = plan(
         "finetune_glue.py", tmp_path / "glue", "--model_name_or_path", minilm, "--task_name", "stsb",
+        "--data_dir", shared_asset("data/glue"), "--max_train_samples", 256,
         "--max_seq_length", 64, "--per_device_train_batch_size", 4, "--compile_topology", "v4-8",
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
-    assert set(plan_) == FIELDS and plan_["accelerator"] == "v4-8" and plan_["devices"] == 4 and plan_["fits"]
+    assert set(plan_) == FIELDS | {"packing"} and plan_["accelerator"] == "v4-8" and plan_["devices"] == 4
+    assert plan_["fits"]
+    # the default GLUE run packs: the plan compiled its packed steps, segment ids and all
+    inputs, packing = plan_["inputs"], plan_["packing"]
+    rows = max(packing["row_counts"])
+    assert packing["segment_ids"] == "attention_mask" and rows < 4 * 4  # fewer rows than examples
+    for name in ("input_ids", "token_type_ids", "attention_mask", "position_ids"):
+        assert inputs[name] == {"shape": [rows, 64], "dtype": "int32"}
+    assert inputs["pool_index"] == {"shape": [16], "dtype": "int32"}
+    assert inputs["labels"] == {"shape": [16], "dtype": "float32"}  # STS-B: a regression
     result, plan_ = plan(
         "finetune_seq2seq.py", tmp_path / "t5", "--model_type", "t5",
         "--config_overrides", T5_TINY,
@@ -161,7 +171,8 @@ def test_splash_attention_is_in_the_compiled_plan_and_cuts_temporaries(tmp_path)
 
 def test_bert_plan_chooses_splash_by_itself_and_refuses_what_splash_cannot_do(tmp_path):
     minilm = shared_asset("models/all-MiniLM-L6-v2")
-    args = ["--model_name_or_path", minilm, "--task_name", "mrpc", "--max_seq_length", 256]
+    args = ["--model_name_or_path", minilm, "--task_name", "mrpc", "--max_seq_length", 256, "--max_train_samples", 128]
+    args += ["--data_dir", shared_asset("data/glue")]
     args += ["--per_device_train_batch_size", 4, "--compile_topology", "v5e-8"]
     result, plan_ = plan(
         "finetune_glue.py", tmp_path / "auto", *args, "--config_overrides", "attention_probs_dropout_prob=0"

@@ -269,48 +269,6 @@ def test_a_dataset_uses_its_validation_split_and_is_cached_by_fingerprint(tmp_pa
     np.testing.assert_array_equal(again[0], train)
 
 
-SMALL = {
-    "gpt2": dict(n_layer=2, n_embd=64, n_head=4, n_positions=64, vocab_size=1000),
-    "gptj": dict(n_layer=2, n_embd=64, n_head=4, n_positions=64, vocab_size=1000, rotary_dim=8),
-    "bert": dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, intermediate_size=128, vocab_size=1000),
-}
-AUTO = {
-    "causal-lm": transformers.AutoModelForCausalLM,
-    "masked-lm": transformers.AutoModelForMaskedLM,
-    "sequence-classification": transformers.AutoModelForSequenceClassification,
-}
-
-
-@pytest.mark.parametrize(
-    "model_type, task",
-    [
-        ("gpt2", "causal-lm"),
-        ("gptj", "causal-lm"),
-        ("bert", "masked-lm"),
-        ("bert", "sequence-classification"),  # tie_word_embeddings is set, but there is no vocabulary head
-        ("gpt2", "sequence-classification"),
-    ],
-)
-def test_matmul_parameters_counts_every_matmul_parameter_once(model_type, task):
-    import torch
-    from flax import nnx
-
-    from jaxseq.models.registry import model_class
-    from jaxseq.train.throughput import matmul_parameters
-
-    config = transformers.AutoConfig.for_model(model_type, **SMALL[model_type])
-    config.pad_token_id = 0
-    torch.manual_seed(0)
-    reference = AUTO[task].from_config(config)
-    lookups = [m.weight for m in reference.modules() if isinstance(m, torch.nn.Embedding)]
-    # parameters() lists a tied weight once: all of them but the lookup tables, plus a tied vocabulary head
-    expected = sum(p.numel() for p in reference.parameters()) - sum(w.numel() for w in lookups)
-    tied = reference.get_output_embeddings() is not None and config.tie_word_embeddings
-    expected += config.vocab_size * 64 if tied else 0
-    model = nnx.eval_shape(lambda: model_class(config, task)(config, rngs=nnx.Rngs(0)))  # shapes only
-    assert matmul_parameters(model) == expected
-
-
 def hf_group_texts(examples: dict[str, list], block_size: int) -> dict[str, list]:
     """transformers' examples/pytorch/language-modeling/run_clm.py group_texts, verbatim in substance."""
     concatenated = {k: [t for part in examples[k] for t in part] for k in examples}

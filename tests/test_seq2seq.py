@@ -207,6 +207,7 @@ def test_evaluation_in_length_buckets_equals_full_rows_in_input_order(tmp_path, 
     from jaxseq.mesh import make_mesh
     from jaxseq.models import from_config
     from jaxseq.train.optim import OptimizerConfig
+    from jaxseq.train.spec import RunSpec
     from jaxseq.train.trainer import Trainer, TrainerConfig
 
     monkeypatch.setattr(batches, "BUCKET_BATCHES", 1)  # a program per width, even for 5 batches
@@ -220,9 +221,8 @@ def test_evaluation_in_length_buckets_equals_full_rows_in_input_order(tmp_path, 
     )
     mesh = make_mesh("dp=4,mp=2")
     model = from_config(tiny_t5(tokenizer), "seq2seq-lm", mesh=mesh, seed=0)
-    trainer = Trainer(
-        model, objective, config, OptimizerConfig(), arrays, {"": arrays}, mesh, predict_sets={"": arrays}
-    )
+    spec = RunSpec(mesh, model.config, "seq2seq-lm", objective, config, OptimizerConfig())
+    trainer = Trainer(spec, model, arrays, {"": arrays}, predict_sets={"": arrays})
     shapes = {(b["input_ids"].shape[1], b["labels"].shape[1]) for b, _, _ in trainer.feed.eval_batches("")}
     assert len(shapes) > 1 and shapes <= {(s, t) for s in (8, 16, 32) for t in (8, 16)}
     got = trainer.predict()

@@ -18,7 +18,10 @@ from jaxseq.mesh import make_mesh  # noqa: E402
 from jaxseq.models import from_config  # noqa: E402
 from jaxseq.train.objectives import SequenceClassification  # noqa: E402
 from jaxseq.train.optim import OPTIMIZERS, OptimizerConfig  # noqa: E402
+from jaxseq.train.spec import RunSpec  # noqa: E402
 from jaxseq.train.trainer import Trainer, TrainerConfig  # noqa: E402
+
+TASK = "sequence-classification"
 from tests.conftest import shared_asset  # noqa: E402
 
 
@@ -72,17 +75,10 @@ def make_trainer(tmp_path, tokenizer, data, mesh_spec="dp=8", devices=None, **kw
     optim_kw = {k: v for k, v in kw.items() if k in {f.name for f in dataclasses.fields(OptimizerConfig)}}
     optim = OptimizerConfig(**{"learning_rate": 1e-3, "weight_decay": 0.01, **optim_kw})
     model = tiny_classifier(tokenizer, task.num_labels, mesh=mesh, dropout=kw.get("dropout", 0.1))
-    return Trainer(
-        model,
-        SequenceClassification(task),
-        TrainerConfig(**trainer_kw),
-        optim,
-        train,
-        {"": dev},
-        mesh,
-        pack=kw.get("pack"),
-        predict_sets=kw.get("predict_sets"),
+    spec = RunSpec(
+        mesh, model.config, TASK, SequenceClassification(task), TrainerConfig(**trainer_kw), optim, pack=kw.get("pack")
     )
+    return Trainer(spec, model, train, {"": dev}, predict_sets=kw.get("predict_sets"))
 
 
 def train_losses(trainer):
@@ -233,17 +229,19 @@ def test_float16_training_with_loss_scaling(tmp_path, tokenizer, sst2):
         pad_token_id=tokenizer.pad_token_id,
     )
     model = from_config(config, "sequence-classification", mesh=mesh, dtype=jnp.float16)
-    trainer = Trainer(
-        model,
+    spec = RunSpec(
+        mesh,
+        config,
+        TASK,
         SequenceClassification(task),
         TrainerConfig(
             output_dir=str(tmp_path), per_device_train_batch_size=2, max_steps=6, logging_steps=1, eval_steps=6, seed=0
         ),
         OptimizerConfig(learning_rate=3e-3, lr_scheduler_type="constant"),
-        {k: np.tile(v[:16], (2,) + (1,) * (v.ndim - 1)) for k, v in train.items()},
-        {"": dev},
-        mesh,
-        loss_scaling=True,
+        dtype="float16",
+    )
+    trainer = Trainer(
+        spec, model, {k: np.tile(v[:16], (2,) + (1,) * (v.ndim - 1)) for k, v in train.items()}, {"": dev}
     )
     assert trainer.state.params["score"]["kernel"][...].dtype == jnp.float32  # master weights
     losses = train_losses(trainer)

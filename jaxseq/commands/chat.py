@@ -15,123 +15,58 @@ and chat template as a Hugging Face folder that transformers' generate and pipel
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from jaxseq.cli import PlanConfig, RuntimeConfig, finish, parse, plan_run, script, start
-from jaxseq.config import save_config
+from jaxseq.cli import script
 from jaxseq.data.chat import ChatDataConfig, load_chat_rows, use_chat_template
-from jaxseq.distributed import DistributedConfig
-from jaxseq.hub_push import HubConfig
-from jaxseq.models.source import (
-    ModelSource,
-    build_model,
-    check,
-    check_vocabulary,
-    load_tokenizer,
-    model_config,
-    sequence_length,
-)
-from jaxseq.train.lora import LoraConfig
+from jaxseq.models.source import ModelSource, check_vocabulary, load_tokenizer, model_config, sequence_length
+from jaxseq.runner import Job, Prepared, run
 from jaxseq.train.objectives import CausalLMConfig
-from jaxseq.train.optim import OptimizerConfig
-from jaxseq.train.throughput import SpeedConfig, flops_per_token, peak_flops
-from jaxseq.train.trainer import Trainer, TrainerConfig
+from jaxseq.train.throughput import SpeedConfig
 
-SECTIONS = (
-    ModelSource,
-    ChatDataConfig,
-    RuntimeConfig,
-    PlanConfig,
-    TrainerConfig,
-    OptimizerConfig,
-    LoraConfig,
-    SpeedConfig,
-    CausalLMConfig,
-    HubConfig,
-    DistributedConfig,
-)
+TASK = "causal-lm"
 ROW = ("input_ids", "attention_mask", "position_ids", "loss_mask")
+
+
+def prepare(args, planning: bool) -> Prepared:
+    """Conversations rendered by the chat template into rows of --max_seq_length tokens, packed (a plan reads
+    none: its batches are rows of that length)."""
+    source, data = args.source, args.data
+    config, folder, overrides = model_config(source, TASK, weights=not planning)
+    seq = sequence_length(data.max_seq_length, config, "max_seq_length", 2048)
+    common = {"config": config, "objective": args.loss.objective(), "seq_len": seq, "packed_rows": data.pack_sequences}
+    if planning:
+        return Prepared(**common, row=dict.fromkeys(ROW, ((seq,), np.int32)))
+    tokenizer = load_tokenizer(source.tokenizer_name or folder)
+    use_chat_template(tokenizer, data.chat_template)
+    check_vocabulary(tokenizer, config)
+    main_process = jax.process_index() == 0
+    log = print if main_process else (lambda *_: None)
+    train, valid = load_chat_rows(data, tokenizer, seq, progress=main_process, log=log)
+    rows, learned = len(train["input_ids"]), int(train["loss_mask"].sum())
+    return Prepared(
+        **common,
+        train=train,
+        evals={"": valid},
+        checkpoint=folder if source.model_name_or_path else None,
+        overrides=overrides,
+        tokenizer=tokenizer,
+        summary=lambda _: (
+            f"{rows:,} training rows of {seq} tokens ({learned:,} assistant tokens, {learned / (rows * seq):.0%} "
+            f"of the rows), {len(valid['input_ids']):,} validation rows"
+        ),
+        extra_eval=lambda results: {"perplexity": results["eval_perplexity"]},
+    )
+
+
+JOB = Job(
+    __doc__,
+    TASK,
+    {"source": ModelSource, "data": ChatDataConfig, "speed": SpeedConfig, "loss": CausalLMConfig},
+    prepare,
+)
 
 
 @script
 def main(argv) -> int:
-    source, data, runtime, plan, trainer_config, optimizer_config, lora_config, speed, loss, hub, distributed = parse(
-        __doc__, SECTIONS, argv
-    )
-    check(source)
-    if plan.compile_topology:
-        config, _, _ = model_config(source, "causal-lm", weights=False)
-        seq = sequence_length(data.max_seq_length, config, "max_seq_length", 2048)
-        plan_run(
-            plan,
-            runtime,
-            trainer_config,
-            optimizer_config,
-            lora_config,
-            config=config,
-            task="causal-lm",
-            objective=loss.objective(),
-            row=dict.fromkeys(ROW, ((seq,), np.int32)),
-            seq_len=seq,
-            causal=True,
-        )
-        return 0
-    mesh = start(runtime, distributed)
-    main_process = jax.process_index() == 0
-    log = print if main_process else (lambda *_: None)
-    config, folder, overrides = model_config(source, "causal-lm")
-    tokenizer = load_tokenizer(source.tokenizer_name or folder)
-    use_chat_template(tokenizer, data.chat_template)
-    check_vocabulary(tokenizer, config)
-    seq = sequence_length(data.max_seq_length, config, "max_seq_length", 2048)
-    train_rows, valid_rows = load_chat_rows(data, tokenizer, seq, progress=main_process, log=log)
-
-    dtype = jnp.dtype(runtime.dtype)
-    model = build_model(
-        source, "causal-lm", config, folder, overrides, mesh=mesh, dtype=dtype, seed=trainer_config.seed,
-        scan_layers=trainer_config.scans(mesh),
-    )  # fmt: skip
-    peak, peak_source = peak_flops(mesh.devices.flat, dtype, speed.peak_flops)
-    flops = flops_per_token(model, seq)
-    trainer = Trainer(
-        model,
-        loss.objective(),
-        trainer_config,
-        optimizer_config,
-        train_rows,
-        {"": valid_rows},
-        mesh,
-        loss_scaling=runtime.dtype == "float16",
-        tokens_per_example=seq,
-        flops_per_example=flops * seq,
-        peak_flops=peak,
-        lora=lora_config,
-        packed_rows=data.pack_sequences,
-    )
-    if main_process:
-        save_config(trainer.output_dir / "config.yaml", source, data, runtime, trainer_config, optimizer_config,
-                    lora_config, speed, loss)  # fmt: skip
-    trainer.logger.write(trainer.describe())
-    rows, learned = len(train_rows["input_ids"]), int(train_rows["loss_mask"].sum())
-    trainer.logger.write(
-        f"{config.model_type}: {rows:,} training rows of {seq} tokens ({learned:,} assistant tokens, "
-        f"{learned / (rows * seq):.0%} of the rows), {len(valid_rows['input_ids']):,} validation rows; "
-        f"{trainer.total_steps} steps of global batch {trainer.global_batch} on {jax.device_count()} devices "
-        f"(mesh {dict(mesh.shape)}); MFU is of {peak_source}"
-    )
-    try:
-        results = trainer.train()
-    finally:
-        trainer.close()
-    finish(
-        trainer,
-        results,
-        tokenizer=tokenizer,
-        base_model=source.model_name_or_path,
-        hub=hub,
-        train_samples=rows,
-        eval_samples=len(valid_rows["input_ids"]),
-        extra_eval={"perplexity": results["eval_perplexity"]},
-    )
-    return 0
+    return run(JOB, argv)

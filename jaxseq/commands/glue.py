@@ -18,27 +18,22 @@ import dataclasses
 import functools
 from pathlib import Path
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
-from jaxseq.cli import PlanConfig, RuntimeConfig, finish, parse, plan_run, script, start
-from jaxseq.config import arg, save_config
+from jaxseq.cli import script
+from jaxseq.config import arg
 from jaxseq.data.glue import SPLIT_SUFFIX, TASKS, encode, get_task, load_split
 from jaxseq.data.rows import EncodedRows
-from jaxseq.distributed import DistributedConfig
 from jaxseq.errors import JaxseqError
 from jaxseq.files import atomic_write
-from jaxseq.hub_push import HubConfig
 from jaxseq.models.hub import apply_overrides
-from jaxseq.models.source import ModelSource, build_model, check, check_vocabulary, load_tokenizer, model_config
-from jaxseq.train.lora import LoraConfig
+from jaxseq.models.registry import model_class
+from jaxseq.models.source import ModelSource, check_vocabulary, load_tokenizer, model_config, sequence_length
+from jaxseq.runner import Job, Prepared, run
 from jaxseq.train.objectives import SequenceClassification
-from jaxseq.train.optim import OptimizerConfig
-from jaxseq.train.results import export_model, write_results
-from jaxseq.train.trainer import Trainer, TrainerConfig
 
 DEFAULT_MODEL = "sentence-transformers/all-MiniLM-L6-v2"
+TASK = "sequence-classification"
 
 
 @dataclasses.dataclass
@@ -81,19 +76,6 @@ class GlueConfig:
         return tuple(bool(flag) for flag in given)
 
 
-SECTIONS = (
-    ModelSource,
-    GlueConfig,
-    RuntimeConfig,
-    PlanConfig,
-    TrainerConfig,
-    OptimizerConfig,
-    LoraConfig,
-    HubConfig,
-    DistributedConfig,
-)
-
-
 def load_examples(glue: GlueConfig):
     """(task, training examples or None, eval sets, predict sets) for the stages asked for; sets are keyed
     by their metric suffix (MNLI mismatched: ``_mm``)."""
@@ -126,11 +108,11 @@ def write_predictions(task, output_dir: Path, suffix: str, predictions: np.ndarr
     return atomic_write(path, "index\tprediction\n" + "".join(line + "\n" for line in lines))
 
 
-def glue_model_config(source: ModelSource):
+def glue_model_config(source: ModelSource, weights: bool = True):
     """The model's config (with --config_overrides), its folder and the overrides; offline, the error says
     how to run without the Hub."""
     try:
-        return model_config(source, "sequence-classification")
+        return model_config(source, TASK, weights=weights)
     except JaxseqError as e:
         if "cannot download" in str(e):
             raise JaxseqError(
@@ -140,51 +122,27 @@ def glue_model_config(source: ModelSource):
         raise
 
 
-def max_positions(config) -> int | None:
-    for name in ("max_position_embeddings", "n_positions"):
-        if getattr(config, name, None):
-            return int(getattr(config, name))
-    return None
-
-
-@script
-def main(argv) -> int:
-    source, glue, runtime, plan, trainer_config, optimizer_config, lora_config, hub, distributed = parse(
-        __doc__, SECTIONS, argv
-    )
-    check(source, default_model=DEFAULT_MODEL)
-    if plan.compile_topology:
-        task = get_task(glue.task_name)
-        config, _, _ = model_config(source, "sequence-classification", weights=False)
-        config = apply_overrides(config, num_labels=task.num_labels)
-        row = dict.fromkeys(("input_ids", "attention_mask"), ((glue.max_seq_length,), np.int32))
-        if config.model_type == "bert":
-            row["token_type_ids"] = ((glue.max_seq_length,), np.int32)
-        row["labels"] = ((), np.float32 if task.is_regression else np.int32)
-        plan_run(
-            plan,
-            runtime,
-            trainer_config,
-            optimizer_config,
-            lora_config,
-            config=config,
-            task="sequence-classification",
-            objective=SequenceClassification(task),
-            row=row,
-            seq_len=glue.max_seq_length,
-            causal=config.model_type != "bert",
+def prepare(args, planning: bool) -> Prepared:
+    """The GLUE task's examples, tokenized when a batch first needs them by the process that takes them, and
+    packed several to a row. A plan reads the training examples too (the run's packed row counts depend on
+    them), unless it has no tokenizer to read them with and does not pack."""
+    source, glue = args.source, args.data
+    task = get_task(glue.task_name)
+    config, folder, overrides = glue_model_config(source, weights=not planning)
+    sequence_length(glue.max_seq_length, config, "max_seq_length", glue.max_seq_length)
+    overrides = {**overrides, "num_labels": task.num_labels}
+    pool = getattr(model_class(config, TASK), "pooled_token", None) if glue.pack_sequences else None
+    if planning and not (source.tokenizer_name or folder):
+        if pool:
+            raise JaxseqError(
+                "a plan of a packed GLUE run packs the training examples: pass --tokenizer_name (or plan the run "
+                "with --no_pack_sequences)"
+            )
+        return Prepared(
+            apply_overrides(config, **overrides), SequenceClassification(task), row=_row(config, task, glue)
         )
-        return 0
-    mesh = start(runtime, distributed)
-    do_train, do_eval, _ = glue.stages()
-    task, train_examples, eval_examples, test_examples = load_examples(glue)
-    config, folder, overrides = glue_model_config(source)
-    limit = max_positions(config)
-    if limit is not None and glue.max_seq_length > limit:
-        raise JaxseqError(f"--max_seq_length {glue.max_seq_length} exceeds the model's {limit} positions; lower it")
     tokenizer = load_tokenizer(source.tokenizer_name or folder, fast=False)
     check_vocabulary(tokenizer, config)
-    overrides = {**overrides, "num_labels": task.num_labels}
     if tokenizer.pad_token is None:  # GPT-2 style: pad with EOS, and classify at the last real token
         tokenizer.pad_token = tokenizer.eos_token
     if getattr(config, "pad_token_id", None) is None:
@@ -192,79 +150,41 @@ def main(argv) -> int:
     if not task.is_regression:
         overrides["id2label"] = dict(enumerate(task.labels))
         overrides["label2id"] = {name: i for i, name in enumerate(task.labels)}
-    model = build_model(
-        source,
-        "sequence-classification",
-        apply_overrides(config, **overrides),
-        folder,
-        overrides,
-        mesh=mesh,
-        dtype=jnp.dtype(runtime.dtype),
-        seed=trainer_config.seed,
-        scan_layers=trainer_config.scans(mesh),
-    )
-    # tokenized when a batch first needs them, by the process that takes them: each process only its share
+    if planning:
+        glue = dataclasses.replace(glue, do_train=True, do_eval=False, do_predict=False)
+    _, train_examples, eval_examples, test_examples = load_examples(glue)
     tokenize = functools.partial(encode, task, tokenizer=tokenizer, max_seq_length=glue.max_seq_length)
-    train_data = None if train_examples is None else EncodedRows(train_examples, tokenize)
-    eval_sets = {k: EncodedRows(v, tokenize) for k, v in eval_examples.items()}
-    test_sets = {k: EncodedRows(v, tokenize) for k, v in test_examples.items()}
-
-    trainer = Trainer(
-        model,
+    return Prepared(
+        apply_overrides(config, **overrides),
         SequenceClassification(task),
-        trainer_config,
-        optimizer_config,
-        train_data,
-        eval_sets,
-        mesh,
-        loss_scaling=runtime.dtype == "float16",
-        pack=getattr(model, "pooled_token", None) if glue.pack_sequences else None,
-        lora=lora_config,
-        predict_sets=test_sets,
+        train=None if train_examples is None else EncodedRows(train_examples, tokenize),
+        evals={k: EncodedRows(v, tokenize) for k, v in eval_examples.items()},
+        predicts={k: EncodedRows(v, tokenize) for k, v in test_examples.items()},
+        checkpoint=folder if source.model_name_or_path else None,
+        overrides=overrides,
+        tokenizer=tokenizer,
+        pack=pool,
+        seq_len=glue.max_seq_length,
+        summary=lambda _: (
+            f"{task.name}: {len(train_examples or ())} train / {sum(map(len, eval_examples.values()))} eval / "
+            f"{sum(map(len, test_examples.values()))} test examples"
+        ),
+        write_predictions=functools.partial(write_predictions, task),
     )
-    if jax.process_index() == 0:  # after Trainer has checked any checkpoint already in output_dir
-        save_config(
-            trainer.output_dir / "config.yaml", source, glue, runtime, trainer_config, optimizer_config, lora_config
-        )
-    trainer.logger.write(trainer.describe())
-    trainer.logger.write(
-        f"{task.name}: {len(train_examples or ())} train / {sum(map(len, eval_examples.values()))} eval / "
-        f"{sum(map(len, test_examples.values()))} test examples, "
-        f"{trainer.total_steps} steps of global batch {trainer.global_batch} on {jax.device_count()} devices "
-        f"(mesh {dict(mesh.shape)})"
-    )
-    if trainer.feed.row_buckets:
-        trainer.logger.write(
-            f"packing {trainer.feed.micro_batch} examples into {' or '.join(map(str, trainer.feed.row_buckets))} "
-            f"rows per micro-batch (of {glue.max_seq_length} tokens)"
-        )
-    eval_samples = len(next(iter(eval_examples.values()), ()))
-    restored = not do_train and trainer.config.resume_from_checkpoint is not None
-    try:
-        if do_train:
-            results = trainer.train()
-        else:
-            if restored:
-                trainer.restore_if_any()
-            results = {f"eval_{k}": v for k, v in trainer.evaluate().items()} if do_eval else {}
-        predictions = {suffix: trainer.predict(suffix)["prediction"] for suffix in test_sets}
-    finally:
-        trainer.close()
-    if jax.process_index() == 0:
-        for suffix, predicted in predictions.items():
-            trainer.logger.write(f"wrote {write_predictions(task, trainer.output_dir, suffix, predicted)}")
-    if do_train:
-        finish(
-            trainer,
-            results,
-            tokenizer=tokenizer,
-            base_model=source.model_name_or_path,
-            hub=hub,
-            train_samples=len(train_examples),
-            eval_samples=eval_samples,
-        )
-    elif do_eval:
-        write_results(trainer.output_dir, results, train_samples=0, eval_samples=eval_samples)
-    if restored:  # a saved step, exported: any checkpoint becomes a Hugging Face folder
-        export_model(trainer, trainer.output_dir, tokenizer, base_model=source.model_name_or_path)
-    return 0
+
+
+def _row(config, task, glue: GlueConfig) -> dict:
+    """One unpacked example's arrays, for a plan that reads no data."""
+    row = dict.fromkeys(("input_ids", "attention_mask"), ((glue.max_seq_length,), np.int32))
+    if config.model_type == "bert":
+        row["token_type_ids"] = ((glue.max_seq_length,), np.int32)
+    row["labels"] = ((), np.float32 if task.is_regression else np.int32)
+    return row
+
+
+JOB = Job(__doc__, TASK, {"source": ModelSource, "data": GlueConfig}, prepare, default_model=DEFAULT_MODEL)
+
+
+@script
+def main(argv) -> int:
+    return run(JOB, argv)

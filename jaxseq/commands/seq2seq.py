@@ -18,24 +18,19 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
-from jaxseq.cli import PlanConfig, RuntimeConfig, finish, parse, plan_run, script, start
-from jaxseq.config import arg, save_config
+from jaxseq.cli import script
+from jaxseq.config import arg
 from jaxseq.data.rows import EncodedRows
 from jaxseq.data.seq2seq import encode_pairs, load_pairs
-from jaxseq.distributed import DistributedConfig
 from jaxseq.errors import JaxseqError
-from jaxseq.hub_push import HubConfig
-from jaxseq.models.source import ModelSource, build_model, check, check_vocabulary, load_tokenizer, model_config
-from jaxseq.train.lora import LoraConfig
+from jaxseq.models.source import ModelSource, check_vocabulary, load_tokenizer, model_config
+from jaxseq.runner import Job, Prepared, run
 from jaxseq.train.objectives import Seq2SeqLM
-from jaxseq.train.optim import OptimizerConfig
-from jaxseq.train.trainer import Trainer, TrainerConfig
 
 DEFAULT_MODEL = "google-t5/t5-small"
+TASK = "seq2seq-lm"
 
 
 @dataclasses.dataclass
@@ -53,19 +48,6 @@ class Seq2SeqDataConfig:
     generation_max_length: int | None = arg(None, "new tokens per generated answer (default: --max_target_length)")
 
 
-SECTIONS = (
-    ModelSource,
-    Seq2SeqDataConfig,
-    RuntimeConfig,
-    PlanConfig,
-    TrainerConfig,
-    OptimizerConfig,
-    LoraConfig,
-    HubConfig,
-    DistributedConfig,
-)
-
-
 def load_data(data: Seq2SeqDataConfig):
     if not data.train_file or not data.validation_file:
         raise JaxseqError(
@@ -80,44 +62,27 @@ def load_data(data: Seq2SeqDataConfig):
     return train, evals
 
 
-@script
-def main(argv) -> int:
-    source, data, runtime, plan, trainer_config, optimizer_config, lora_config, hub, distributed = parse(
-        __doc__, SECTIONS, argv
-    )
-    check(source, default_model=DEFAULT_MODEL)
-    if plan.compile_topology:
-        config, _, _ = model_config(source, "seq2seq-lm", weights=False)
+def prepare(args, planning: bool) -> Prepared:
+    """Source/target pairs, tokenized when a batch first needs them, by the process that takes them (a plan
+    reads none: its batches are pairs of --max_source_length and --max_target_length tokens)."""
+    source, data = args.source, args.data
+    common = {"seq_len": data.max_source_length, "target_len": data.max_target_length}
+    if planning:
+        config, _, _ = model_config(source, TASK, weights=False)
         source_row, target_row = ((data.max_source_length,), np.int32), ((data.max_target_length,), np.int32)
-        plan_run(
-            plan,
-            runtime,
-            trainer_config,
-            optimizer_config,
-            lora_config,
-            config=config,
-            task="seq2seq-lm",
-            objective=Seq2SeqLM(),
-            row={
-                "input_ids": source_row,
-                "attention_mask": source_row,
-                "labels": target_row,
-                "decoder_attention_mask": target_row,
-            },
-            seq_len=data.max_source_length,
-            causal=False,
-            target_len=data.max_target_length,
-        )
-        return 0
+        row = {
+            "input_ids": source_row,
+            "attention_mask": source_row,
+            "labels": target_row,
+            "decoder_attention_mask": target_row,
+        }
+        return Prepared(config, Seq2SeqLM(), row=row, **common)
     train_pairs, eval_pairs = load_data(data)
-
-    mesh = start(runtime, distributed)
-    config, folder, overrides = model_config(source, "seq2seq-lm")
+    config, folder, overrides = model_config(source, TASK)
     tokenizer = load_tokenizer(source.tokenizer_name or folder)
     check_vocabulary(tokenizer, config)
     if tokenizer.pad_token_id is None or tokenizer.eos_token_id is None:
         raise JaxseqError("the tokenizer needs a pad and an EOS token (T5 tokenizers have both); pass a T5 tokenizer")
-    # tokenized when a batch first needs them, by the process that takes them: each process only its share
     tokenize = functools.partial(
         encode_pairs,
         tokenizer=tokenizer,
@@ -125,52 +90,23 @@ def main(argv) -> int:
         max_target_length=data.max_target_length,
         source_prefix=data.source_prefix,
     )
-    train_data, eval_data = EncodedRows(train_pairs, tokenize), EncodedRows(eval_pairs, tokenize)
-    model = build_model(
-        source,
-        "seq2seq-lm",
-        config,
-        folder,
-        overrides,
-        mesh=mesh,
-        dtype=jnp.dtype(runtime.dtype),
-        seed=trainer_config.seed,
-        scan_layers=trainer_config.scans(mesh),
-    )
     max_new = (data.generation_max_length or data.max_target_length) if data.predict_with_generate else 0
-    objective = Seq2SeqLM(tokenizer, max_new_tokens=max_new)
-
-    trainer = Trainer(
-        model,
-        objective,
-        trainer_config,
-        optimizer_config,
-        train_data,
-        {"": eval_data},
-        mesh,
-        loss_scaling=runtime.dtype == "float16",
-        lora=lora_config,
-    )
-    if jax.process_index() == 0:  # after Trainer has checked any checkpoint already in output_dir
-        save_config(
-            trainer.output_dir / "config.yaml", source, data, runtime, trainer_config, optimizer_config, lora_config
-        )
-    trainer.logger.write(trainer.describe())
-    trainer.logger.write(
-        f"{config.model_type}: {len(train_pairs)} train / {len(eval_pairs)} eval pairs, {trainer.total_steps} steps "
-        f"of global batch {trainer.global_batch} on {jax.device_count()} devices (mesh {dict(mesh.shape)})"
-    )
-    try:
-        results = trainer.train()
-    finally:
-        trainer.close()
-    finish(
-        trainer,
-        results,
+    return Prepared(
+        config,
+        Seq2SeqLM(tokenizer, max_new_tokens=max_new),
+        train=EncodedRows(train_pairs, tokenize),
+        evals={"": EncodedRows(eval_pairs, tokenize)},
+        checkpoint=folder if source.model_name_or_path else None,
+        overrides=overrides,
         tokenizer=tokenizer,
-        base_model=source.model_name_or_path,
-        hub=hub,
-        train_samples=len(train_pairs),
-        eval_samples=len(eval_pairs),
+        summary=lambda _: f"{len(train_pairs)} train / {len(eval_pairs)} eval pairs",
+        **common,
     )
-    return 0
+
+
+JOB = Job(__doc__, TASK, {"source": ModelSource, "data": Seq2SeqDataConfig}, prepare, default_model=DEFAULT_MODEL)
+
+
+@script
+def main(argv) -> int:
+    return run(JOB, argv)

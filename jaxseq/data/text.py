@@ -212,8 +212,9 @@ def pieces(document: str, size: int = PIECE_CHARS) -> Iterator[str]:
     yield document[start:]
 
 
-def token_dtype(tokenizer) -> np.dtype:
-    return np.dtype(np.uint16 if len(tokenizer) <= np.iinfo(np.uint16).max + 1 else np.int32)
+def token_dtype(vocab_size: int) -> np.dtype:
+    """How token ids of a vocabulary of ``vocab_size`` are stored and fed: uint16 when they fit, else int32."""
+    return np.dtype(np.uint16 if vocab_size <= np.iinfo(np.uint16).max + 1 else np.int32)
 
 
 def _eos(tokenizer) -> int:
@@ -229,7 +230,7 @@ def _encoded(parts: Iterable[tuple[str, bool]], tokenizer, bar, *, share: bool =
     gets every array, having encoded 1/N of them (and held one round at a time)."""
     import jax
 
-    eos, dtype = _eos(tokenizer), token_dtype(tokenizer)
+    eos, dtype = _eos(tokenizer), token_dtype(len(tokenizer))
     count, index = (jax.process_count(), jax.process_index()) if share else (1, 0)
     mine, batch, size, i = None, [], 0, 0
     for part in itertools.chain(parts, [None]):  # None: the end, which flushes the last batch and round
@@ -280,7 +281,7 @@ def tokenize(documents: list[str], tokenizer, *, progress: bool = True, desc: st
     bar = tqdm(total=total, desc=desc, unit="char", unit_scale=True, disable=not progress or total < PROGRESS_CHARS)
     out = list(_encoded(parts, tokenizer, bar))
     bar.close()
-    return _join_shares(np.concatenate(out) if out else np.zeros((0,), token_dtype(tokenizer)))
+    return _join_shares(np.concatenate(out) if out else np.zeros((0,), token_dtype(len(tokenizer))))
 
 
 def write_tokens(f: IO[bytes], parts: Iterable[tuple[str, bool]], tokenizer, *, progress: bool, desc: str) -> int:
@@ -290,7 +291,7 @@ def write_tokens(f: IO[bytes], parts: Iterable[tuple[str, bool]], tokenizer, *, 
     from tqdm.auto import tqdm
 
     _eos(tokenizer)
-    dtype = token_dtype(tokenizer)
+    dtype = token_dtype(len(tokenizer))
     f.write(b"\0" * NPY_HEADER)
     count = 0
     with tqdm(desc=desc, unit="char", unit_scale=True, disable=not progress) as bar:

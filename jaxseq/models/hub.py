@@ -18,6 +18,7 @@ from jax._src import config as jax_config  # threefry_gpu_kernel_lowering: no pu
 
 from jaxseq.errors import JaxseqError, first_line
 from jaxseq.files import atomic_folder
+from jaxseq.models.execution import Execution
 from jaxseq.models.registry import TASKS, family_for, model_class
 from jaxseq.models.weights import match_names, read_checkpoint, resize_vocab, some, stored_layout, torch_layout
 from jaxseq.sharding import check_divisible, gather, make_shardings, match_partition_rules
@@ -167,21 +168,34 @@ def _initialising(shardings):
     return jax_config.threefry_gpu_kernel_lowering(one_gpu)
 
 
-def _placement(mesh, rules, abstract_state, model_type):
-    """Sharding of every parameter: from the partition rules on a mesh, else the default device."""
+def _placement(mesh, abstract_state, model_type):
+    """Sharding of every parameter: from its family's partition rules on a mesh, else the default device."""
     if mesh is None:
         return jax.tree.map(lambda _: jax.sharding.SingleDeviceSharding(jax.devices()[0]), abstract_state)
-    rules = rules if rules is not None else family_for(model_type).partition_rules
-    specs = match_partition_rules(rules, abstract_state)
+    specs = match_partition_rules(family_for(model_type).partition_rules, abstract_state)
     check_divisible(abstract_state, specs, mesh)
     return make_shardings(mesh, specs)
 
 
 def abstract_model(
-    config, task: str, *, dtype=jnp.float32, param_dtype=jnp.float32, scan_layers: bool = False
+    config,
+    task: str,
+    *,
+    dtype=jnp.float32,
+    param_dtype=jnp.float32,
+    scan_layers: bool = False,
+    execution: Execution | None = None,
 ) -> nnx.Module:
-    """The model of ``config`` for ``task`` with shapes and dtypes only: no weight is read or allocated."""
-    return nnx.eval_shape(_constructor(config, task, dtype, param_dtype, 0, scan_layers))
+    """The model of ``config`` for ``task`` with shapes and dtypes only: no weight is read or allocated.
+    ``execution``: how its blocks run (``models.execution``)."""
+    return _executing(nnx.eval_shape(_constructor(config, task, dtype, param_dtype, 0, scan_layers)), execution)
+
+
+def _executing(model: nnx.Module, execution: Execution | None) -> nnx.Module:
+    """``model``, built, with ``execution`` set on it (the last step of building)."""
+    if execution is not None:
+        execution.apply(model)
+    return model
 
 
 def from_config(
@@ -191,19 +205,19 @@ def from_config(
     dtype=jnp.float32,
     param_dtype=jnp.float32,
     mesh=None,
-    rules=None,
     seed: int = 0,
     scan_layers: bool = False,
+    execution: Execution | None = None,
 ):
     """A randomly initialised model (for pretraining from scratch), built under ``jit`` straight onto its
     shardings, so no device ever holds the whole model when a mesh is given. ``scan_layers``: its blocks
-    stacked and run by one scan (``layers.Stacked``)."""
+    stacked and run by one scan (``layers.Stacked``); ``execution``: how its blocks run."""
     make = _constructor(config, task, dtype, param_dtype, seed, scan_layers)
     graphdef, abstract_state = nnx.split(nnx.eval_shape(make))
-    shardings = _placement(mesh, rules, abstract_state, config.model_type)
+    shardings = _placement(mesh, abstract_state, config.model_type)
     with _initialising(shardings):
         state = jax.jit(lambda: nnx.state(make()), out_shardings=shardings)()
-    return nnx.merge(graphdef, state)
+    return _executing(nnx.merge(graphdef, state), execution)
 
 
 def load_pretrained(
@@ -213,19 +227,20 @@ def load_pretrained(
     dtype=jnp.float32,
     param_dtype=jnp.float32,
     mesh=None,
-    rules=None,
     num_labels: int | None = None,
     seed: int = 0,
     scan_layers: bool = False,
+    execution: Execution | None = None,
     **config_overrides,
 ):
     """Load a Hugging Face checkpoint (local folder or Hub id) as the NNX model for ``task``.
 
     ``dtype`` is the compute dtype, ``param_dtype`` the storage dtype. With a ``mesh`` every weight goes
-    straight from disk onto its sharding (partition rules of the family, or ``rules``). A task head that
+    straight from disk onto its sharding (its family's partition rules). A task head that
     the checkpoint lacks (a classifier on a base model) is initialised from ``seed`` and reported.
     ``scan_layers``: the blocks stacked and scanned (``layers.Stacked``); each stacked weight is assembled on
     the host from its layers' tensors (one weight at a time) and each device receives only its slice.
+    ``execution``: how its blocks run (``models.execution``).
     """
     if task not in TASKS:
         raise JaxseqError(f"unknown task {task!r}; choose one of {', '.join(TASKS)}")
@@ -237,7 +252,7 @@ def load_pretrained(
     graphdef, abstract_state = nnx.split(abstract)
     layout = torch_layout(abstract)
     tensors, new_heads, dropped = match_names(family, set(layout), read_checkpoint(folder))
-    shardings = _placement(mesh, rules, abstract_state, family.model_type)
+    shardings = _placement(mesh, abstract_state, family.model_type)
 
     flat_shardings = dict(nnx.to_flat_state(shardings))
     flat_abstract = dict(nnx.to_flat_state(abstract_state))
@@ -267,7 +282,7 @@ def load_pretrained(
         logger.warning("ignored checkpoint weights this task does not use: %s", some(dropped))
     for path, value in values.items():
         flat_abstract[path].set_value(value)
-    return nnx.merge(graphdef, abstract_state)
+    return _executing(nnx.merge(graphdef, abstract_state), execution)
 
 
 def _read(tensors, name: str, transpose: bool, shape: tuple, vocab_axis: int | None, config) -> np.ndarray:

@@ -13,9 +13,7 @@ from jaxseq.config import arg
 from jaxseq.errors import JaxseqError, first_line
 from jaxseq.models.hub import (
     apply_overrides,
-    from_config,
     load_config,
-    load_pretrained,
     parse_overrides,
     position_limit,
     resolve,
@@ -107,16 +105,6 @@ def load_tokenizer(name: str | Path | None, *, fast: bool = True):
     if fast and not tokenizer.is_fast:
         raise JaxseqError(f"the tokenizer of {name} is not a fast (Rust) tokenizer; pass one with a tokenizer.json")
     return tokenizer
-
-
-def build_model(
-    source: ModelSource, task: str, config, folder, overrides, *, mesh, dtype, seed: int, scan_layers: bool = False
-):
-    """The pretrained checkpoint (with ``overrides``) or a fresh model of ``config``, placed on ``mesh``;
-    ``scan_layers``: its blocks stacked and scanned (``layers.Stacked``)."""
-    if source.model_name_or_path:
-        return load_pretrained(folder, task, mesh=mesh, dtype=dtype, seed=seed, scan_layers=scan_layers, **overrides)
-    return from_config(config, task, mesh=mesh, dtype=dtype, seed=seed, scan_layers=scan_layers)
 
 
 def check_vocabulary(tokenizer, config) -> None:

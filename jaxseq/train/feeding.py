@@ -131,14 +131,37 @@ class Feeder:
     def batches(self, start_step: int = 0) -> Iterator[dict[str, jax.Array]]:
         """The training batches from ``start_step`` on, on the devices: ``[rows, ...]`` arrays, or
         ``[micro-batches, rows, ...]`` with gradient accumulation."""
-        micro = self.accumulate
-        indices = train_indices(len(self.train_data), self.global_batch, self.seed, start_step)
-        for step, index in enumerate(indices, start_step):
-            rows = int(self._step_rows[step]) if step < len(self._step_rows) else self.packed_rows
-            parts = [self._local(self.train_data, m[self._mine], rows) for m in index.reshape(micro, -1)]
-            yield self.device_batch(
-                parts[0] if micro == 1 else {k: np.stack([p[k] for p in parts]) for k in parts[0]}, stacked=micro > 1
-            )
+        for step, index in enumerate(self._step_indices(start_step), start_step):
+            yield self.device_batch(self._host_batch(step, index), stacked=self.accumulate > 1)
+
+    def _step_indices(self, start_step: int) -> Iterator[np.ndarray]:
+        return train_indices(len(self.train_data), self.global_batch, self.seed, start_step)
+
+    def _host_batch(self, step: int, index: np.ndarray | None = None) -> dict[str, np.ndarray]:
+        """This process's arrays of training step ``step`` (whose examples are ``index``, else looked up)."""
+        if index is None:
+            index = next(self._step_indices(step))
+        rows = int(self._step_rows[step]) if step < len(self._step_rows) else self.packed_rows
+        parts = [self._local(self.train_data, m[self._mine], rows) for m in index.reshape(self.accumulate, -1)]
+        return parts[0] if self.accumulate == 1 else {k: np.stack([p[k] for p in parts]) for k in parts[0]}
+
+    def abstract_batches(self) -> list[dict[str, jax.ShapeDtypeStruct]]:
+        """The shapes, dtypes and shardings of every training batch shape the run steps on: one per packed row
+        count (in order of first use), else one. What a plan compiles the train step for (no device needed)."""
+        stacked = self.accumulate > 1
+        first = {
+            name: jax.ShapeDtypeStruct(shape, value.dtype, sharding=batch_sharding(self.mesh, value.ndim, stacked))
+            for name, (shape, value) in self._global(self._host_batch(0), stacked).items()
+        }
+        return [with_rows(first, rows) for rows in self.upcoming_rows()] or [first]
+
+    def _global(self, local: Mapping[str, np.ndarray], stacked: bool) -> dict[str, tuple[tuple, np.ndarray]]:
+        """Global shape of each of this process's arrays, with the array."""
+        out = {}
+        for name, value in local.items():
+            lead = value.shape[:2] if stacked else value.shape[:1]
+            out[name] = ((*lead[:-1], lead[-1] * self._groups, *value.shape[len(lead) :]), value)
+        return out
 
     def upcoming_rows(self, start_step: int = 0) -> list[int]:
         """The packed row counts of the training steps from ``start_step`` on, each once, in order of first use
@@ -188,14 +211,10 @@ class Feeder:
     def device_batch(self, local: Mapping[str, np.ndarray], stacked: bool = False) -> dict[str, jax.Array]:
         """This process's rows -> global arrays split over the batch axes. ``stacked``: arrays are
         ``[micro-batches, rows, ...]`` and each micro-batch is split on its own."""
-        out = {}
-        for name, value in local.items():
-            lead = value.shape[:2] if stacked else value.shape[:1]
-            shape = (*lead[:-1], lead[-1] * self._groups, *value.shape[len(lead) :])
-            out[name] = jax.make_array_from_process_local_data(
-                batch_sharding(self.mesh, value.ndim, stacked), value, shape
-            )
-        return out
+        return {
+            name: jax.make_array_from_process_local_data(batch_sharding(self.mesh, value.ndim, stacked), value, shape)
+            for name, (shape, value) in self._global(local, stacked).items()
+        }
 
     def tokenized_counts(self) -> list[int] | None:
         """Multi-host runs: how many training examples each process tokenized (each only what it took)."""

@@ -15,10 +15,11 @@ import optax
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from jaxseq import partition
+from jaxseq import sharding
 from jaxseq.errors import JaxseqError
 from jaxseq.mesh import data_parallel_size
-from jaxseq.models.layers import dropout_prng, gather_layers
+from jaxseq.models.layers import dropout_prng
+from jaxseq.models.registry import family_for
 from jaxseq.train.checkpoint import abstract_like
 from jaxseq.train.lora import Lora, LoraConfig
 from jaxseq.train.optim import OptimizerConfig, ema_update, make_optimizer, needs_value_fn
@@ -64,7 +65,7 @@ def state_specs(param_specs, state: TrainState) -> TrainState:
     return TrainState(
         P(),
         param_specs,
-        partition.follow_params(state.params, param_specs, state.opt_state),
+        sharding.follow_params(state.params, param_specs, state.opt_state),
         jax.tree.map(lambda _: P(), state.loss_scale),
         None if state.ema is None else param_specs,
     )
@@ -167,8 +168,8 @@ to 256 and LLVM caps the width at what the CPU has). A BERT step of MiniLM's sha
 
 def compiler_options(shardings) -> dict | None:
     """``CPU_COMPILER_OPTIONS`` when the program runs on CPU devices (the mesh of ``shardings``), else None."""
-    sharding = next((s for s in jax.tree.leaves(shardings) if hasattr(s, "mesh")), None)
-    devices = sharding.mesh.devices.flat if sharding is not None else jax.devices()
+    named = next((s for s in jax.tree.leaves(shardings) if hasattr(s, "mesh")), None)
+    devices = named.mesh.devices.flat if named is not None else jax.devices()
     return dict(CPU_COMPILER_OPTIONS) if next(iter(devices)).platform == "cpu" else None
 
 
@@ -186,10 +187,10 @@ def jit_train_step(train_step: Callable, state_shardings: TrainState, frozen_sha
 class TrainProgram:
     """A run's train and eval steps and everything about them that needs no weights: the task fitted to the
     mesh (``for_mesh``), the trained parameters (all, or LoRA's adapters and head) and their specs, the
-    optimizer, the state's shapes and shardings, and the jitted steps. With ``fsdp`` > 1 in the mesh each
-    block of ``model`` gathers its own weights when it runs (``jaxseq.models.layers.gather_layers``, set in
-    place). ``model`` may be abstract (``nnx.eval_shape``): a plan compiles ``step`` for a topology from
-    ``abstract_state`` alone; the Trainer builds the real state with ``init_state``."""
+    optimizer, the state's shapes and shardings, and the jitted steps. ``model`` is built as the run executes
+    it (``jaxseq.models.execution``: with fsdp each block gathers its own weights); it may be abstract
+    (``nnx.eval_shape``): a plan compiles ``step`` for a topology from ``abstract_state`` alone; the Trainer
+    builds the real state with ``init_state``."""
 
     def __init__(
         self,
@@ -201,29 +202,26 @@ class TrainProgram:
         total_steps: int,
         seed: int,
         accumulate: int = 1,
-        rules=None,
         lora: LoraConfig | None = None,
         loss_scaling: bool = False,
         skip_nonfinite_updates: bool = False,
     ):
         self.mesh = mesh
         self.task = task = for_mesh(task, mesh)
-        rules = rules if rules is not None else partition.get_partition_rules(model.config.model_type)
-        # fully sharded weights are gathered one block at a time, inside the block (see gather_layers)
-        gather_layers(model, mesh if mesh.shape["fsdp"] > 1 else None, rules)
+        rules = family_for(model.config.model_type).partition_rules
         self.graphdef, params = nnx.split(model)
-        param_specs = partition.match_partition_rules(rules, params)
+        param_specs = sharding.match_partition_rules(rules, params)
         self.lora = Lora(lora, model, param_specs) if lora is not None and lora.enabled else None
         self.frozen_shardings = None
         self.adapter_init = None
         trained = params
         if self.lora:  # the model's weights become a frozen input of the steps; the adapters train
-            partition.check_divisible(params, param_specs, mesh)
-            self.frozen_shardings = partition.make_shardings(mesh, param_specs)
+            sharding.check_divisible(params, param_specs, mesh)
+            self.frozen_shardings = sharding.make_shardings(mesh, param_specs)
             self.adapter_init = jax.jit(
                 lambda p: self.lora.init(p, seed),
                 in_shardings=(self.frozen_shardings,),
-                out_shardings=partition.make_shardings(mesh, self.lora.specs),
+                out_shardings=sharding.make_shardings(mesh, self.lora.specs),
             )
             trained = jax.eval_shape(self.adapter_init, params)
             param_specs = self.lora.specs
@@ -242,9 +240,9 @@ class TrainProgram:
             self.loss_scale = None
         abstract = abstract_state(trained, self.tx, self.loss_scale, ema=bool(self.ema_decay))
         specs = state_specs(param_specs, abstract)
-        partition.check_divisible(abstract, specs, mesh)
+        sharding.check_divisible(abstract, specs, mesh)
         self.param_specs = specs.params
-        self.state_shardings = partition.make_shardings(mesh, specs)
+        self.state_shardings = sharding.make_shardings(mesh, specs)
         self.abstract_state = abstract_like(abstract, self.state_shardings)
         self.abstract_frozen = None if self.lora is None else abstract_like(params, self.frozen_shardings)
         self.step = jit_train_step(

@@ -10,12 +10,10 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxseq.config import arg
-from jaxseq.models.registry import family_for, model_flops, task_of
 from jaxseq.plan import CHIPS
 
 
@@ -27,54 +25,6 @@ class SpeedConfig:
         "in the log; 0: the chips' published bf16 peak on TPU and GPU, a jitted matmul measured at start on CPU "
         "(the log then says 'of measured matmul')",
     )
-
-
-LM_TASKS = ("causal-lm", "masked-lm", "seq2seq-lm")
-"""Tasks whose model ends in a projection onto the vocabulary (``jaxseq.models.registry.TASKS``)."""
-
-
-def matmul_parameters(model: nnx.Module) -> int:
-    """Parameters a token meets in matrix products: all but the embedding tables (a lookup costs nothing),
-    plus the output projection when it reuses the token embedding (``tie_word_embeddings``), as nanoGPT's
-    ``estimate_mfu`` counts them. A model's own ``tied`` (T5: transformers 5 reads v1.1's untied head as
-    ``tie_word_embeddings=True, scale_decoder_outputs=False``) says whether it reuses the table. Models without
-    a language-model head (classifiers, the base model) meet no vocabulary projection, tied or not.
-    Deprecated with ``plan.model_flops_per_step``, which it feeds: ``models.registry.model_flops`` counts a step."""
-    config = model.config
-    family = family_for(config.model_type)
-    count = _dense_parameters(model, family, config.vocab_size)
-    has_lm_head = any(type(model) is family.tasks.get(task) for task in LM_TASKS)
-    if has_lm_head and getattr(model, "tied", getattr(config, "tie_word_embeddings", False)):
-        count += config.vocab_size * config.hidden_size
-    return count
-
-
-def _dense_parameters(module: nnx.Module, family=None, vocab_size: int = 0) -> int:
-    """Parameters of ``module`` outside its embedding tables; with its ``family``, an LM head over the padded
-    vocabulary (``models.layers.padded_vocab_size``) counts only its ``vocab_size`` real entries."""
-    tables = {path for path, m in nnx.iter_modules(module) if isinstance(m, nnx.Embed)}
-    count = 0
-    for path, v in nnx.to_flat_state(nnx.state(module, nnx.Param)):
-        if tuple(path[:-1]) in tables:
-            continue
-        shape = list(v.get_value().shape)
-        axis = family.vocab_axis(path) if family is not None else None
-        if axis is not None:
-            shape[axis] = vocab_size
-        count += int(np.prod(shape))
-    return count
-
-
-def seq2seq_model_flops(model: nnx.Module, rows: int, source_len: int, target_len: int) -> float:
-    """Training FLOPs of one step of an encoder-decoder on ``rows`` pairs. Deprecated: the family's count,
-    ``models.registry.model_flops(config, "seq2seq-lm", rows, source_len, target_len)``."""
-    return model_flops(model.config, "seq2seq-lm", rows, source_len, target_len)
-
-
-def flops_per_token(model: nnx.Module, seq_len: int) -> float:
-    """Training FLOPs per token of ``model`` on rows of ``seq_len`` tokens. Deprecated: the family's count of a
-    step, ``models.registry.model_flops(config, task, rows, seq_len)``, divided by its ``rows * seq_len``."""
-    return model_flops(model.config, task_of(model), 1, seq_len) / seq_len
 
 
 # Published dense bf16 peaks of one JAX device, by ``device_kind`` (TPU figures from ``jaxseq.plan.CHIPS``;

@@ -20,19 +20,18 @@ import numpy as np
 from flax import nnx
 from jax.experimental import multihost_utils
 
-from jaxseq import partition
+from jaxseq import sharding
 from jaxseq.config import arg
 from jaxseq.data.rows import Rows
 from jaxseq.errors import Interrupted, JaxseqError
 from jaxseq.files import RunLock
-from jaxseq.models.attention import ATTENTION_KERNELS, use_attention
-from jaxseq.models.layers import REMAT_POLICIES, enable_remat
+from jaxseq.models.attention import ATTENTION_KERNELS
+from jaxseq.models.layers import REMAT_POLICIES
 from jaxseq.train.checkpoint import Checkpointer
-from jaxseq.train.feeding import Feeder, with_rows
+from jaxseq.train.feeding import with_rows
 from jaxseq.train.logs import Finished, RunLogger
-from jaxseq.train.lora import LoraConfig
-from jaxseq.train.optim import OptimizerConfig
-from jaxseq.train.step import Task, TrainProgram, TrainState
+from jaxseq.train.spec import RunSpec, attention_kernel
+from jaxseq.train.step import Task, TrainState
 from jaxseq.train.throughput import Throughput
 from jaxseq.train.trackers import parse_report_to
 
@@ -183,75 +182,35 @@ def check_writable_dir(path: str | os.PathLike, flag: str) -> None:
 class Trainer:
     def __init__(
         self,
+        spec: RunSpec,
         model: nnx.Module,
-        task: Task,
-        config: TrainerConfig,
-        optimizer: OptimizerConfig,
         train_data: Rows | Mapping[str, np.ndarray] | None,
         eval_sets: Mapping[str, Rows | Mapping[str, np.ndarray]],
-        mesh: jax.sharding.Mesh,
-        rules=None,
-        loss_scaling: bool = False,
-        pack: str | None = None,
+        *,
+        predict_sets: Mapping[str, Rows | Mapping[str, np.ndarray]] | None = None,
         tokens_per_example: int | None = None,
         flops_per_example: float | None = None,
         peak_flops: float | None = None,
-        lora: LoraConfig | None = None,
-        packed_rows: bool = False,
-        predict_sets: Mapping[str, Rows | Mapping[str, np.ndarray]] | None = None,
     ):
-        """``train_data`` and each eval set: arrays by name, or ``jaxseq.data.rows`` that tokenize on demand
-        (each process then tokenizes only the examples its devices take); ``train_data=None`` evaluates and
-        predicts only. ``predict_sets``: sets ``predict`` runs through the evaluation batches (their labels
-        may be placeholders). ``lora``: train LoRA adapters
-        (``jaxseq.train.lora``) instead of every weight; the model's own weights stay frozen, bit for bit.
-        ``loss_scaling``: dynamic loss scaling, for models computing in float16. ``pack``: pack short
-        examples into shared rows (``jaxseq.data.packing``), pooling each example's ``"first"`` or
-        ``"last"`` token; the row counts are sized once for the whole run, so shapes stay static.
-        ``packed_rows``: the data's rows already hold several examples each (segment ids in
-        ``attention_mask``, as ``jaxseq.data.chat`` packs them).
-        ``tokens_per_example``, ``flops_per_example`` (model FLOPs of one example's forward and backward) and
-        ``peak_flops`` (FLOP/s of all devices): when given, the training log adds tokens/s, model FLOP/s and
-        MFU (see ``jaxseq.train.throughput``)."""
-        self.task, self.config, self.mesh = task, config, mesh
+        """The run of ``spec`` (``jaxseq.train.spec``) training ``model``, built from it. ``train_data`` and
+        each eval set: arrays by name, or ``jaxseq.data.rows`` that tokenize on demand (each process then
+        tokenizes only the examples its devices take); ``train_data=None`` evaluates and predicts only.
+        ``predict_sets``: sets ``predict`` runs through the evaluation batches (their labels may be
+        placeholders). ``tokens_per_example``, ``flops_per_example`` (model FLOPs of one example's forward and
+        backward) and ``peak_flops`` (FLOP/s of all devices): when given, the training log adds tokens/s,
+        model FLOP/s and MFU (see ``jaxseq.train.throughput``)."""
+        config = spec.trainer
+        self.spec, self.task, self.config, self.mesh = spec, spec.objective, config, spec.mesh
         self.output_dir = Path(config.output_dir)
         self.eval_names = list(eval_sets)
         predict_sets = {f"{PREDICT}{k}": v for k, v in (predict_sets or {}).items()}
-        self.attention = use_attention(model, config.attention, mesh, packed=pack is not None or packed_rows)
-        self.feed = Feeder(
-            mesh,
-            train_data,
-            {**eval_sets, **predict_sets},
-            per_device_train_batch_size=config.per_device_train_batch_size,
-            per_device_eval_batch_size=config.per_device_eval_batch_size,
-            gradient_accumulation_steps=config.gradient_accumulation_steps,
-            seed=config.seed,
-            pack=pack,
-            bucket_multiple=128 if self.attention == "splash" else 8,  # splash takes whole tiles of 128
-        )
+        self.attention = attention_kernel(model)
+        self.feed = spec.feeder(train_data, {**eval_sets, **predict_sets}, self.attention)
         self.global_batch, self.steps_per_epoch = self.feed.global_batch, self.feed.steps_per_epoch
         self.throughput = Throughput(self.global_batch, tokens_per_example, flops_per_example, peak_flops)
-        if train_data is None:
-            self.total_steps = 0
-        elif config.max_steps > 0:
-            self.total_steps = config.max_steps
-        else:
-            self.total_steps = max(1, math.ceil(config.num_train_epochs * self.steps_per_epoch))
+        self.total_steps = spec.total_steps(self.steps_per_epoch, trains=train_data is not None)
         self.feed.size_packing(self.total_steps)
-        enable_remat(model, config.remat)
-        self.program = program = TrainProgram(
-            model,
-            task,
-            mesh,
-            optimizer,
-            total_steps=max(self.total_steps, 1),
-            seed=config.seed,
-            accumulate=config.gradient_accumulation_steps,
-            rules=rules,
-            lora=lora,
-            loss_scaling=loss_scaling,
-            skip_nonfinite_updates=config.skip_nonfinite_updates,
-        )
+        self.program = program = spec.program(model, self.total_steps)
         self.task = program.task  # fitted to the mesh (the causal-LM loss's chunks)
         self.graphdef, self.lora = program.graphdef, program.lora
         self.ema_decay, self.eval_with_ema = program.ema_decay, program.eval_with_ema
@@ -259,10 +218,10 @@ class Trainer:
         params = nnx.state(model)
         self.frozen = None
         if self.lora:
-            self.frozen = partition.shard(params, program.frozen_shardings)
+            self.frozen = sharding.shard(params, program.frozen_shardings)
             params = program.adapter_init(self.frozen)
             if self.lora.adapter is not None:  # --lora_adapter: go on from its weights
-                params = partition.shard(self.lora.adapter_weights(), jax.tree.map(lambda x: x.sharding, params))
+                params = sharding.shard(self.lora.adapter_weights(), jax.tree.map(lambda x: x.sharding, params))
         self.state = program.init_state(params)
         self._train_step = lambda state, batch: program.step(state, self.frozen, batch)
         self._eval_step = program.eval_step
@@ -273,7 +232,7 @@ class Trainer:
             best_metric=config.metric_for_best_model and f"eval/{config.metric_for_best_model}",
             greater_is_better=config.greater_is_better,
         )
-        self._check_best_metric(task)
+        self._check_best_metric(self.task)
         self._check_resume_source()  # before the logger writes anything into output_dir
         self.lock = RunLock(self.output_dir)
         if jax.process_index() == 0:
@@ -284,7 +243,7 @@ class Trainer:
             report_to=config.backends,
             run_name=config.run_name,
             project=config.project,
-            run_config={**dataclasses.asdict(config), **dataclasses.asdict(optimizer)},
+            run_config={**dataclasses.asdict(config), **dataclasses.asdict(spec.optimizer)},
         )
         self.logger.write(f"attention kernel: {self.attention}")
 
@@ -486,7 +445,7 @@ class Trainer:
             if evaluate_now or save_now:  # not training: keep it out of the throughput figures
                 jax.block_until_ready(self.state)
                 self._progress.drain()
-                self._check_finite(step, partition.gather(pending))  # never evaluate or save a NaN state
+                self._check_finite(step, sharding.gather(pending))  # never evaluate or save a NaN state
                 self.throughput.pause(step)
                 paused = time.perf_counter()
                 if evaluate_now:
@@ -586,7 +545,7 @@ class Trainer:
 
     def _log_train(self, step: int, pending: list[dict], started: float) -> None:
         self._progress.drain()
-        host = partition.gather(pending)
+        host = sharding.gather(pending)
         self._check_finite(step, host)
         latest = ("learning_rate", "loss_scale", "skipped_updates")  # states, not per-step amounts
         values = {f"train/{k}": float(host[-1][k] if k in latest else np.mean([m[k] for m in host])) for k in host[0]}
@@ -633,7 +592,7 @@ class Trainer:
 
             def read_back():
                 outputs, index, valid = inflight.popleft()
-                for key, value in partition.gather(outputs).items():
+                for key, value in sharding.gather(outputs).items():
                     parts[key].append(np.asarray(value)[valid])
                 order.append(index[valid])
                 progress.update(1)
@@ -656,7 +615,7 @@ class Trainer:
 
     def describe(self) -> str:
         """Table of every trained parameter's shape, dtype, spec and bytes per device (printed at start)."""
-        table = partition.describe(self.state.params, self.program.param_specs, self.mesh)
+        table = sharding.describe(self.state.params, self.program.param_specs, self.mesh)
         if self.lora is None:
             return table
         return f"{table}\n{self.lora.describe(_count(self.frozen), _count(self.state.params))}"

@@ -1,0 +1,250 @@
+"""The one runner of every training job. A job (``jaxseq/commands/<job>.py``) is a declaration: its config
+sections by name, the model task, and ``prepare``, which reads its data and model config; ``run`` does the
+rest the same way for every job: parse, start, the run's spec (``train.spec``), then either a plan of the
+run's own train step for a TPU slice (``--compile_topology``) or the run itself (train, evaluate, predict,
+results, export, Hub push)."""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxseq.cli import PlanConfig, RuntimeConfig, finish, parse, start
+from jaxseq.config import save_config
+from jaxseq.distributed import DistributedConfig
+from jaxseq.errors import JaxseqError
+from jaxseq.hub_push import HubConfig
+from jaxseq.mesh import data_parallel_size, make_mesh
+from jaxseq.models.registry import model_flops
+from jaxseq.models.source import check
+from jaxseq.plan import compile_plan, format_table, refusal, topology, write_plan
+from jaxseq.train.feeding import abstract_batch
+from jaxseq.train.lora import LoraConfig
+from jaxseq.train.optim import OptimizerConfig
+from jaxseq.train.results import export_model, write_results
+from jaxseq.train.spec import RunSpec, attention_kernel
+from jaxseq.train.throughput import peak_flops
+from jaxseq.train.trainer import Trainer, TrainerConfig
+
+SHARED = {
+    "runtime": RuntimeConfig,
+    "plan": PlanConfig,
+    "trainer": TrainerConfig,
+    "optimizer": OptimizerConfig,
+    "lora": LoraConfig,
+    "hub": HubConfig,
+    "distributed": DistributedConfig,
+}
+"""Config sections every training job has, by the name ``prepare`` reads them (``args.trainer``, ...)."""
+
+NOT_SAVED = ("plan", "hub", "distributed")
+"""Sections left out of a run's config.yaml: how it was launched, not what it trains."""
+
+
+@dataclasses.dataclass
+class Prepared:
+    """What a job's ``prepare`` gives the runner. ``config``: the model's config, overrides applied;
+    ``checkpoint``: the folder whose weights the run starts from (None: fresh weights from ``config``) and
+    the ``overrides`` to load it with. ``train`` (None: no training), ``evals`` and ``predicts`` (sets to
+    predict, by suffix): arrays by name or ``data.rows``. A plan reads only what its batches' shapes depend
+    on: packed data; otherwise ``row``, one example's arrays (name -> (shape, dtype)). ``seq_len`` (and an
+    encoder-decoder's ``target_len``): tokens per example, for FLOPs. ``summary(trainer)``: the job's line in
+    the log; ``extra_eval(results)``: results under other names (run_clm's ``perplexity``);
+    ``write_predictions(output_dir, suffix, predictions)``: where predictions go (returns the path)."""
+
+    config: Any
+    objective: Any
+    train: Any = None
+    evals: Mapping = dataclasses.field(default_factory=dict)
+    predicts: Mapping = dataclasses.field(default_factory=dict)
+    checkpoint: str | Path | None = None
+    overrides: Mapping = dataclasses.field(default_factory=dict)
+    tokenizer: Any = None
+    pack: str | None = None
+    packed_rows: bool = False
+    row: Mapping[str, tuple[tuple[int, ...], Any]] | None = None
+    seq_len: int = 0
+    target_len: int = 0
+    summary: Callable[[Trainer], str] | None = None
+    extra_eval: Callable[[dict], dict] | None = None
+    write_predictions: Callable[[Path, str, np.ndarray], Path] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+    """A training job: ``doc`` (its --help), the model ``task``, its own ``sections`` (by name: ``source``, a
+    ``models.source.ModelSource``, and its data's; optionally ``speed``, a ``throughput.SpeedConfig`` for MFU
+    in the log), ``prepare(args, planning) -> Prepared``, and the ``default_model`` when none is named."""
+
+    doc: str
+    task: str
+    sections: Mapping[str, type]
+    prepare: Callable[[types.SimpleNamespace, bool], Prepared]
+    default_model: str | None = None
+
+
+def parse_job(job: Job, argv) -> types.SimpleNamespace:
+    """``job``'s config sections by name (``args.source``, ``args.trainer``, ...) from YAML and ``argv``."""
+    sections = {**job.sections, **SHARED}
+    args = types.SimpleNamespace(**dict(zip(sections, parse(job.doc, tuple(sections.values()), argv))))
+    check(args.source, default_model=job.default_model)
+    return args
+
+
+def run(job: Job, argv) -> int:
+    """Run ``job`` with command-line ``argv``: plan it (``--compile_topology``) or train it."""
+    args = parse_job(job, argv)
+    if args.plan.compile_topology:
+        jax.config.update("jax_platforms", "cpu")  # compiling for the slice needs no accelerator of this machine
+        topo = topology(args.plan.compile_topology)
+        mesh = make_mesh(args.runtime.mesh or None, devices=topo.devices)
+        prepared = job.prepare(args, True)
+        plan(spec_of(job, args, mesh, prepared), prepared, topo)
+        return 0
+    mesh = start(args.runtime, args.distributed)
+    prepared = job.prepare(args, False)
+    spec = spec_of(job, args, mesh, prepared)
+    model = spec.build_model(prepared.checkpoint, prepared.overrides)
+    speed = {}
+    if "speed" in job.sections:
+        peak, peak_source = peak_flops(mesh.devices.flat, spec.dtype, args.speed.peak_flops)
+        speed = {
+            "tokens_per_example": prepared.seq_len,
+            "flops_per_example": model_flops(spec.config, spec.task, 1, prepared.seq_len, prepared.target_len),
+            "peak_flops": peak,
+        }
+    trainer = Trainer(
+        spec, model, prepared.train, prepared.evals, predict_sets=prepared.predicts, **speed
+    )  # checks any checkpoint already in output_dir before anything is written there
+    if jax.process_index() == 0:
+        saved = [section for name, section in vars(args).items() if name not in NOT_SAVED]
+        save_config(trainer.output_dir / "config.yaml", *saved)
+    log = trainer.logger.write
+    log(trainer.describe())
+    feed = trainer.feed
+    log(
+        f"{spec.config.model_type}: {trainer.total_steps} steps of global batch {trainer.global_batch} on "
+        f"{jax.device_count()} devices (mesh {dict(mesh.shape)})" + (f"; MFU is of {peak_source}" if speed else "")
+    )
+    if prepared.summary is not None:
+        log(prepared.summary(trainer))
+    if feed.row_buckets:
+        log(
+            f"packing {feed.micro_batch} examples into {' or '.join(map(str, feed.row_buckets))} rows per "
+            f"micro-batch (of {prepared.seq_len} tokens)"
+        )
+    trains = prepared.train is not None
+    restored = not trains and args.trainer.resume_from_checkpoint is not None
+    try:
+        if trains:
+            results = trainer.train()
+        else:
+            if restored:
+                trainer.restore_if_any()
+            results = {f"eval_{k}": v for k, v in trainer.evaluate().items()} if prepared.evals else {}
+        predictions = {suffix: trainer.predict(suffix)["prediction"] for suffix in prepared.predicts}
+    finally:
+        trainer.close()
+    if jax.process_index() == 0:
+        for suffix, predicted in predictions.items():
+            log(f"wrote {prepared.write_predictions(trainer.output_dir, suffix, predicted)}")
+    eval_samples = len(next(iter(feed.eval_sets.values()), ()))
+    if trains:
+        finish(
+            trainer,
+            results,
+            tokenizer=prepared.tokenizer,
+            base_model=args.source.model_name_or_path,
+            hub=args.hub,
+            train_samples=len(feed.train_data),
+            eval_samples=eval_samples,
+            extra_eval=prepared.extra_eval(results) if prepared.extra_eval else None,
+        )
+    elif prepared.evals:
+        write_results(trainer.output_dir, results, train_samples=0, eval_samples=eval_samples)
+    if restored:  # a saved step, exported: any checkpoint becomes a Hugging Face folder
+        export_model(trainer, trainer.output_dir, prepared.tokenizer, base_model=args.source.model_name_or_path)
+    if speed and jax.process_index() == 0:
+        print(" ".join(f"{k}={results[k]:.4g}" for k in ("train_tokens_per_second", "train_mfu") if k in results))
+    return 0
+
+
+def spec_of(job: Job, args, mesh, prepared: Prepared) -> RunSpec:
+    """The run's spec, from its parsed ``args`` and what ``prepare`` found."""
+    return RunSpec(
+        mesh,
+        prepared.config,
+        job.task,
+        prepared.objective,
+        args.trainer,
+        args.optimizer,
+        lora=args.lora,
+        dtype=args.runtime.dtype,
+        pack=prepared.pack,
+        packed_rows=prepared.packed_rows,
+    )
+
+
+def plan_batches(spec: RunSpec, prepared: Prepared, attention: str) -> tuple[list[dict], int]:
+    """The abstract batches of every train step shape the run would compile, and its number of steps: from
+    the run's own feeder over its data where the shapes depend on it (packing), else from ``row``."""
+    trainer = spec.trainer
+    if prepared.train is not None:
+        feed = spec.feeder(prepared.train, {}, attention)
+        total = spec.total_steps(feed.steps_per_epoch)
+        feed.size_packing(total)
+        return feed.abstract_batches(), total
+    if prepared.row is None:
+        raise JaxseqError("this job cannot be planned without its training data")
+    rows = trainer.per_device_train_batch_size * data_parallel_size(spec.mesh)
+    batch = abstract_batch(spec.mesh, rows, prepared.row, trainer.gradient_accumulation_steps)
+    return [batch], max(trainer.max_steps, 1)
+
+
+def plan_programs(spec: RunSpec, prepared: Prepared, say=None):
+    """(the run's TrainProgram on the abstract model, the batches of its train steps)."""
+    model = spec.abstract_model(say=say)
+    batches, total = plan_batches(spec, prepared, attention_kernel(model))
+    return spec.program(model, total), batches
+
+
+def plan(spec: RunSpec, prepared: Prepared, topo) -> dict:
+    """Compile the run's train step for each batch shape it would step on, for the slice ``topo``, with
+    abstract weights; print the plan of the one that needs the most memory and write it to
+    ``output_dir/plan.json`` (``inputs``: its batch's arrays; ``packing``: the packed row counts compiled).
+    A run that does not fit ends in one line (a JaxseqError) naming what to change."""
+    program, batches = plan_programs(spec, prepared, say=print)  # beside the plan; stderr keeps errors
+    state = program.abstract_state
+    plans = []
+    for batch in batches:
+        rows = batch["input_ids"].shape[-2] * spec.trainer.gradient_accumulation_steps
+        result = compile_plan(
+            program.step.lower(state, program.abstract_frozen, batch),
+            topo,
+            parameters=(state.params, program.abstract_frozen, state.ema),
+            optimizer_state=state.opt_state,
+            batch=batch,
+            model_flops=model_flops(spec.config, spec.task, rows, prepared.seq_len, prepared.target_len),
+        )
+        result["inputs"] = {name: {"shape": list(a.shape), "dtype": str(a.dtype)} for name, a in batch.items()}
+        plans.append(result)
+    result = max(plans, key=lambda p: (not p["fits"], p["bytes_per_device"]["total"]))
+    if spec.pack or spec.packed_rows:
+        result["packing"] = {
+            "row_counts": [b["input_ids"].shape[-2] for b in batches],  # every one compiled; the plan is the largest
+            "segment_ids": "attention_mask",  # 1, 2, ... per example of a row, 0 for padding
+        }
+    result["layers"] = "scanned" if spec.scan_layers else "unrolled"
+    output_dir = Path(spec.trainer.output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    write_plan(output_dir / "plan.json", result)
+    print(format_table(result))
+    if not result["fits"]:
+        raise JaxseqError(refusal(result, remat=spec.trainer.remat))
+    return result
