@@ -128,10 +128,14 @@ def run(job: Job, argv) -> int:
     log = trainer.logger.write
     log(trainer.describe())
     feed = trainer.feed
-    log(
+    line = (
         f"{spec.config.model_type}: {trainer.total_steps} steps of global batch {trainer.global_batch} on "
-        f"{jax.device_count()} devices (mesh {dict(mesh.shape)})" + (f"; MFU is of {peak_source}" if speed else "")
+        f"{jax.device_count()} devices (mesh {dict(mesh.shape)})"
     )
+    if speed:
+        per_token = speed["flops_per_example"] / prepared.seq_len
+        line += f"; {per_token / 1e9:.3g} GFLOP per token, peak {peak / 1e9:.4g} GFLOP/s: MFU is of {peak_source}"
+    log(line)
     if prepared.summary is not None:
         log(prepared.summary(trainer))
     if feed.row_buckets:

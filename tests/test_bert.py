@@ -164,7 +164,7 @@ def test_every_dropout_site_gets_the_rngs(monkeypatch):
         calls.append((rate, rngs is not None))
         return x
 
-    monkeypatch.setattr(bert, "dropout", counting)
+    monkeypatch.setattr(bert.modeling, "dropout", counting)
     monkeypatch.setattr(attention, "dropout", counting)
     config = tiny_config(hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.2, classifier_dropout=0.3)
     model = nnx.eval_shape(lambda: bert.BertForSequenceClassification(config, rngs=nnx.Rngs(0)))

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from jaxseq.cli import parse
 from jaxseq.commands import glue
 from jaxseq.config import save_config
+from jaxseq.runner import parse_job
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -107,11 +107,13 @@ def test_yaml_values_become_what_the_flags_would(tmp_path):
         "TrainerConfig:\n  max_steps: 7\n  remat: true\n  metric_for_best_model: eval_f1\n"
         "optim: adamw_torch_fused\nbf16: true\nlearning_rate: 3.0e-5\n"
     )
-    _, _, runtime, _, trainer, optimizer, *_ = parse("", glue.SECTIONS, ["--config", str(config)])
+    args = parse_job(glue.JOB, ["--config", str(config)])
+    trainer, optimizer, runtime = args.trainer, args.optimizer, args.runtime
     assert (trainer.max_steps, trainer.remat, trainer.metric_for_best_model) == (7, "full", "f1")
     assert (optimizer.optimizer, optimizer.learning_rate, runtime.dtype) == ("adamw", 3e-5, "bfloat16")
     # flags win over the file, and the shipped configs load by name
-    _, data, runtime, _, trainer, *_ = parse("", glue.SECTIONS, ["--config", "glue_sst2_quick", "--fp16"])
+    args = parse_job(glue.JOB, ["--config", "glue_sst2_quick", "--fp16"])
+    data, runtime, trainer = args.data, args.runtime, args.trainer
     assert (data.task_name, data.max_train_samples, trainer.metric_for_best_model) == ("sst2", 2000, "accuracy")
     assert runtime.dtype == "float16"
 
@@ -126,11 +128,11 @@ def test_transformers_flag_names(tmp_path):
         "constant_with_warmup",
     ]
     flags += ["--evaluation_strategy", "epoch", "--output_dir", str(tmp_path)]
-    _, _, runtime, _, trainer, optimizer, *_ = parse("", glue.SECTIONS, flags)
+    args = parse_job(glue.JOB, flags)
+    runtime, trainer, optimizer = args.runtime, args.trainer, args.optimizer
     assert (runtime.dtype, optimizer.optimizer, trainer.remat) == ("bfloat16", "adafactor", "full")
     assert (optimizer.lr_scheduler_type, trainer.eval_strategy) == ("constant", "epoch")
-    _, _, runtime, *_ = parse("", glue.SECTIONS, ["--bf16", "false"])
-    assert runtime.dtype == "float32"
+    assert parse_job(glue.JOB, ["--bf16", "false"]).runtime.dtype == "float32"
 
 
 def test_unknown_shipped_config_is_one_line(capsys):
@@ -143,7 +145,7 @@ def test_unknown_shipped_config_is_one_line(capsys):
 
 def test_a_runs_saved_config_loads_back(tmp_path):
     flags = ["--task_name", "mrpc", "--load_best_model_at_end", "--eval_strategy", "steps", "--do_predict"]
-    sections = parse("", glue.SECTIONS, [*flags, "--output_dir", str(tmp_path)])
-    save_config(tmp_path / "config.yaml", *sections)
-    again = parse("", glue.SECTIONS, ["--config", str(tmp_path / "config.yaml")])
+    sections = parse_job(glue.JOB, [*flags, "--output_dir", str(tmp_path)])
+    save_config(tmp_path / "config.yaml", *vars(sections).values())
+    again = parse_job(glue.JOB, ["--config", str(tmp_path / "config.yaml")])
     assert again == sections

@@ -24,6 +24,7 @@ from tests.conftest import shared_asset
 transformers = pytest.importorskip("transformers")
 
 from jaxseq.mesh import make_mesh  # noqa: E402
+from jaxseq.models.execution import Execution  # noqa: E402
 from jaxseq.models.hub import abstract_model  # noqa: E402
 from jaxseq.train.feeding import abstract_batch  # noqa: E402
 from jaxseq.train.objectives import CausalLM  # noqa: E402
@@ -54,7 +55,7 @@ def test_compiled_eval_step_never_holds_the_batch_logits(mesh_spec):
     temps = {}
     for chunk_tokens in (512, None):
         program = TrainProgram(
-            abstract_model(config(), "causal-lm"),
+            abstract_model(config(), "causal-lm", execution=Execution(mesh=mesh)),  # as a run builds it
             CausalLM(chunk_tokens),
             mesh,
             OptimizerConfig(),

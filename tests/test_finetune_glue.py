@@ -165,12 +165,12 @@ def test_bad_input_is_one_line_and_leaves_nothing(case, tmp_path):
     ],
 )
 def test_packing_is_on_by_default_and_no_pack_sequences_turns_it_off(tmp_path, argv, packs):
-    from jaxseq.cli import parse
     from jaxseq.commands import glue as command
+    from jaxseq.runner import parse_job
 
     (tmp_path / "c.yaml").write_text("pack_sequences: false\n")
     argv = [a.format(yaml=tmp_path / "c.yaml") for a in argv]
-    glue = parse(command.__doc__, command.SECTIONS, [*argv, "--output_dir", str(tmp_path / "out")])[1]
+    glue = parse_job(command.JOB, [*argv, "--output_dir", str(tmp_path / "out")]).data
     assert glue.pack_sequences is packs
 
 

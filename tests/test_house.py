@@ -179,11 +179,7 @@ def test_no_family_list_is_written_by_hand():
     ]
     files = [*sorted((ROOT / "jaxseq" / "commands").glob("*.py")), ROOT / "jaxseq" / "generation.py"]
     files += [ROOT / "jaxseq" / "models" / "__init__.py", ROOT / "pyproject.toml"]
-    found = {
-        path.relative_to(ROOT).as_posix(): lists
-        for path in files
-        if (lists := family_lists(path.read_text()))
-    }
+    found = {path.relative_to(ROOT).as_posix(): lists for path in files if (lists := family_lists(path.read_text()))}
     assert not found, found
 
 

@@ -92,7 +92,7 @@ def test_clm_plan_on_v5e_8(tmp_path, remat, scan, layers):
     params = sum(math.prod(shape) for shape in shards)
     assert plan_["bytes_per_device"]["parameters"] == params * 4
     assert plan_["bytes_per_device"]["optimizer_state"] == pytest.approx(2 * params * 4, abs=64)
-    assert plan_["bytes_per_device"]["batch"] == 2 * 256 * 4  # int32 tokens of this device's rows
+    assert plan_["bytes_per_device"]["batch"] == 2 * 256 * 2  # uint16 tokens of this device's rows, as the run feeds
     assert plan_["model_flops_per_step"] > 6 * params * 4 * 16 * 256 * 0.5
     assert plan_["estimated_step_seconds"] > 0 and 0 < plan_["estimated_mfu"] <= 1
     assert plan_["compiled_flops_per_device"] > 0 and plan_["compile_seconds"] > 0
