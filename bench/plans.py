@@ -56,7 +56,18 @@ MODELS = {
     ),
     "bert-large": (
         "finetune_glue.py",
-        ["--model_type", "bert", "--config_overrides", BERT_LARGE, "--max_seq_length", 512, "--task_name", "mrpc"],
+        # unpacked: packing sizes its rows from the tokenized data, which a plan from a bare config has not
+        [
+            "--model_type",
+            "bert",
+            "--config_overrides",
+            BERT_LARGE,
+            "--max_seq_length",
+            512,
+            "--task_name",
+            "mrpc",
+            "--no_pack_sequences",
+        ],
     ),
     # chat fine-tuning (jaxseq chat) of the Llama-3-8B shape: every weight, and LoRA on all seven projections
     "llama3-8b": ("finetune_chat.py", LLAMA_CHAT),
@@ -89,10 +100,13 @@ MODELS = {
         ["--model_type", "gptj", "--config_overrides", "n_positions=8192", "--block_size", 8192, "--attention", "xla"],
     ),
 }
-# the same runs with their blocks scanned (--scan_layers true; auto keeps them unrolled on an fsdp mesh): compile
-# time flat in depth, against the memory per chip these rows show
+# the same runs with their blocks scanned, as --scan_layers auto does under --remat full, against unrolled (the rows
+# without -scan): compile time flat in depth, at the memory per chip the unrolled rows show
 SCANNED = ("gptj-6b", "t5-v1_1-xl", "llama3-8b", "llama3-8b-lora")
-MODELS.update({f"{model}-scan": (MODELS[model][0], [*MODELS[model][1], "--scan_layers", "true"]) for model in SCANNED})
+for model in SCANNED:
+    script, flags = MODELS[model]
+    MODELS[f"{model}-scan"] = (script, [*flags, "--scan_layers", "true"])
+    MODELS[model] = (script, [*flags, "--scan_layers", "false"])
 KERNEL_ROWS = ("gpt2-small-splash", "gpt2-small-xla", "gptj-6b-xla", "gptj-6b-8k-splash", "gptj-6b-8k-xla")
 # Cloud TPU slice -> mesh: every chip one fsdp shard (a v4-8 is 4 chips of 32 GiB). Each model has a v5e-8 and a
 # v4-8 row, and the v5e slices that bracket its smallest fit (Cloud has no v5e-2: v5e-1, v5e-4, v5e-8, ...).

@@ -60,7 +60,7 @@ def check_fields(plan: dict, accelerator: str, devices: int) -> None:
     assert plan["attention_kernel"] in ("splash", "cudnn", "xla")
 
 
-@pytest.mark.parametrize(("remat", "scan", "layers"), [("none", "auto", "unrolled"), ("full", "true", "scanned")])
+@pytest.mark.parametrize(("remat", "scan", "layers"), [("none", "auto", "unrolled"), ("full", "auto", "scanned")])
 def test_clm_plan_on_v5e_8(tmp_path, remat, scan, layers):
     """The plan compiles the run's step, its blocks scanned as the run's would be (--scan_layers), with the
     same parameter and optimizer bytes per device either way. (No attention dropout: at this tiny shape, XLA's

@@ -45,7 +45,7 @@ class RunSpec:
 
     @property
     def scan_layers(self) -> bool:
-        return self.trainer.scans(self.mesh)
+        return self.trainer.scans()
 
     @property
     def loss_scaling(self) -> bool:
