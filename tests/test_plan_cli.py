@@ -183,3 +183,17 @@ def test_bert_plan_chooses_splash_by_itself_and_refuses_what_splash_cannot_do(tm
     lines = result.stderr.strip().splitlines()
     assert result.returncode == 1 and len(lines) == 1, result.stderr[-2000:]
     assert "--config_overrides attention_probs_dropout_prob=0" in lines[0] and plan_ is None
+
+
+def test_a_packed_glue_plan_without_a_tokenizer_says_what_to_pass(tmp_path):
+    """A default GLUE run packs, and its packed row counts come from the tokenized examples: a plan from a bare
+    --model_type has no tokenizer to read them with, so it stops in one line instead of planning another step."""
+    tiny = "num_hidden_layers=2,hidden_size=64,num_attention_heads=2,intermediate_size=128"
+    args = ["--model_type", "bert", "--config_overrides", tiny, "--compile_topology", "v5e-8"]
+    result, plan_ = plan("finetune_glue.py", tmp_path / "packed", *args)
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 1 and len(lines) == 1, result.stderr[-2000:]
+    assert "pass --tokenizer_name" in lines[0] and "--no_pack_sequences" in lines[0] and plan_ is None
+    result, plan_ = plan("finetune_glue.py", tmp_path / "unpacked", *args, "--no_pack_sequences")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "packing" not in plan_ and plan_["inputs"]["input_ids"]["shape"] == [8 * 32, 128]
