@@ -49,6 +49,24 @@ class Task(Protocol):
 
     # optional: ``loss_weight(batch) -> scalar``, how much a micro-batch's loss counts when gradients are
     # accumulated (its number of target tokens for a per-token mean; without it the micro-batches count alike)
+    # optional: ``loss_and_metrics(model, batch, rngs) -> (loss, {name: scalar})``, figures logged with the loss;
+    # ``needs_reference`` and ``reference(model, batch) -> {name: array}``: columns the steps add to each batch
+    # from a frozen reference model (the starting weights; with LoRA the base, adapters off), without gradients
+
+
+def with_reference(task: Task, graphdef, frozen, batch):
+    """``batch`` with the task's reference columns (``reference``) from the model of the ``frozen`` weights,
+    when the task asks for them (``needs_reference``)."""
+    if not getattr(task, "needs_reference", False):
+        return batch
+    return {**batch, **jax.lax.stop_gradient(task.reference(nnx.merge(graphdef, frozen), batch))}
+
+
+def loss_and_metrics(task: Task, model, batch, rngs) -> tuple[jax.Array, dict]:
+    """The task's loss and the figures it logs with it (none unless it has ``loss_and_metrics``)."""
+    if hasattr(task, "loss_and_metrics"):
+        return task.loss_and_metrics(model, batch, rngs)
+    return task.loss(model, batch, rngs), {}
 
 
 def for_mesh(task: Task, mesh: jax.sharding.Mesh) -> Task:
@@ -110,14 +128,16 @@ def train_step_fn(
         else:
             key, adapter_key = jax.random.split(key)
             model = lora.training_model(graphdef, params, frozen, adapter_key)
-        loss = task.loss(model, batch, nnx.Rngs(dropout=key))
-        return loss if scale is None else loss * scale
+        loss, metrics = loss_and_metrics(
+            task, model, with_reference(task, graphdef, frozen, batch), nnx.Rngs(dropout=key)
+        )
+        return (loss if scale is None else loss * scale), metrics
 
     def train_step(state: TrainState, frozen, batch):
         key = jax.random.fold_in(base_key, state.step)
         scale = None if state.loss_scale is None else state.loss_scale.scale
         if accumulate == 1:
-            loss, grads = jax.value_and_grad(loss_of)(state.params, frozen, batch, key, scale)
+            (loss, aux), grads = jax.value_and_grad(loss_of, has_aux=True)(state.params, frozen, batch, key, scale)
         else:
             weigh = getattr(task, "loss_weight", None)
             weights = jax.vmap(weigh)(batch) if weigh else jnp.ones((accumulate,), jnp.float32)
@@ -125,11 +145,19 @@ def train_step_fn(
 
             def body(carry, xs):
                 i, mb, w = xs
-                loss, grads = jax.value_and_grad(loss_of)(state.params, frozen, mb, jax.random.fold_in(key, i), scale)
-                return jax.tree.map(lambda c, x: (c + w * x).astype(c.dtype), carry, (loss, grads)), None
+                (loss, aux), grads = jax.value_and_grad(loss_of, has_aux=True)(
+                    state.params, frozen, mb, jax.random.fold_in(key, i), scale
+                )
+                return jax.tree.map(lambda c, x: (c + w * x).astype(c.dtype), carry, (loss, aux, grads)), None
 
-            zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, state.params))
-            (loss, grads), _ = jax.lax.scan(body, zeros, (jnp.arange(accumulate), batch, weights))
+            first = jax.tree.map(lambda x: x[0], batch)
+            _, aux_shapes = jax.eval_shape(loss_of, state.params, frozen, first, key, scale)
+            zeros = (
+                jnp.zeros((), jnp.float32),
+                jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), aux_shapes),
+                jax.tree.map(jnp.zeros_like, state.params),
+            )
+            (loss, aux, grads), _ = jax.lax.scan(body, zeros, (jnp.arange(accumulate), batch, weights))
         if scale is not None:
             loss, grads = jax.tree.map(lambda x: x / scale, (loss, grads))
         if line_search:
@@ -139,13 +167,13 @@ def train_step_fn(
                 state.params,
                 value=loss,
                 grad=grads,
-                value_fn=lambda p: loss_of(p, frozen, batch, key),
+                value_fn=lambda p: loss_of(p, frozen, batch, key)[0],
             )
         else:
             updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         ema = None if state.ema is None else ema_update(state.ema, params, ema_decay)
-        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "learning_rate": schedule(state.step)}
+        metrics = {**aux, "loss": loss, "grad_norm": optax.tree.norm(grads), "learning_rate": schedule(state.step)}
         loss_scale = state.loss_scale
         if loss_scale is not None:  # an overflowing step changes nothing but the scale
             finite = all_finite(grads) & jnp.isfinite(loss)
@@ -215,6 +243,10 @@ class TrainProgram:
         self.frozen_shardings = None
         self.adapter_init = None
         trained = params
+        self.reference_copy = not self.lora and getattr(task, "needs_reference", False)
+        if self.reference_copy:  # the reference: a frozen copy of the starting weights, an input of the steps
+            sharding.check_divisible(params, param_specs, mesh)
+            self.frozen_shardings = sharding.make_shardings(mesh, param_specs)
         if self.lora:  # the model's weights become a frozen input of the steps; the adapters train
             sharding.check_divisible(params, param_specs, mesh)
             self.frozen_shardings = sharding.make_shardings(mesh, param_specs)
@@ -244,7 +276,7 @@ class TrainProgram:
         self.param_specs = specs.params
         self.state_shardings = sharding.make_shardings(mesh, specs)
         self.abstract_state = abstract_like(abstract, self.state_shardings)
-        self.abstract_frozen = None if self.lora is None else abstract_like(params, self.frozen_shardings)
+        self.abstract_frozen = None if self.frozen_shardings is None else abstract_like(params, self.frozen_shardings)
         self.step = jit_train_step(
             train_step_fn(
                 self.graphdef,
@@ -264,7 +296,7 @@ class TrainProgram:
 
         def eval_step(params, frozen, batch):
             """The task's per-example outputs (``Task.predict``)."""
-            return task.predict(self.merged_model(params, frozen), batch)
+            return task.predict(self.merged_model(params, frozen), with_reference(task, self.graphdef, frozen, batch))
 
         self.eval_step = jax.jit(
             eval_step,

@@ -16,13 +16,14 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.experimental import multihost_utils
 
 from jaxseq import sharding
 from jaxseq.config import arg
-from jaxseq.data.rows import Rows
+from jaxseq.data.rows import Rows, as_rows
 from jaxseq.errors import Interrupted, JaxseqError
 from jaxseq.files import RunLock
 from jaxseq.models.attention import ATTENTION_KERNELS
@@ -221,6 +222,8 @@ class Trainer:
             params = program.adapter_init(self.frozen)
             if self.lora.adapter is not None:  # --lora_adapter: go on from its weights
                 params = sharding.shard(self.lora.adapter_weights(), jax.tree.map(lambda x: x.sharding, params))
+        elif program.reference_copy:  # a frozen copy of the starting weights (the state's are donated)
+            self.frozen = jax.jit(lambda p: jax.tree.map(jnp.copy, p), out_shardings=program.frozen_shardings)(params)
         self.state = program.init_state(params)
         self._train_step = lambda state, batch: program.step(state, self.frozen, batch)
         self._eval_step = program.eval_step
@@ -245,6 +248,28 @@ class Trainer:
             run_config={**dataclasses.asdict(config), **dataclasses.asdict(spec.optimizer)},
         )
         self.logger.write(f"attention kernel: {self.attention}")
+        if getattr(self.task, "precomputes_reference", False):
+            self._precompute_reference()
+
+    def _precompute_reference(self) -> None:
+        """Every set's reference columns (the task's ``reference``, e.g. DPO's reference log-probs), once,
+        from the starting weights through the evaluation batches: they join the sets' arrays, so no
+        reference weights are held while training."""
+        program, feed = self.program, self.feed
+        step = jax.jit(lambda params, frozen, batch: self.task.reference(program.merged_model(params, frozen), batch))
+        for name in ([None] if feed.train_data is not None else []) + list(feed.eval_sets):
+            data = feed.train_data if name is None else feed.eval_sets[name]
+            key = f"reference {'train' if name is None else name or 'eval'}"
+            feed.eval_sets[key], feed.eval_packed_rows[key] = data, None
+            try:
+                columns = self._outputs(key, bar=f"{key} log-probs", step=step)
+            finally:
+                del feed.eval_sets[key], feed.eval_packed_rows[key]
+            arrays = as_rows({**data.take(np.arange(len(data))), **columns})
+            if name is None:
+                feed.train_data = arrays
+            else:
+                feed.eval_sets[name] = arrays
 
     # ------------------------------------------------------------------ loop
 
@@ -577,11 +602,12 @@ class Trainer:
         the evaluation batches, with a progress bar."""
         return self._outputs(f"{PREDICT}{name}", bar=f"predict{name}")
 
-    def _outputs(self, name: str, bar: str | None = None) -> dict[str, np.ndarray]:
+    def _outputs(self, name: str, bar: str | None = None, step=None) -> dict[str, np.ndarray]:
         """The eval step's outputs for every example of set ``name`` (padding rows dropped), in the set's input
         order whatever the batching (packed rows, length buckets). Per-token outputs of batches cut to different
         widths are right-padded with -1 to the widest. One batch stays in flight while the previous one is
-        read back; the bar (``bar``, else ``eval<name>``) counts batches read back."""
+        read back; the bar (``bar``, else ``eval<name>``) counts batches read back. ``step``: another function
+        of ``(params, frozen, batch)`` than the eval step."""
         if ahead := self._compiling.pop(("eval", name), None):
             ahead.result()  # compiled in the background while training (_compile_ahead)
         params, parts, order = self.eval_params(), collections.defaultdict(list), []
@@ -597,7 +623,7 @@ class Trainer:
                 progress.update(1)
 
             for batch, index, valid in self.feed.eval_batches(name):
-                inflight.append((self._eval_step(params, self.frozen, batch), index, valid))
+                inflight.append(((step or self._eval_step)(params, self.frozen, batch), index, valid))
                 if len(inflight) > 1:
                     read_back()
             while inflight:

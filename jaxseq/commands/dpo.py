@@ -1,0 +1,72 @@
+"""Align a causal language model with preference pairs: DPO and its variants, as TRL's DPOTrainer.
+
+    jaxseq dpo --model_name_or_path path/to/sft-model --train_file pairs.jsonl \\
+        --output_dir out/dpo --beta 0.1 --loss_type sigmoid --learning_rate 1e-6
+
+Pairs come from .jsonl/.json files or a Hub dataset: records of "prompt", "chosen" and "rejected", as strings
+or as conversations (lists of {"role", "content"}, rendered with the tokenizer's chat template or
+--chat_template); without "prompt", the common start of chosen and rejected is the prompt. They are tokenised
+as TRL tokenises them (EOS after string completions; --max_length, --truncation_mode). The reference model is
+a frozen copy of the starting weights, or with --lora_rank the base weights with the adapters off (no second
+copy), or its log-probs computed once before training (--precompute_ref_log_probs). Each step runs chosen
+and rejected in one forward pass. Logged as TRL logs them: loss, rewards/chosen, rewards/rejected,
+rewards/accuracies, rewards/margins, logps/chosen, logps/rejected (metrics.jsonl prefixes train/ and eval/).
+Writes to --output_dir what every job writes, and the model with its tokenizer as a Hugging Face folder.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+from jaxseq.cli import script
+from jaxseq.data.chat import use_chat_template
+from jaxseq.data.preference import PreferenceDataConfig, load_pair_rows
+from jaxseq.models.source import ModelSource, check_vocabulary, load_tokenizer, model_config
+from jaxseq.runner import Job, Prepared, run
+from jaxseq.train.preference import DPOConfig
+
+TASK = "causal-lm"
+ROW = ("input_ids", "pair_mask", "completion_mask")
+
+
+def prepare(args, planning: bool) -> Prepared:
+    """Pairs tokenised as TRL does into ``[2, length]`` rows (a plan reads none: its rows are --max_length)."""
+    source, data, dpo = args.source, args.data, args.dpo
+    config, folder, overrides = model_config(source, TASK, weights=not planning)
+    common = {"config": config, "objective": dpo.objective()}
+    extra = {"ref_logps": ((2,), np.float32)} if dpo.precompute_ref_log_probs else {}
+    if planning:
+        seq = data.max_length or 1024
+        return Prepared(**common, seq_len=seq, row={**dict.fromkeys(ROW, ((2, seq), np.int32)), **extra})
+    tokenizer = load_tokenizer(source.tokenizer_name or folder)
+    if data.chat_template or getattr(tokenizer, "chat_template", None):
+        use_chat_template(tokenizer, data.chat_template)
+    check_vocabulary(tokenizer, config)
+    main_process = jax.process_index() == 0
+    train, valid = load_pair_rows(
+        data, tokenizer, progress=main_process, log=print if main_process else (lambda *_: None)
+    )
+    pairs, seq = train["input_ids"].shape[0], train["input_ids"].shape[-1]
+    return Prepared(
+        **common,
+        train=train,
+        evals={"": valid} if valid is not None else {},
+        checkpoint=folder if source.model_name_or_path else None,
+        overrides=overrides,
+        tokenizer=tokenizer,
+        seq_len=seq,
+        summary=lambda _: (
+            f"{pairs:,} training pairs of at most {seq} tokens a sequence, loss {dpo.loss_type} with beta "
+            f"{dpo.beta}; reference: "
+            + ("precomputed log-probs" if dpo.precompute_ref_log_probs else "the starting weights, frozen")
+        ),
+    )
+
+
+JOB = Job(__doc__, TASK, {"source": ModelSource, "data": PreferenceDataConfig, "dpo": DPOConfig}, prepare)
+
+
+@script
+def main(argv) -> int:
+    return run(JOB, argv)
