@@ -302,3 +302,22 @@ def test_the_exported_folder_loads_in_transformers_with_jaxseq_log_probs(tok, ru
     chosen, rejected = np.split(logps, 2)
     assert abs(chosen.mean() - results["eval_logps/chosen"]) <= 1e-4 * abs(chosen.mean())
     assert abs(rejected.mean() - results["eval_logps/rejected"]) <= 1e-4 * abs(rejected.mean())
+
+
+@pytest.mark.parametrize("reference", ["frozen copy", "precomputed"])
+def test_a_dpo_plan_compiles_the_runs_own_step(folders, tmp_path, reference):
+    """The run's train step (its frozen reference copy, or precomputed log-probs, on a dp=4, mp=2 mesh) and
+    the plan's, from abstract weights and rows of --max_length tokens (the pairs here all reach it), lower
+    to the same program."""
+    from jaxseq.commands import dpo
+    from tests.test_run_spec import lowered_texts
+
+    (tmp_path / "pairs.jsonl").write_text("\n".join(map(json.dumps, PAIRS * 2)) + "\n")
+    argv = [
+        "--model_name_or_path", folders[0], "--train_file", tmp_path / "pairs.jsonl", "--max_length", 8,
+        "--output_dir", tmp_path / "out", "--max_steps", 2, "--per_device_train_batch_size", 2,
+        "--report_to", "none", *(["--precompute_ref_log_probs"] if reference == "precomputed" else []),
+    ]  # fmt: skip
+    run, plan, names = lowered_texts(dpo.JOB, list(map(str, argv)), make_mesh("dp=4,mp=2"))
+    assert ("ref_logps" in names) == (reference == "precomputed")
+    assert run == plan
