@@ -101,6 +101,15 @@ def test_qwen2():
     )
 
 
+def test_qwen3_head_dim_and_norms():
+    """head_dim 32 (Qwen3Config's default is 128): the q/k norms and biases are no matrix products."""
+    config = llama_like(transformers.Qwen3Config, head_dim=32, attention_bias=True)
+    expected = 6 * (2 * llama_layer(dim=32) + 64 * V) * TOKENS + 12 * 2 * (4 * 32) * causal_pairs(SEQ) * ROWS
+    assert model_flops(config, "causal-lm", ROWS, SEQ) == expected
+    classifier = expected - 6 * 64 * V * TOKENS + 6 * 64 * 2 * ROWS
+    assert model_flops(config, "sequence-classification", ROWS, SEQ) == classifier
+
+
 @pytest.mark.parametrize("gated", [False, True])
 def test_t5(gated):
     d, inner, d_ff, enc, dec = 32, 4 * 8, 64, 2, 3
@@ -144,7 +153,7 @@ def test_bert():
 
 
 def test_every_family_has_a_count_and_no_other_task():
-    assert set(FAMILIES) == {"gpt2", "gptj", "t5", "bert", "llama", "mistral", "qwen2"}
+    assert set(FAMILIES) == {"gpt2", "gptj", "t5", "bert", "llama", "mistral", "qwen2", "qwen3"}
     assert all(family.flops is not None for family in FAMILIES.values())
     with pytest.raises(Exception, match="not available"):
         model_flops(transformers.BertConfig(), "causal-lm", 1, 8)

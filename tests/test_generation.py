@@ -1,5 +1,5 @@
 """Generation against transformers PyTorch ``generate()``: greedy tokens with EOS inside the run, min_new_tokens
-and log-probs for GPT-2, GPT-J and T5; the sampling filters against transformers' warpers and by their
+and log-probs for GPT-2, GPT-J, Qwen3 and T5; the sampling filters against transformers' warpers and by their
 draws; seeds; one compiled program per bucket; a (dp=2, mp=4) mesh; and scripts/generate.py end to end."""
 
 import io
@@ -29,6 +29,19 @@ CONFIGS = {
     "gptj": lambda: transformers.GPTJForCausalLM(
         transformers.GPTJConfig(
             n_layer=2, n_embd=64, n_head=4, rotary_dim=8, vocab_size=VOCAB, n_positions=64, initializer_range=0.3
+        )
+    ),
+    "qwen3": lambda: transformers.Qwen3ForCausalLM(
+        transformers.Qwen3Config(
+            num_hidden_layers=2,
+            hidden_size=64,
+            intermediate_size=96,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            vocab_size=VOCAB,
+            max_position_embeddings=64,
+            initializer_range=0.3,
         )
     ),
     "t5": lambda: t5_with_unit_weights(

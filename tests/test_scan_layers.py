@@ -1,6 +1,6 @@
 """Scanned layers (``scan_layers=True``, ``jaxseq.models.layers.Stacked``): the blocks' parameters stacked with a
 leading layer axis and run by one scan give the unrolled model's logits, gradients, generations, train steps and
-Hugging Face files, from the same (perturbed) weights: decoders (GPT-2, GPT-J, Llama, Mistral), BERT (its
+Hugging Face files, from the same (perturbed) weights: decoders (GPT-2, GPT-J, Llama, Mistral, Qwen3), BERT (its
 classifier's last layer at the [CLS] tokens alone, apart from the scan) and T5 (v1.0 and v1.1; the position bias
 of the unrolled first block beside each stack)."""
 
@@ -70,6 +70,13 @@ def mistral_config():
     )  # fmt: skip
 
 
+def qwen3_config():
+    return transformers.Qwen3Config(
+        num_hidden_layers=3, hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=8, vocab_size=VOCAB, max_position_embeddings=32, attention_bias=True,
+    )  # fmt: skip
+
+
 def bert_config():
     return transformers.BertConfig(
         num_hidden_layers=3, hidden_size=32, intermediate_size=48, num_attention_heads=4, vocab_size=VOCAB,
@@ -94,6 +101,7 @@ CONFIGS = {
     "gptj": gptj_config,
     "llama": llama_config,
     "mistral": mistral_config,
+    "qwen3": qwen3_config,
     "bert": bert_config,
     "bert-mlm": bert_config,
     "t5": t5_config,
@@ -105,6 +113,7 @@ STACKS = {
     "gptj": ("transformer/h",),
     "llama": ("model/layers",),
     "mistral": ("model/layers",),
+    "qwen3": ("model/layers",),
     "bert": ("bert/encoder/layer",),
     "bert-mlm": ("bert/encoder/layer",),
     "t5": ("encoder/block", "decoder/block"),
@@ -242,6 +251,7 @@ def assert_same_grads(got, want):
         ("gptj", "dots", False),
         ("llama", "offload", False),
         ("mistral", "full", False),
+        ("qwen3", "dots", False),
         ("bert", "none", False),
         ("bert", "full", True),
         ("t5", "none", False),
@@ -326,7 +336,7 @@ def test_scanned_training_with_dropout_runs(folders):
     assert loss(params, 1) != first and loss(params, 0) == first
 
 
-@pytest.mark.parametrize("family", ["gpt2", "gptj", "llama", "mistral", "t5", "t5-v1.1"])
+@pytest.mark.parametrize("family", ["gpt2", "gptj", "llama", "mistral", "qwen3", "t5", "t5-v1.1"])
 def test_scanned_generation_equals_unrolled(family, folders):
     """Greedy tokens from a stacked KV cache (``[layers, batch, ...]``, carried through the scan; T5's
     cross-attention keys/values stacked too) equal the unrolled model's, with left padding, also on a mesh."""

@@ -74,6 +74,13 @@ def llama_config():
     )  # fmt: skip
 
 
+def qwen3_config():
+    return transformers.Qwen3Config(
+        num_hidden_layers=2, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, vocab_size=VOCAB, max_position_embeddings=64, pad_token_id=0, tie_word_embeddings=False,
+    )  # fmt: skip
+
+
 def causal_batch(seed=0, lengths=LENGTHS):
     ids, mask = padded_batch(VOCAB, lengths, seed=seed)
     labels = np.where(mask == 1, ids, -100)  # transformers' loss skips -100; jaxseq's skips mask-0 targets
@@ -108,6 +115,7 @@ CASES = {  # reference constructor, jaxseq task, objective, batch
     "gpt2": (lambda: transformers.GPT2LMHeadModel(gpt2_config()), "causal-lm", CausalLM, causal_batch),
     "gptj": (lambda: transformers.GPTJForCausalLM(gptj_config()), "causal-lm", CausalLM, causal_batch),
     "llama": (lambda: transformers.LlamaForCausalLM(llama_config()), "causal-lm", CausalLM, causal_batch),
+    "qwen3": (lambda: transformers.Qwen3ForCausalLM(qwen3_config()), "causal-lm", CausalLM, causal_batch),
     "t5-v1.0": (
         lambda: transformers.T5ForConditionalGeneration(t5_config(gated=False)),
         "seq2seq-lm",
@@ -239,7 +247,15 @@ def assert_steps_match(ours, exact, f32, before):
 
 @pytest.mark.parametrize(
     "case, max_grad_norm",
-    [("gpt2", 0.1), ("gptj", 0.0), ("llama", 0.5), ("t5-v1.0", 1.0), ("t5-v1.1", 0.5), ("bert-classification", 100.0)],
+    [
+        ("gpt2", 0.1),
+        ("gptj", 0.0),
+        ("llama", 0.5),
+        ("qwen3", 0.5),
+        ("t5-v1.0", 1.0),
+        ("t5-v1.1", 0.5),
+        ("bert-classification", 100.0),
+    ],
 )
 def test_optimizer_step_parity(case, max_grad_norm, mesh, tmp_path):
     """Two steps: the first checks the gradients, clipping, update and weight decay (Adam's moments are the
@@ -310,6 +326,7 @@ LORA = {  # jaxseq task, PEFT task type, target modules, fan_in_fan_out (GPT-2's
         ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
         False,
     ),
+    "qwen3": ("causal-lm", "CAUSAL_LM", ["q_proj", "k_proj", "v_proj", "o_proj"], False),
 }
 
 

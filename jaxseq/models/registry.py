@@ -6,7 +6,7 @@ jaxseq shows (help, errors, docs) is read from here (``family_names``)."""
 from __future__ import annotations
 
 from jaxseq.errors import JaxseqError
-from jaxseq.models import bert, gpt2, gptj, llama, mistral, qwen2, t5
+from jaxseq.models import bert, gpt2, gptj, llama, mistral, qwen2, qwen3, t5
 from jaxseq.models.family import Family
 
 FAMILIES: dict[str, Family] = {
@@ -19,6 +19,7 @@ FAMILIES: dict[str, Family] = {
         llama.FAMILY,
         mistral.FAMILY,
         qwen2.FAMILY,
+        qwen3.FAMILY,
     )
 }
 TASKS = ("base", "causal-lm", "seq2seq-lm", "sequence-classification", "masked-lm")

@@ -1,5 +1,5 @@
-"""Llama as jaxseq knows it: its classes per task, checkpoint names, partition rules, size and FLOPs; Mistral
-and Qwen2 (``jaxseq/models/mistral``, ``qwen2``) declare themselves with ``llama_family``."""
+"""Llama as jaxseq knows it: its classes per task, checkpoint names, partition rules, size and FLOPs; Mistral,
+Qwen2 and Qwen3 (``jaxseq/models/mistral``, ``qwen2``, ``qwen3``) declare themselves with ``llama_family``."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ PARTITION_RULES = (
     (r"(q_proj|k_proj|v_proj|gate_proj|up_proj)/bias$", P("mp")),
     (r"(o_proj|down_proj)/kernel$", P("mp", "fsdp")),
     (r"(o_proj|down_proj)/bias$", P()),
-    (r"(input_layernorm|post_attention_layernorm|norm)/scale$", P()),
+    (r"(input_layernorm|post_attention_layernorm|q_norm|k_norm|norm)/scale$", P()),
     (r"lm_head/kernel$", P("fsdp", "mp")),
     (r"score/kernel$", P("fsdp", None)),
 )
@@ -35,7 +35,8 @@ PARTITION_RULES = (
 def model_flops(config, task: str, rows: int, seq_len: int, target_len: int = 0, training: bool = True) -> float:
     """Per layer: q and o (d x heads x head_dim each), k and v (d x kv_heads x head_dim each: grouped-query
     attention shares them) and the SwiGLU MLP (gate, up: d x I; down: I x d); causal attention of every query
-    head over ``seq_len``, a sliding-window layer's over its window (``layer_windows``); then the task head."""
+    head over ``seq_len``, a sliding-window layer's over its window (``layer_windows``); then the task head.
+    Qwen3's q/k norms are no matrix products: they count nothing."""
     d, dim, inner = config.hidden_size, head_dim(config), config.intermediate_size
     heads, kv_heads, layers = config.num_attention_heads, config.num_key_value_heads, config.num_hidden_layers
     tokens = rows * seq_len

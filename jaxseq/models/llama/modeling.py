@@ -1,6 +1,7 @@
-"""Llama (Touvron et al. 2023) and the two families that reuse its architecture with a few switches, Mistral
-(Jiang et al. 2023) and Qwen2 (Yang et al. 2024), as Flax NNX modules whose parameter paths mirror
-transformers' PyTorch names (``model/layers/0/self_attn/q_proj/kernel`` is ``model.layers.0.self_attn.q_proj.weight``).
+"""Llama (Touvron et al. 2023) and the families that reuse its architecture with a few switches, Mistral
+(Jiang et al. 2023), Qwen2 (Yang et al. 2024) and Qwen3 (Yang et al. 2025), as Flax NNX modules whose parameter
+paths mirror transformers' PyTorch names (``model/layers/0/self_attn/q_proj/kernel`` is
+``model.layers.0.self_attn.q_proj.weight``).
 
 A pre-norm decoder: RMSNorm; rotary embeddings over whole heads (transformers' "rotate half", not GPT-J's
 neighbouring pairs) with ``rope_theta`` and the scalings of ``rope_parameters`` (``ROPE_TYPES``);
@@ -8,8 +9,9 @@ grouped-query attention (``num_key_value_heads`` key/value heads, each read by `
 num_key_value_heads`` query heads; the KV cache holds the key/value heads only, and a sliding-window layer's
 holds only its window: ``attention.ring_positions``); a SwiGLU MLP
 (``down(silu(gate(x)) * up(x))``); an LM head tied to the token embeddings or not. What differs between the
-families is read from the config as transformers reads it: the biases (``attention_biases``) and the
-sliding windows (``layer_windows``).
+families is read from the config as transformers reads it: the biases (``attention_biases``), the
+sliding windows (``layer_windows``) and Qwen3's RMSNorm of each query and key head before the rotation
+(``qk_norms``).
 """
 
 from __future__ import annotations
@@ -51,24 +53,30 @@ def head_dim(config) -> int:
 
 
 def attention_biases(config) -> tuple[bool, bool]:
-    """Whether q/k/v and o_proj have biases: Qwen2's q/k/v always and its o_proj never; Llama's all four
-    if ``attention_bias``; Mistral's none."""
+    """Whether q/k/v and o_proj have biases: Qwen2's q/k/v always and its o_proj never; Llama's and Qwen3's all
+    four if ``attention_bias``; Mistral's none."""
     if config.model_type == "qwen2":
         return True, False
     bias = bool(getattr(config, "attention_bias", False))
     return bias, bias
 
 
+def qk_norms(config) -> bool:
+    """Whether each query and key head is RMS-normalised (over ``head_dim``, own weights ``q_norm``, ``k_norm``)
+    before the rotation: Qwen3's."""
+    return config.model_type == "qwen3"
+
+
 def layer_windows(config) -> tuple[int | None, ...]:
     """Each layer's sliding window (None: full causal attention), as transformers applies the config:
-    Mistral slides every layer over ``sliding_window`` (if set); Qwen2 the layers its ``layer_types`` call
+    Mistral slides every layer over ``sliding_window`` (if set); Qwen2 and Qwen3 the layers their ``layer_types`` call
     ``sliding_attention`` (by default those from ``max_window_layers`` on, and only with
     ``use_sliding_window``, without which transformers sets ``sliding_window`` to None); Llama none."""
     window = getattr(config, "sliding_window", None)
     layers = config.num_hidden_layers
     if config.model_type == "mistral":
         return (window,) * layers
-    if config.model_type == "qwen2" and window is not None:
+    if config.model_type in ("qwen2", "qwen3") and window is not None:
         kinds = list(config.layer_types or ())
         if len(kinds) < layers:
             raise JaxseqError(
@@ -142,6 +150,8 @@ class LlamaAttention(nnx.Module):
         self.k_proj = Linear(d, kv_heads * dim, use_bias=qkv_bias, **kw)
         self.v_proj = Linear(d, kv_heads * dim, use_bias=qkv_bias, **kw)
         self.o_proj = Linear(heads * dim, d, use_bias=o_bias, **kw)
+        norm = lambda: nnx.RMSNorm(dim, epsilon=config.rms_norm_eps, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.q_norm, self.k_norm = (norm(), norm()) if qk_norms(config) else (None, None)
         self.num_heads, self.num_kv_heads, self.scale = heads, kv_heads, dim**-0.5
         self.window, self.dropout_rate = window, config.attention_dropout
         self.dtype, self.attention = dtype, AttentionKernel()
@@ -151,6 +161,8 @@ class LlamaAttention(nnx.Module):
         mask = next(m for m in masks if m.window == self.window)
         q = split_heads(self.q_proj(x), self.num_heads)
         k, v = (split_heads(proj(x), self.num_kv_heads) for proj in (self.k_proj, self.v_proj))
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         if cache is not None and self.window is not None:
             y = attend_ring(q, cache, k, v, mask, scale=self.scale)
