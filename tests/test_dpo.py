@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import types
 
 import jax
 import jax.numpy as jnp
@@ -32,7 +33,7 @@ from jaxseq.models import load_pretrained  # noqa: E402
 from jaxseq.models.weights import torch_layout  # noqa: E402
 from jaxseq.train.lora import LoraConfig  # noqa: E402
 from jaxseq.train.optim import OptimizerConfig  # noqa: E402
-from jaxseq.train.preference import DPO, LOSS_TYPES, METRICS, DPOConfig  # noqa: E402
+from jaxseq.train.preference import DPO, LOSS_TYPES, METRICS, REFERENCE_FREE, DPOConfig  # noqa: E402
 from jaxseq.train.step import TrainProgram  # noqa: E402
 from tests.reference import perturb  # noqa: E402
 
@@ -173,18 +174,87 @@ def test_loss_metrics_and_gradients_equal_trl(tok, folders, tmp_path, loss_type)
     assert abs(want_metrics["rewards/margins"]) > 1e-3  # the policy is not its reference
     for key in METRICS:
         assert abs(float(metrics[key]) - want_metrics[key]) <= 1e-4 * max(1.0, abs(want_metrics[key])), key
+    assert_gradients_match(policy, grads, want_grads)
+
+
+def assert_gradients_match(model, grads, want: dict[str, np.ndarray]) -> None:
+    """jaxseq's gradients (an ``nnx.State``) equal torch's, by PyTorch name, within 1e-4 of each tensor's scale."""
     flat = {"/".join(map(str, p)): np.asarray(v.get_value()) for p, v in nnx.to_flat_state(grads)}
     compared = 0
-    for name, (path, transposed) in torch_layout(policy).items():
-        if name not in want_grads:  # the tied lm_head
+    for name, (path, transposed) in torch_layout(model).items():
+        if name not in want:  # the tied lm_head
             continue
         array = flat["/".join(map(str, path))]
-        want = want_grads[name]
-        array = (array.T if transposed else array)[tuple(slice(0, n) for n in want.shape)]
-        scale = max(np.abs(want).max(), 1e-12)
-        assert np.abs(array - want).max() <= 1e-4 * scale, (name, np.abs(array - want).max(), scale)
+        array = (array.T if transposed else array)[tuple(slice(0, n) for n in want[name].shape)]
+        scale = max(np.abs(want[name]).max(), 1e-12)
+        assert np.abs(array - want[name]).max() <= 1e-4 * scale, (name, np.abs(array - want[name]).max(), scale)
         compared += 1
-    assert compared == len(want_grads)
+    assert compared == len(want)
+
+
+REFERENCE_FREE_CASES = {
+    "simpo": {"beta": 2.0, "label_smoothing": 0.1, "simpo_gamma": 0.7, "cpo_alpha": 0.5},
+    "orpo": {"beta": 0.3, "label_smoothing": 0.0, "simpo_gamma": 0.5, "cpo_alpha": 1.0},
+}
+
+
+@pytest.mark.parametrize("loss_type", REFERENCE_FREE)
+def test_reference_free_losses_equal_trl(tok, folders, loss_type):
+    """SimPO and ORPO: TRL's own loss code (``CPOTrainer.cpo_loss``, ``ORPOTrainer.odds_ratio_loss`` and
+    ``get_batch_logps``, on the transformers model's logits of our batch; their trainers' glue, the mean of
+    the pairs' losses and the chosen completions' NLL, as their ``get_batch_loss_metrics`` writes it)."""
+    from trl.experimental.cpo import CPOTrainer
+    from trl.experimental.orpo import ORPOTrainer
+
+    case = REFERENCE_FREE_CASES[loss_type]
+    model = transformers.AutoModelForCausalLM.from_pretrained(folders[0]).train()
+    rows = as_trl(pair_rows(encode_pairs(tok, PAIRS, progress=False), PreferenceDataConfig(), tok.eos_token_id))
+    ids = torch.as_tensor(rows["input_ids"], dtype=torch.long)
+    labels = torch.where(torch.as_tensor(rows["completion_mask"]) == 1, ids, -100)
+    logits = model(input_ids=ids, attention_mask=torch.as_tensor(rows["attention_mask"])).logits
+    per_token = ORPOTrainer.get_batch_logps(logits, labels, average_log_prob=True)
+    n = len(PAIRS)
+    chosen, rejected = per_token[:n], per_token[n:]
+    nll = torch.nn.CrossEntropyLoss()(logits[:n, :-1].reshape(-1, logits.shape[-1]), labels[:n, 1:].reshape(-1))
+    trl_self = types.SimpleNamespace(
+        **case, loss_type=loss_type, alpha=0.0, accelerator=types.SimpleNamespace(device="cpu")
+    )
+    if loss_type == "simpo":
+        losses, chosen_rewards, rejected_rewards = CPOTrainer.cpo_loss(trl_self, chosen, rejected)
+        loss = losses.mean() + case["cpo_alpha"] * nll
+        extra = {}
+    else:
+        losses, chosen_rewards, rejected_rewards, ratio, log_odds = ORPOTrainer.odds_ratio_loss(
+            trl_self, chosen, rejected
+        )
+        loss = nll - losses.mean()
+        extra = {"log_odds_ratio": ratio.item(), "log_odds_chosen": log_odds.item()}
+    loss.backward()
+    want_grads = {name: p.grad.numpy() for name, p in model.named_parameters()}
+    want = {
+        "rewards/chosen": chosen_rewards.mean().item(),
+        "rewards/rejected": rejected_rewards.mean().item(),
+        "rewards/accuracies": (chosen_rewards > rejected_rewards).float().mean().item(),
+        "rewards/margins": (chosen_rewards - rejected_rewards).mean().item(),
+        "logps/chosen": chosen.mean().item(),
+        "logps/rejected": rejected.mean().item(),
+        "nll_loss": nll.item(),
+        **extra,
+    }
+
+    objective = DPOConfig(loss_type=loss_type, **case).objective()
+    assert not objective.needs_reference and not objective.precomputes_reference
+    policy = load_pretrained(folders[0], "causal-lm")
+    batch = jaxseq_batch(tok, PAIRS)
+    graphdef, state = nnx.split(policy)
+    (got, metrics), grads = jax.value_and_grad(
+        lambda s: objective.loss_and_metrics(nnx.merge(graphdef, s), batch), has_aux=True
+    )(state)
+    assert abs(float(got) - loss.item()) <= 1e-5 * max(1.0, abs(loss.item())), (float(got), loss.item())
+    assert set(metrics) == set(want)
+    for key, value in want.items():
+        assert abs(float(metrics[key]) - value) <= 1e-4 * max(1.0, abs(value)), (key, float(metrics[key]), value)
+    assert_gradients_match(policy, grads, want_grads)
 
 
 def test_lora_reference_is_the_base_with_adapters_off_as_a_frozen_copy(tok, folders):
@@ -214,14 +284,15 @@ def test_lora_reference_is_the_base_with_adapters_off_as_a_frozen_copy(tok, fold
     merged = sharding.shard(program.lora.merged(adapters, frozen), full.state_shardings.params)
     with_copy = full.eval_step(merged, copy, batch)
     assert np.abs(np.asarray(with_lora["rewards/margins"])).max() > 1e-3  # the adapters moved the policy
-    for key in ("loss", *METRICS):
+    for key in ("preference_loss", *METRICS):
         np.testing.assert_allclose(np.asarray(with_lora[key]), np.asarray(with_copy[key]), rtol=1e-4, atol=1e-5)
     # the train steps see the same reference: the same loss and figures
     _, lora_step = program.step(program.init_state(adapters), frozen, batch)
     _, copy_step = full.step(full.init_state(merged), copy, batch)
     for key in ("loss", *METRICS):
         np.testing.assert_allclose(float(lora_step[key]), float(copy_step[key]), rtol=1e-4, atol=1e-5)
-        np.testing.assert_allclose(float(lora_step[key]), np.asarray(with_lora[key]).mean(), rtol=1e-4, atol=1e-5)
+        evaluated = np.asarray(with_lora["preference_loss" if key == "loss" else key]).mean()
+        np.testing.assert_allclose(float(lora_step[key]), evaluated, rtol=1e-4, atol=1e-5)
 
 
 def test_bad_pairs_stop_in_one_line(tmp_path):

@@ -8,9 +8,10 @@ or as conversations (lists of {"role", "content"}, rendered with the tokenizer's
 --chat_template); without "prompt", the common start of chosen and rejected is the prompt. They are tokenised
 as TRL tokenises them (EOS after string completions; --max_length, --truncation_mode). The reference model is
 a frozen copy of the starting weights, or with --lora_rank the base weights with the adapters off (no second
-copy), or its log-probs computed once before training (--precompute_ref_log_probs). Each step runs chosen
-and rejected in one forward pass. Logged as TRL logs them: loss, rewards/chosen, rewards/rejected,
-rewards/accuracies, rewards/margins, logps/chosen, logps/rejected (metrics.jsonl prefixes train/ and eval/).
+copy), or its log-probs computed once before training (--precompute_ref_log_probs); --loss_type simpo and orpo
+need none (TRL's CPOTrainer and ORPOTrainer). Each step runs chosen and rejected in one forward pass. Logged
+as TRL logs them: loss, rewards/chosen, rewards/rejected, rewards/accuracies, rewards/margins, logps/chosen,
+logps/rejected (metrics.jsonl prefixes train/ and eval/).
 Writes to --output_dir what every job writes, and the model with its tokenizer as a Hugging Face folder.
 """
 
@@ -34,8 +35,9 @@ def prepare(args, planning: bool) -> Prepared:
     """Pairs tokenised as TRL does into ``[2, length]`` rows (a plan reads none: its rows are --max_length)."""
     source, data, dpo = args.source, args.data, args.dpo
     config, folder, overrides = model_config(source, TASK, weights=not planning)
-    common = {"config": config, "objective": dpo.objective()}
-    extra = {"ref_logps": ((2,), np.float32)} if dpo.precompute_ref_log_probs else {}
+    objective = dpo.objective()
+    common = {"config": config, "objective": objective}
+    extra = {"ref_logps": ((2,), np.float32)} if objective.precomputes_reference else {}
     if planning:
         seq = data.max_length or 1024
         return Prepared(**common, seq_len=seq, row={**dict.fromkeys(ROW, ((2, seq), np.int32)), **extra})
@@ -59,7 +61,13 @@ def prepare(args, planning: bool) -> Prepared:
         summary=lambda _: (
             f"{pairs:,} training pairs of at most {seq} tokens a sequence, loss {dpo.loss_type} with beta "
             f"{dpo.beta}; reference: "
-            + ("precomputed log-probs" if dpo.precompute_ref_log_probs else "the starting weights, frozen")
+            + (
+                "precomputed log-probs"
+                if objective.precomputes_reference
+                else "the starting weights, frozen"
+                if objective.needs_reference
+                else "none"
+            )
         ),
     )
 
