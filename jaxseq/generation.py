@@ -12,10 +12,13 @@ lists them):
   and the loop starts from ``decoder_start_token_id``.
 
 The loop stops when every row has produced EOS (rows that finished emit padding) or after
-``max_new_tokens``. The whole call is one compiled program. Prompts are padded on the left up to a
+``max_new_tokens``. With ``num_beams`` > 1 it is transformers' beam search (``beam_loop``): every prompt row
+becomes ``num_beams`` rows of the batch, and after each step the self-attention cache is gathered to
+follow the beams kept. The whole call is one compiled program. Prompts are padded on the left up to a
 multiple of ``bucket`` tokens, so prompts of similar lengths share it; a program is compiled once per
-(model structure, batch size, prompt bucket, ``max_new_tokens``, greedy/sampling, ``top_k``, EOS/pad ids)
-and reused: temperature, top-p, the seed and ``min_new_tokens`` are inputs, not constants.
+(model structure, batch size, prompt bucket, ``max_new_tokens``, greedy/sampling/``num_beams``, ``top_k``,
+EOS/pad ids) and reused: temperature, top-p, the seed, ``min_new_tokens``, ``length_penalty`` and
+``early_stopping`` are inputs, not constants.
 
 On a mesh (a model loaded with ``load_pretrained(..., mesh=mesh)``) the parameters stay on their
 shardings, the batch is split over ``dp``/``fsdp`` (padded to a multiple of their size) and the cache over
@@ -44,13 +47,18 @@ PROMPT_BUCKET = 32
 
 
 class GenerationOutput(NamedTuple):
-    """``sequences``: the new tokens only, int32 ``[batch, max_new_tokens]``; a row that produced EOS keeps
-    it and is padded after it. ``logprobs`` (with ``return_logprobs=True``, else None): float32
-    ``[batch, max_new_tokens]``, the log-probability of each new token under the model's own distribution
-    (log-softmax of its logits, before temperature, top-k/top-p and ``min_new_tokens``); 0 on padding."""
+    """``sequences``: the new tokens only, int32 ``[batch, max_new_tokens]`` (beam search: ``[batch *
+    num_return_sequences, max_new_tokens]``, each prompt's best first, as transformers orders them); a row
+    that produced EOS keeps it and is padded after it. ``logprobs`` (with ``return_logprobs=True``, else
+    None): float32, same shape, the log-probability of each new token under the model's own distribution
+    (log-softmax of its logits, before temperature, top-k/top-p and ``min_new_tokens``); 0 on padding.
+    ``sequences_scores`` (beam search only, else None): float32 ``[batch * num_return_sequences]``, each
+    sequence's summed log-probabilities divided by its new-token count ** ``length_penalty``
+    (transformers' ``sequences_scores``)."""
 
     sequences: jax.Array
     logprobs: jax.Array | None = None
+    sequences_scores: jax.Array | None = None
 
 
 # --------------------------------------------------------------------------- choosing the next token
@@ -104,11 +112,42 @@ class Settings:
     return_logprobs: bool
     decoder_start: int | None  # T5's first decoder token; None for decoder-only models
     mesh: Mesh | None
+    num_beams: int = 1
+
+
+class BeamInputs(NamedTuple):
+    """Beam search's inputs of the compiled program (changing them compiles nothing): ``length_scale``
+    float32 ``[max_new_tokens]``, entry ``i`` = (i + 1) ** length_penalty, computed in float64 and rounded
+    as transformers' Python scalar is; ``stop_when_full``: ``early_stopping=True``; ``never_long``:
+    ``early_stopping="never"`` with a positive ``length_penalty``, whose running beams are judged at
+    ``max_new_tokens``."""
+
+    length_scale: jax.Array
+    stop_when_full: jax.Array
+    never_long: jax.Array
+
+    @classmethod
+    def of(cls, max_new_tokens: int, length_penalty: float, early_stopping: bool | str) -> BeamInputs:
+        scale = np.arange(1, max_new_tokens + 1, dtype=np.float64) ** float(length_penalty)
+        return cls(
+            jnp.asarray(scale.astype(np.float32)),
+            jnp.asarray(early_stopping is True),
+            jnp.asarray(early_stopping == "never" and length_penalty > 0),
+        )
+
+
+def no_early_eos(scores: jax.Array, eos: tuple[int, ...], t, min_new_tokens) -> jax.Array:
+    """``scores`` ``[rows, vocab]`` with the EOS ids at -inf while ``t < min_new_tokens`` (transformers'
+    ``MinNewTokensLengthLogitsProcessor``)."""
+    if not eos:
+        return scores
+    is_eos = (jnp.arange(scores.shape[-1]) == jnp.asarray(eos, jnp.int32)[:, None]).any(0)
+    return jnp.where(is_eos & (t < min_new_tokens), -jnp.inf, scores)
 
 
 def decode_loop(step, cache, first_token, settings: Settings, key, temperature, top_p, min_new_tokens):
     """Run ``step(cache, token, t) -> (logits [batch, vocab], cache)`` from ``first_token`` until every
-    row has produced EOS or ``max_new_tokens`` tokens exist; returns ``(tokens, logprobs or None)``."""
+    row has produced EOS or ``max_new_tokens`` tokens exist; returns ``(tokens, logprobs or None, None)``."""
     n, pad = settings.max_new_tokens, settings.pad
     batch = first_token.shape[0]
     eos = jnp.asarray(settings.eos, jnp.int32)
@@ -120,12 +159,8 @@ def decode_loop(step, cache, first_token, settings: Settings, key, temperature, 
     def body(carry):
         t, cache, token, done, tokens, logprobs = carry
         logits, cache = step(cache, token, t)
-        scores = logits
-        if settings.eos:  # no EOS before min_new_tokens (transformers' MinNewTokensLengthLogitsProcessor)
-            is_eos = (jnp.arange(logits.shape[-1]) == eos[:, None]).any(0)
-            scores = jnp.where(is_eos & (t < min_new_tokens), -jnp.inf, logits)
         new = choose_tokens(
-            scores,
+            no_early_eos(logits, settings.eos, t, min_new_tokens),
             jax.random.fold_in(key, t),
             do_sample=settings.do_sample,
             temperature=temperature,
@@ -144,7 +179,116 @@ def decode_loop(step, cache, first_token, settings: Settings, key, temperature, 
     logprobs = jnp.zeros((batch, n), jnp.float32) if settings.return_logprobs else None
     init = (jnp.int32(0), cache, first_token, jnp.zeros((batch,), bool), jnp.full((batch, n), pad, jnp.int32), logprobs)
     _, _, _, _, tokens, logprobs = jax.lax.while_loop(cond, body, init)
-    return tokens, logprobs
+    return tokens, logprobs, None
+
+
+NEG = -1.0e9  # transformers' penalty for beams that cannot be chosen (added, as there, so scores match)
+
+
+def gather_beams(tree, index: jax.Array):
+    """Each ``[batch, beams, ...]`` leaf of ``tree`` with the beams ``index`` (``[batch, k]``) picks."""
+    return jax.tree.map(lambda x: jnp.take_along_axis(x, index.reshape(index.shape + (1,) * (x.ndim - 2)), 1), tree)
+
+
+def repeat_beams(cache, beams: int):
+    """A cache (``[..., batch, heads, len, dim]`` leaves; the write index kept) with each row ``beams`` times."""
+    return jax.tree.map(lambda x: jnp.repeat(x, beams, axis=x.ndim - 4) if x.ndim >= 4 else x, cache)
+
+
+def reorder_cache(cache, index: jax.Array):
+    """The self-attention keys/values of row ``b * beams + k`` taken from row ``b * beams + index[b, k]``;
+    the gather stays within each prompt's beams, so a batch split over devices gathers locally.
+    Cross-attention keys/values (T5's) are the same for all beams of a prompt and stay as they are."""
+    batch, beams = index.shape
+
+    def take(x):
+        if x.ndim < 4:
+            return x
+        axis = x.ndim - 4
+        x = x.reshape(x.shape[:axis] + (batch, beams) + x.shape[axis + 1 :])
+        picked = jnp.take_along_axis(x, index.reshape((1,) * axis + (batch, beams) + (1,) * 3), axis + 1)
+        return picked.reshape(picked.shape[:axis] + (batch * beams,) + picked.shape[axis + 2 :])
+
+    return cache._replace(layers=jax.tree.map(take, cache.layers))
+
+
+def beam_loop(step, cache, first_token, settings: Settings, beam: BeamInputs, min_new_tokens):
+    """Transformers' beam search (``GenerationMixin._beam_search``, vectorised as there) over ``step`` (as in
+    ``decode_loop``), whose cache and ``first_token`` hold ``num_beams`` rows per prompt. Each step keeps the
+    ``(1 + EOS ids, at least 2) * num_beams`` best continuations of all beams by summed log-probability;
+    those of the top ``num_beams`` that end (EOS, or the last step) join the prompt's finished hypotheses,
+    scored by their sum / new tokens ** length_penalty, and the best ``num_beams`` that do not end run on.
+    A prompt stops taking hypotheses once its running beams cannot beat its worst finished one (judged at
+    their current length, or at ``max_new_tokens`` for ``early_stopping="never"`` with a positive length
+    penalty) or, with ``early_stopping=True``, once it holds ``num_beams``. Returns the finished
+    hypotheses, best first: ``(tokens [batch, beams, n], logprobs or None, scores [batch, beams])``."""
+    n, pad, beams = settings.max_new_tokens, settings.pad, settings.num_beams
+    batch = first_token.shape[0] // beams
+    keep = max(2, 1 + len(settings.eos)) * beams
+    eos = jnp.asarray(settings.eos, jnp.int32)
+
+    def body(carry):
+        t, cache, token, running, running_scores, finished, finished_scores, done, improvable, _ = carry
+        logits, cache = step(cache, token, t)
+        logprobs = jax.nn.log_softmax(logits, axis=-1)
+        vocab = logprobs.shape[-1]
+        summed = no_early_eos(logprobs, settings.eos, t, min_new_tokens).reshape(batch, beams, vocab)
+        summed = (summed + running_scores[:, :, None]).reshape(batch, beams * vocab)
+        scores, flat = jax.lax.top_k(summed, keep)  # [batch, keep]: the best continuations of all beams
+        source, new = flat // vocab, (flat % vocab).astype(jnp.int32)
+        candidates = gather_beams(running, source)
+        candidates["tokens"] = jax.lax.dynamic_update_slice(candidates["tokens"], new[:, :, None], (0, 0, t))
+        if "logprobs" in candidates:
+            picked = jnp.take_along_axis(logprobs.reshape(batch, beams * vocab), flat, axis=1)
+            candidates["logprobs"] = jax.lax.dynamic_update_slice(candidates["logprobs"], picked[:, :, None], (0, 0, t))
+        ends = jnp.broadcast_to(t + 1 >= n, new.shape)  # the last step ends every hypothesis
+        if settings.eos:
+            ends = ends | (new[:, :, None] == eos).any(-1)
+
+        # the best num_beams continuations that do not end run on
+        open_scores = scores + ends.astype(jnp.float32) * NEG
+        chosen = jax.lax.top_k(open_scores, beams)[1]
+        running, running_scores = gather_beams((candidates, open_scores), chosen)
+
+        # those of the top num_beams that end join the finished hypotheses, which keep the best num_beams
+        ended = ends & (jnp.arange(keep) < beams)
+        final = scores / beam.length_scale[t]
+        final += (done.all(-1, keepdims=True) & beam.stop_when_full).astype(jnp.float32) * NEG
+        final += (~improvable)[:, None].astype(jnp.float32) * NEG
+        final += (~ended).astype(jnp.float32) * NEG
+        merged = jax.tree.map(
+            lambda a, b: jnp.concatenate([a, b], 1), (finished, finished_scores, done), (candidates, final, ended)
+        )
+        finished, finished_scores, done = gather_beams(merged, jax.lax.top_k(merged[1], beams)[1])
+
+        cache = reorder_cache(cache, jnp.take_along_axis(source, chosen, axis=1))
+        token = running["tokens"][:, :, t].reshape(-1)
+        length = jnp.where(beam.never_long, beam.length_scale[n - 1], beam.length_scale[t])
+        best_open = running_scores[:, :1] / length
+        worst_done = jnp.where(done, finished_scores.min(-1, keepdims=True), NEG)
+        improvable = improvable & (best_open > worst_done).any(-1)
+        going = improvable.any() & ~(done.all() & beam.stop_when_full) & ~ends.all()
+        return t + 1, cache, token, running, running_scores, finished, finished_scores, done, improvable, going
+
+    running = {"tokens": jnp.full((batch, beams, n), pad, jnp.int32)}
+    if settings.return_logprobs:
+        running["logprobs"] = jnp.zeros((batch, beams, n), jnp.float32)
+    running_scores = jnp.zeros((batch, beams), jnp.float32).at[:, 1:].set(NEG)  # the beams start identical
+    init = (
+        jnp.int32(0),
+        cache,
+        first_token,
+        running,
+        running_scores,
+        running,
+        jnp.full((batch, beams), NEG, jnp.float32),
+        jnp.zeros((batch, beams), bool),
+        jnp.ones((batch,), bool),
+        jnp.bool_(True),
+    )
+    out = jax.lax.while_loop(lambda carry: carry[-1], body, init)
+    finished, scores = out[5], out[6]
+    return finished["tokens"], finished.get("logprobs"), scores
 
 
 def left_align(ids, mask):
@@ -170,10 +314,17 @@ def shard_cache(cache, mesh: Mesh | None):
 
 def program(graphdef, settings: Settings):
     """The jitted generation function for one model structure and ``settings``:
-    ``(state, ids, mask, key, temperature, top_p, min_new_tokens) -> (tokens, logprobs)``."""
-    n = settings.max_new_tokens
+    ``(state, ids, mask, key, temperature, top_p, min_new_tokens, beam) -> (tokens, logprobs, scores)``,
+    ``beam`` a ``BeamInputs`` with ``num_beams`` > 1 (``beam_loop``'s outputs), else None (``decode_loop``'s)."""
+    n, beams = settings.max_new_tokens, settings.num_beams
 
-    def decoder_only(state, ids, mask, key, temperature, top_p, min_new_tokens):
+    def search(step, cache, first, key, temperature, top_p, min_new_tokens, beam):
+        if beams == 1:
+            return decode_loop(step, cache, first, settings, key, temperature, top_p, min_new_tokens)
+        cache = shard_cache(repeat_beams(cache, beams), settings.mesh)
+        return beam_loop(step, cache, jnp.repeat(first, beams), settings, beam, min_new_tokens)
+
+    def decoder_only(state, ids, mask, key, temperature, top_p, min_new_tokens, beam):
         model = nnx.merge(graphdef, state)
         ids, mask = left_align(ids, mask)
         batch, width = ids.shape
@@ -183,24 +334,26 @@ def program(graphdef, settings: Settings):
         full_mask = jnp.concatenate([mask, jnp.ones((batch, n - 1), mask.dtype)], axis=1)
         if width > 1:  # the prefill's logits are unused, so XLA drops its vocabulary projection
             cache = model(ids[:, :-1], full_mask, positions[:, :-1], cache=cache).cache
+        full_mask, last = jnp.repeat(full_mask, beams, axis=0), jnp.repeat(positions[:, -1], beams)
 
         def step(cache, token, t):
-            out = model(token[:, None], full_mask, (positions[:, -1] + t)[:, None], cache=cache)
+            out = model(token[:, None], full_mask, (last + t)[:, None], cache=cache)
             return out.logits[:, 0], out.cache
 
-        return decode_loop(step, cache, ids[:, -1], settings, key, temperature, top_p, min_new_tokens)
+        return search(step, cache, ids[:, -1], key, temperature, top_p, min_new_tokens, beam)
 
-    def encoder_decoder(state, ids, mask, key, temperature, top_p, min_new_tokens):
+    def encoder_decoder(state, ids, mask, key, temperature, top_p, min_new_tokens, beam):
         model = nnx.merge(graphdef, state)
         encoded = model.encode(ids, mask)
         cache = shard_cache(model.init_cache(encoded, mask, n), settings.mesh)
+        mask = jnp.repeat(mask, beams, axis=0)
 
         def step(cache, token, t):
             out = model.decode(token[:, None], None, mask, cache=cache)
             return out.logits[:, 0], out.cache
 
         first = jnp.full((ids.shape[0],), settings.decoder_start, jnp.int32)
-        return decode_loop(step, cache, first, settings, key, temperature, top_p, min_new_tokens)
+        return search(step, cache, first, key, temperature, top_p, min_new_tokens, beam)
 
     return jax.jit(decoder_only if settings.decoder_start is None else encoder_decoder)
 
@@ -259,6 +412,21 @@ def _check(model, ids, mask, max_new_tokens, do_sample, temperature, top_k, top_
         )
 
 
+def check_beams(num_beams, num_return_sequences, early_stopping, do_sample=False):
+    """One-line errors for beam-search settings ``generate`` cannot take (a command checks them before loading)."""
+    if num_beams < 1:
+        raise JaxseqError(f"num_beams must be at least 1, got {num_beams}")
+    if not 1 <= num_return_sequences <= num_beams:
+        raise JaxseqError(
+            f"num_return_sequences must be between 1 and num_beams ({num_beams}), got {num_return_sequences}; "
+            "raise num_beams to return more sequences"
+        )
+    if early_stopping not in (True, False, "never"):
+        raise JaxseqError(f"early_stopping must be True, False or 'never', got {early_stopping!r}")
+    if do_sample and num_beams > 1:
+        raise JaxseqError("beam search does not sample: pass do_sample=False with num_beams > 1")
+
+
 def generate(
     model,
     input_ids,
@@ -273,6 +441,10 @@ def generate(
     pad_token_id: int | None = None,
     seed: int = 0,
     min_new_tokens: int = 0,
+    num_beams: int = 1,
+    length_penalty: float = 1.0,
+    early_stopping: bool | str = False,
+    num_return_sequences: int = 1,
     return_logprobs: bool = False,
     bucket: int = PROMPT_BUCKET,
 ) -> GenerationOutput:
@@ -286,13 +458,16 @@ def generate(
     Greedy (the most likely token) unless ``do_sample``, which draws from the logits divided by
     ``temperature`` and restricted to the ``top_k`` most likely tokens and the ``top_p`` nucleus (see
     ``filter_logits``); draws use ``jax.random.key(seed)`` folded with the step, so a seed repeats its
-    output. A row stops at any of ``eos_token_id`` (None: never; transformers would use
+    output. ``num_beams`` > 1: transformers' beam search (``beam_loop``) with its ``length_penalty``,
+    ``early_stopping`` (True, False or "never") and ``num_return_sequences`` (the best of each prompt's
+    beams, best first). A row stops at any of ``eos_token_id`` (None: never; transformers would use
     ``model.config.eos_token_id``), which cannot come before ``min_new_tokens`` tokens; afterwards it
     emits ``pad_token_id`` (default: the first EOS id, else 0). Returns a ``GenerationOutput``.
     """
     ids = np.asarray(input_ids, np.int32)
     mask = np.ones_like(ids) if attention_mask is None else np.asarray(attention_mask, np.int32)
     _check(model, ids, mask, max_new_tokens, do_sample, temperature, top_k, top_p, min_new_tokens)
+    check_beams(num_beams, num_return_sequences, early_stopping, do_sample)
     eos = () if eos_token_id is None else tuple(int(e) for e in np.atleast_1d(eos_token_id))
     pad = pad_token_id if pad_token_id is not None else (eos[0] if eos else 0)
     decoder_start = None
@@ -323,19 +498,41 @@ def generate(
         return_logprobs=return_logprobs,
         decoder_start=decoder_start,
         mesh=mesh,
+        num_beams=num_beams,
     )
+    beam = BeamInputs.of(max_new_tokens, length_penalty, early_stopping) if num_beams > 1 else None
     run = cached_program(ProgramKey(graphdef, settings))
-    tokens, logprobs = run(
-        state, ids, mask, jax.random.key(seed), jnp.float32(temperature), jnp.float32(top_p), jnp.int32(min_new_tokens)
+    tokens, logprobs, scores = run(
+        state,
+        ids,
+        mask,
+        jax.random.key(seed),
+        jnp.float32(temperature),
+        jnp.float32(top_p),
+        jnp.int32(min_new_tokens),
+        beam,
     )
-    return GenerationOutput(tokens[:batch], None if logprobs is None else logprobs[:batch])
+    if scores is None:
+        return GenerationOutput(tokens[:batch], None if logprobs is None else logprobs[:batch])
+    best = lambda x: x[:batch, :num_return_sequences].reshape(batch * num_return_sequences, *x.shape[2:])
+    return GenerationOutput(best(tokens), None if logprobs is None else best(logprobs), best(scores))
 
 
 def greedy_tokens(
-    model, input_ids: jax.Array, attention_mask: jax.Array, *, max_new_tokens: int, eos_token_id: int, pad_token_id: int
+    model,
+    input_ids: jax.Array,
+    attention_mask: jax.Array,
+    *,
+    max_new_tokens: int,
+    eos_token_id: int,
+    pad_token_id: int,
+    num_beams: int = 1,
+    length_penalty: float = 1.0,
+    early_stopping: bool | str = False,
 ) -> jax.Array:
-    """Greedy ``sequences`` of ``generate`` as plain traced JAX, for use inside another jitted function
-    (an evaluation step): no host-side checks, bucketing or program cache; the caller's jit compiles it."""
+    """Greedy ``sequences`` of ``generate`` (with ``num_beams`` > 1: beam search's best) as plain traced JAX,
+    for use inside another jitted function (an evaluation step): no host-side checks, bucketing or program
+    cache; the caller's jit compiles it."""
     graphdef, state = nnx.split(model)
     decoder_start = model.decoder_start_id() if hasattr(model, "encode") else None
     settings = Settings(
@@ -348,8 +545,10 @@ def greedy_tokens(
         return_logprobs=False,
         decoder_start=decoder_start,
         mesh=None,
+        num_beams=num_beams,
     )
-    tokens, _ = program(graphdef, settings)(
+    beam = BeamInputs.of(max_new_tokens, length_penalty, early_stopping) if num_beams > 1 else None
+    tokens, _, _ = program(graphdef, settings)(
         state,
         input_ids.astype(jnp.int32),
         attention_mask.astype(jnp.int32),
@@ -357,5 +556,6 @@ def greedy_tokens(
         jnp.float32(1.0),
         jnp.float32(1.0),
         jnp.int32(0),
+        beam,
     )
-    return tokens
+    return tokens if num_beams == 1 else tokens[:, 0]

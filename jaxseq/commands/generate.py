@@ -3,12 +3,15 @@
     jaxseq generate --model_name_or_path gpt2 --prompt "The meaning of life is" --max_new_tokens 32
     jaxseq generate --model_name_or_path out/model --prompt_file prompts.jsonl \\
         --output_file completions.jsonl --do_sample --temperature 0.8 --top_p 0.9 --mesh dp=2,mp=4
+    jaxseq generate --model_name_or_path t5-small --prompt "translate English to German: Hello" --num_beams 4
     cat prompts.txt | jaxseq generate --model_name_or_path gpt2
 
 Prompts come from --prompt (repeat it for several), --prompt_file (one prompt per line, or JSONL with a
 "prompt" field) or stdin (one per line). With --output_file each prompt becomes a JSONL record (prompt,
-completion, prompt_tokens, completion_tokens); otherwise each prompt and its completion are printed.
-Greedy unless --do_sample; a completion ends at the tokenizer's EOS token or after --max_new_tokens.
+completion, prompt_tokens, completion_tokens; with --num_return_sequences N also completions, the N best
+beams, best first); otherwise each prompt and its completion(s) are printed. Greedy unless --do_sample or
+--num_beams (transformers' beam search); a completion ends at the tokenizer's EOS token or after
+--max_new_tokens.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from jaxseq.cli import RuntimeConfig, parse, script, start
 from jaxseq.config import arg
 from jaxseq.distributed import DistributedConfig
 from jaxseq.errors import JaxseqError
-from jaxseq.generation import generate
+from jaxseq.generation import check_beams, generate
 from jaxseq.models.hub import load_config, load_pretrained, parse_overrides, position_limit, resolve
 from jaxseq.models.registry import families_with, family_for, family_names
 from jaxseq.models.source import PretrainedModel, check_vocabulary, load_tokenizer
@@ -50,6 +53,19 @@ class GenerateConfig:
     top_k: int = arg(0, "sample among the k most likely tokens only (0 = all)")
     top_p: float = arg(1.0, "sample from the smallest set of tokens holding this probability mass (1 = all)")
     seed: int = arg(0, "random seed of the sampling; the same seed gives the same completions")
+    num_beams: int = arg(1, "beam search with this many beams per prompt (1 = greedy or sampling)")
+    length_penalty: float = arg(
+        1.0, "beam search: a hypothesis scores its summed log-probabilities / its length ** this (> 0 favours longer)"
+    )
+    early_stopping: str = arg(
+        "false",
+        "beam search: true (stop a prompt once it has --num_beams finished hypotheses), false (once no running "
+        "beam can beat them at its current length), never (judged at --max_new_tokens for a positive "
+        "--length_penalty); a bare --early_stopping is true",
+        choices=("false", "true", "never"),
+        const="true",
+    )
+    num_return_sequences: int = arg(1, "beam search: completions returned per prompt, the best first (<= --num_beams)")
     output_file: str | None = arg(None, "write JSONL records here instead of printing the completions")
     lora_adapter: str | None = arg(None, f"{ADAPTER_HELP}: merged into the weights before generating")
 
@@ -116,6 +132,8 @@ def main(argv) -> int:
         raise JaxseqError("pass --model_name_or_path (a Hub id such as gpt2, or a local model folder)")
     if cfg.batch_size < 1:
         raise JaxseqError(f"--batch_size must be at least 1, got {cfg.batch_size}")
+    early_stopping = {"true": True, "false": False}.get(cfg.early_stopping, cfg.early_stopping)
+    check_beams(cfg.num_beams, cfg.num_return_sequences, early_stopping, cfg.do_sample)
     prompts = read_prompts(cfg)
 
     mesh = start(runtime, distributed)  # a multi-host run: every process reads the same prompts, process 0 writes
@@ -171,17 +189,24 @@ def main(argv) -> int:
             eos_token_id=eos,
             pad_token_id=pad,
             seed=int(np.random.SeedSequence([cfg.seed, k]).generate_state(1)[0]),  # each batch its own draws
+            num_beams=cfg.num_beams,
+            length_penalty=cfg.length_penalty,
+            early_stopping=early_stopping,
+            num_return_sequences=cfg.num_return_sequences,
         )
-        for i, tokens in zip(batch, gather(out.sequences)):
-            n = completion_length(tokens, eos)
-            text = tokenizer.decode(tokens[:n], skip_special_tokens=True)
+        returned = gather(out.sequences).reshape(cfg.batch_size, cfg.num_return_sequences, -1)
+        for i, sequences in zip(batch, returned):
+            lengths = [completion_length(tokens, eos) for tokens in sequences]
+            texts = [tokenizer.decode(t[:n], skip_special_tokens=True) for t, n in zip(sequences, lengths)]
             completions[i] = {
                 "prompt": prompts[i],
-                "completion": text,
+                "completion": texts[0],
                 "prompt_tokens": len(encoded[i]),
-                "completion_tokens": n,
+                "completion_tokens": lengths[0],
             }
-            generated += n
+            if cfg.num_return_sequences > 1:
+                completions[i]["completions"] = texts
+            generated += sum(lengths)
         bar.update(len(batch))  # after the batch's tokens came back: finished prompts
         bar.set_postfix_str(f"{generated / (time.perf_counter() - started):.0f} tokens/s")
     bar.close()
@@ -194,7 +219,7 @@ def main(argv) -> int:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text("".join(json.dumps(c, ensure_ascii=False) + "\n" for c in completions))
     else:
-        print("\n\n".join(c["prompt"] + c["completion"] for c in completions))
+        print("\n\n".join(c["prompt"] + text for c in completions for text in c.get("completions", [c["completion"]])))
     print(
         f"{len(prompts)} prompts, {generated} tokens generated in {seconds:.1f}s (compilation included)",
         file=sys.stderr,
