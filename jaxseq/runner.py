@@ -7,6 +7,7 @@ results, export, Hub push)."""
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -227,7 +228,7 @@ def plan(spec: RunSpec, prepared: Prepared, topo) -> dict:
     state = program.abstract_state
     plans = []
     for batch in batches:
-        rows = batch["input_ids"].shape[-2] * spec.trainer.gradient_accumulation_steps
+        rows = math.prod(batch["input_ids"].shape[:-1])  # sequences a step computes (DPO: 2 a pair), micro-batches too
         result = compile_plan(
             program.step.lower(state, program.abstract_frozen, batch),
             topo,
