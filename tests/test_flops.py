@@ -152,8 +152,24 @@ def test_bert():
     assert model_flops(config, "sequence-classification", ROWS, SEQ) == classification
 
 
+def test_roberta():
+    """BERT's count: the classification head (dense, out_proj) at each row's <s> costs what BERT's pooler and
+    classifier do; the masked LM's head (dense, decoder) what BERT's transform and decoder do."""
+    d, layers, inner, labels = 64, 2, 128, 3
+    config = transformers.RobertaConfig(
+        hidden_size=d, num_hidden_layers=layers, num_attention_heads=4, intermediate_size=inner, vocab_size=V,
+        num_labels=labels,
+    )  # fmt: skip
+    layer, full = 4 * d * d + 2 * d * inner, 12 * d * SEQ * SEQ * ROWS
+    assert model_flops(config, "masked-lm", ROWS, SEQ) == 6 * (layers * layer + d * d + d * V) * TOKENS + layers * full
+    classification = 6 * (layers - 1) * layer * TOKENS + (layers - 1) * full  # the last layer at <s> alone:
+    classification += 6 * 2 * d * d * TOKENS + 6 * (2 * d * d + 2 * d * inner) * ROWS + 12 * d * 1 * SEQ * ROWS
+    classification += 6 * (d * d + d * labels) * ROWS  # dense and out_proj
+    assert model_flops(config, "sequence-classification", ROWS, SEQ) == classification
+
+
 def test_every_family_has_a_count_and_no_other_task():
-    assert set(FAMILIES) == {"gpt2", "gptj", "t5", "bert", "llama", "mistral", "qwen2", "qwen3"}
+    assert set(FAMILIES) == {"gpt2", "gptj", "t5", "bert", "roberta", "llama", "mistral", "qwen2", "qwen3"}
     assert all(family.flops is not None for family in FAMILIES.values())
     with pytest.raises(Exception, match="not available"):
         model_flops(transformers.BertConfig(), "causal-lm", 1, 8)

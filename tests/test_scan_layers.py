@@ -1,8 +1,8 @@
 """Scanned layers (``scan_layers=True``, ``jaxseq.models.layers.Stacked``): the blocks' parameters stacked with a
 leading layer axis and run by one scan give the unrolled model's logits, gradients, generations, train steps and
-Hugging Face files, from the same (perturbed) weights: decoders (GPT-2, GPT-J, Llama, Mistral, Qwen3), BERT (its
-classifier's last layer at the [CLS] tokens alone, apart from the scan) and T5 (v1.0 and v1.1; the position bias
-of the unrolled first block beside each stack)."""
+Hugging Face files, from the same (perturbed) weights: decoders (GPT-2, GPT-J, Llama, Mistral, Qwen3), BERT and
+RoBERTa (their classifiers' last layer at the [CLS] tokens alone, apart from the scan) and T5 (v1.0 and v1.1; the
+position bias of the unrolled first block beside each stack)."""
 
 import json
 
@@ -84,6 +84,14 @@ def bert_config():
     )  # fmt: skip
 
 
+def roberta_config():
+    return transformers.RobertaConfig(
+        num_hidden_layers=3, hidden_size=32, intermediate_size=48, num_attention_heads=4, vocab_size=VOCAB,
+        max_position_embeddings=34, type_vocab_size=1, num_labels=3, hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0, pad_token_id=0,
+    )  # fmt: skip
+
+
 def t5_config(**kw):
     return transformers.T5Config(
         num_layers=3, num_decoder_layers=2, d_model=32, d_kv=8, num_heads=4, d_ff=48, vocab_size=VOCAB,
@@ -104,10 +112,17 @@ CONFIGS = {
     "qwen3": qwen3_config,
     "bert": bert_config,
     "bert-mlm": bert_config,
+    "roberta": roberta_config,
     "t5": t5_config,
     "t5-v1.1": t5_v11_config,
 }
-TASKS = {"bert": "sequence-classification", "bert-mlm": "masked-lm", "t5": "seq2seq-lm", "t5-v1.1": "seq2seq-lm"}
+TASKS = {
+    "bert": "sequence-classification",
+    "bert-mlm": "masked-lm",
+    "roberta": "sequence-classification",
+    "t5": "seq2seq-lm",
+    "t5-v1.1": "seq2seq-lm",
+}
 STACKS = {
     "gpt2": ("transformer/h",),
     "gptj": ("transformer/h",),
@@ -116,10 +131,14 @@ STACKS = {
     "qwen3": ("model/layers",),
     "bert": ("bert/encoder/layer",),
     "bert-mlm": ("bert/encoder/layer",),
+    "roberta": ("roberta/encoder/layer",),
     "t5": ("encoder/block", "decoder/block"),
     "t5-v1.1": ("encoder/block", "decoder/block"),
 }
 T5_BIAS = "first_only/layer/0/SelfAttention/relative_attention_bias/embedding"  # beside each T5 stack
+
+
+ENCODERS = ("bert", "roberta")  # classifiers in these tests
 
 
 def task(family: str) -> str:
@@ -130,7 +149,7 @@ def objective(family: str, batch_shards: int | None = None):
     """The family's training objective (a causal LM's in chunks of 4 tokens, its batch in ``batch_shards``)."""
     if family.startswith("t5"):
         return Seq2SeqLM()
-    if family.startswith("bert"):
+    if family.startswith(ENCODERS):
         return SequenceClassification(glue.get_task("mnli"))
     return CausalLM() if batch_shards is None else CausalLM(chunk_tokens=4, batch_shards=batch_shards)
 
@@ -168,12 +187,15 @@ def per_layer(tree) -> dict[str, np.ndarray]:
 
 
 def batch(family="gpt2", packed=False):
-    """Right-padded rows; BERT's with token types and labels (``packed``: into 3 rows), T5's with targets."""
-    ids, mask = padded_batch(VOCAB, lengths=(12, 7, 5, 4) if family.startswith("bert") else (12, 9, 5, 12))
+    """Right-padded rows; BERT's and RoBERTa's with labels (BERT's with token types; ``packed``: into 3 rows), T5's
+    with targets."""
+    ids, mask = padded_batch(VOCAB, lengths=(12, 7, 5, 4) if family.startswith(ENCODERS) else (12, 9, 5, 12))
     out = {"input_ids": ids, "attention_mask": mask}
     if family.startswith("bert"):
         types = (np.arange(12)[None, :] >= mask.sum(1, keepdims=True) // 2) & (mask == 1)
-        out.update(token_type_ids=types.astype(np.int32), labels=np.array([0, 2, 1, 2], np.int32))
+        out.update(token_type_ids=types.astype(np.int32))
+    if family.startswith(ENCODERS):
+        out.update(labels=np.array([0, 2, 1, 2], np.int32))
         out = packing.pack(out, 3) if packed else out
     if family.startswith("t5"):
         labels, target_mask = padded_batch(VOCAB, lengths=(6, 3, 7, 5), seed=1)
@@ -191,7 +213,7 @@ def logits(family, model, b):
         return model(b["input_ids"], b["attention_mask"], shift_right(b["labels"], 0, 0)).logits
     extra = {name: b[name] for name in ("token_type_ids", "position_ids", "pool_index") if name in b}
     out = model(b["input_ids"], b["attention_mask"], **extra)
-    return out if family.startswith("bert") else out.logits
+    return out if family.startswith(ENCODERS) else out.logits
 
 
 @pytest.mark.parametrize("family", list(CONFIGS))
@@ -224,7 +246,7 @@ def test_stacked_storage_keeps_hugging_face_names(family, folders, tmp_path):
 @pytest.mark.parametrize("family", list(CONFIGS))
 def test_scanned_logits_equal_unrolled(family, folders):
     unrolled, scanned = pair(folders, family)
-    for packed in (False, True) if family == "bert" else (False,):
+    for packed in (False, True) if family in ENCODERS else (False,):
         b = batch(family, packed)
         np.testing.assert_allclose(logits(family, scanned, b), logits(family, unrolled, b), atol=2e-5, rtol=1e-5)
 
@@ -254,6 +276,7 @@ def assert_same_grads(got, want):
         ("qwen3", "dots", False),
         ("bert", "none", False),
         ("bert", "full", True),
+        ("roberta", "dots", True),
         ("t5", "none", False),
         ("t5-v1.1", "dots", False),
     ],

@@ -67,6 +67,14 @@ def bert_config():
     )  # fmt: skip
 
 
+def roberta_config():
+    return transformers.RobertaConfig(
+        num_hidden_layers=2, hidden_size=64, num_attention_heads=4, intermediate_size=128, vocab_size=VOCAB,
+        max_position_embeddings=66, type_vocab_size=1, num_labels=3, hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0, pad_token_id=1,
+    )  # fmt: skip
+
+
 def llama_config():
     return transformers.LlamaConfig(
         num_hidden_layers=2, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
@@ -103,6 +111,13 @@ def classification_batch(seed=0):
     return ours, dict(ours)
 
 
+def roberta_batch(seed=0):
+    """Right-padded with RoBERTa's <pad> (1), no token types: positions count the real tokens."""
+    ids, mask = padded_batch(VOCAB, LENGTHS, pad_id=1, seed=seed, low=2)
+    ours = {"input_ids": ids, "attention_mask": mask, "labels": np.array([0, 2, 1, 2], np.int32)}
+    return ours, dict(ours)
+
+
 def v11(config):
     """A T5 v1.1 reference with its own ``lm_head`` (transformers 5 ties it to ``shared`` unless the
     checkpoint holds a distinct one, as real v1.1 checkpoints do)."""
@@ -128,6 +143,12 @@ CASES = {  # reference constructor, jaxseq task, objective, batch
         "sequence-classification",
         lambda: SequenceClassification(get_task("mnli")),
         classification_batch,
+    ),
+    "roberta-classification": (
+        lambda: transformers.RobertaForSequenceClassification(roberta_config()),
+        "sequence-classification",
+        lambda: SequenceClassification(get_task("mnli")),
+        roberta_batch,
     ),
 }
 
@@ -255,6 +276,7 @@ def assert_steps_match(ours, exact, f32, before):
         ("t5-v1.0", 1.0),
         ("t5-v1.1", 0.5),
         ("bert-classification", 100.0),
+        ("roberta-classification", 0.5),
     ],
 )
 def test_optimizer_step_parity(case, max_grad_norm, mesh, tmp_path):

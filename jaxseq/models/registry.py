@@ -6,7 +6,7 @@ jaxseq shows (help, errors, docs) is read from here (``family_names``)."""
 from __future__ import annotations
 
 from jaxseq.errors import JaxseqError
-from jaxseq.models import bert, gpt2, gptj, llama, mistral, qwen2, qwen3, t5
+from jaxseq.models import bert, gpt2, gptj, llama, mistral, qwen2, qwen3, roberta, t5
 from jaxseq.models.family import Family
 
 FAMILIES: dict[str, Family] = {
@@ -16,6 +16,7 @@ FAMILIES: dict[str, Family] = {
         gptj.FAMILY,
         t5.FAMILY,
         bert.FAMILY,
+        roberta.FAMILY,
         llama.FAMILY,
         mistral.FAMILY,
         qwen2.FAMILY,

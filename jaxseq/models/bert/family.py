@@ -31,6 +31,28 @@ def model_flops(config, task: str, rows: int, seq_len: int, target_len: int = 0,
     return count + dense(d * d, rows)
 
 
+# Megatron-style: q/k/v and the feed-forward input split by output column over mp, the attention and
+# feed-forward outputs by input row; the other kernel dimension over fsdp. Token embeddings and the
+# MLM head are split by (padded) vocabulary over mp; position and token-type embeddings by hidden size.
+PARTITION_RULES = (
+    (r"word_embeddings/embedding$", P("mp", "fsdp")),
+    (r"_embeddings/embedding$", P(None, "fsdp")),
+    (r"(query|key|value)/kernel$", P("fsdp", "mp")),
+    (r"(query|key|value)/bias$", P("mp")),
+    (r"intermediate/dense/kernel$", P("fsdp", "mp")),
+    (r"intermediate/dense/bias$", P("mp")),
+    (r"output/dense/kernel$", P("mp", "fsdp")),
+    (r"output/dense/bias$", P()),
+    (r"LayerNorm/(scale|bias)$", P()),
+    (r"(pooler|transform)/dense/kernel$", P("fsdp", None)),
+    (r"(pooler|transform)/dense/bias$", P()),
+    (r"classifier/kernel$", P("fsdp", None)),
+    (r"classifier/bias$", P()),
+    (r"decoder/kernel$", P("fsdp", "mp")),
+    (r"(decoder|predictions)/bias$", P("mp")),
+)
+
+
 FAMILY = Family(
     model_type="bert",
     name="BERT",
@@ -48,25 +70,6 @@ FAMILY = Family(
     ignore=(r"(^|\.)position_ids$",),
     lora_targets=r"/(query|value)/kernel$",
     vocab_params=((r"word_embeddings/embedding$", 0), (r"decoder/kernel$", 1), (r"(decoder|predictions)/bias$", 0)),
-    # Megatron-style: q/k/v and the feed-forward input split by output column over mp, the attention and
-    # feed-forward outputs by input row; the other kernel dimension over fsdp. Token embeddings and the
-    # MLM head are split by (padded) vocabulary over mp; position and token-type embeddings by hidden size.
-    partition_rules=(
-        (r"word_embeddings/embedding$", P("mp", "fsdp")),
-        (r"_embeddings/embedding$", P(None, "fsdp")),
-        (r"(query|key|value)/kernel$", P("fsdp", "mp")),
-        (r"(query|key|value)/bias$", P("mp")),
-        (r"intermediate/dense/kernel$", P("fsdp", "mp")),
-        (r"intermediate/dense/bias$", P("mp")),
-        (r"output/dense/kernel$", P("mp", "fsdp")),
-        (r"output/dense/bias$", P()),
-        (r"LayerNorm/(scale|bias)$", P()),
-        (r"(pooler|transform)/dense/kernel$", P("fsdp", None)),
-        (r"(pooler|transform)/dense/bias$", P()),
-        (r"classifier/kernel$", P("fsdp", None)),
-        (r"classifier/bias$", P()),
-        (r"decoder/kernel$", P("fsdp", "mp")),
-        (r"(decoder|predictions)/bias$", P("mp")),
-    ),
+    partition_rules=PARTITION_RULES,
     flops=model_flops,
 )

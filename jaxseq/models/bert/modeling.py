@@ -31,6 +31,11 @@ from jaxseq.models.outputs import BaseOutput
 
 
 class BertEmbeddings(nnx.Module):
+    """Token, token-type and position embeddings, summed and normalised. ``position_offset``: what is added to
+    ``position_ids`` to look them up (RoBERTa's ``padding_idx + 1``; 0 here)."""
+
+    position_offset = 0
+
     def __init__(self, config, *, dtype, param_dtype, rngs: nnx.Rngs):
         d, std = config.hidden_size, config.initializer_range
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
@@ -42,8 +47,12 @@ class BertEmbeddings(nnx.Module):
 
     def __call__(self, input_ids, token_type_ids, position_ids, rngs=None):
         x = self.word_embeddings(input_ids) + one_hot_lookup(self.token_type_embeddings, token_type_ids)
-        x = x + self.position_embeddings(position_ids)
+        x = x + self.position_embeddings(position_ids + self.position_offset if self.position_offset else position_ids)
         return dropout(self.LayerNorm(x), self.hidden_dropout, rngs)
+
+    def default_positions(self, input_ids):
+        """The positions of rows given without ``position_ids``: ``0 .. seq - 1``."""
+        return jnp.arange(input_ids.shape[1], dtype=jnp.int32)[None, :]
 
 
 class BertSelfAttention(nnx.Module):
@@ -177,11 +186,13 @@ class BertPooler(nnx.Module):
 class BertModel(nnx.Module):
     """The encoder, and the pooler unless ``add_pooling_layer=False`` (as in ``BertForMaskedLM``).
     ``attention_mask`` is ``[batch, seq]`` (1 = token, 0 = padding, or packed segment ids, see
-    ``jaxseq.data.packing``); ``token_type_ids`` default to 0 (segment A) and ``position_ids`` to
-    ``0 .. seq - 1``. Attention is bidirectional unless ``config.is_decoder``. ``scan_layers``: the encoder's
-    layers stacked and scanned (``layers.Stacked``)."""
+    ``jaxseq.data.packing``); ``token_type_ids`` default to 0 (segment A) and ``position_ids`` to the
+    embeddings' ``default_positions`` (``0 .. seq - 1``). Attention is bidirectional unless
+    ``config.is_decoder``. ``scan_layers``: the encoder's layers stacked and scanned (``layers.Stacked``).
+    ``embeddings_class``: RoBERTa's counts positions its own way."""
 
     hf_architecture = "BertModel"
+    embeddings_class = BertEmbeddings
 
     def __init__(
         self,
@@ -200,7 +211,7 @@ class BertModel(nnx.Module):
             raise JaxseqError("BERT configs with add_cross_attention are not supported; set it to false")
         self.config = config
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-        self.embeddings = BertEmbeddings(config, **kw)
+        self.embeddings = self.embeddings_class(config, **kw)
         self.encoder = BertEncoder(config, scan_layers=scan_layers, **kw)
         self.pooler = BertPooler(config, **kw) if add_pooling_layer else None
 
@@ -220,12 +231,13 @@ class BertModel(nnx.Module):
         (the last layer at the pooled positions alone); ``last_hidden_state`` is then theirs, ``[n, d]``."""
         batch, seq = input_ids.shape
         if position_ids is None:
-            if seq > self.config.max_position_embeddings:
+            limit = self.config.max_position_embeddings - self.embeddings.position_offset
+            if seq > limit:
                 raise JaxseqError(
-                    f"sequence length {seq} exceeds max_position_embeddings "
-                    f"{self.config.max_position_embeddings}; truncate the inputs"
+                    f"sequence length {seq} exceeds the model's {limit} positions (max_position_embeddings "
+                    f"{self.config.max_position_embeddings}); truncate the inputs"
                 )
-            position_ids = jnp.arange(seq, dtype=jnp.int32)[None, :]
+            position_ids = self.embeddings.default_positions(input_ids)
         if token_type_ids is None:
             token_type_ids = jnp.zeros_like(input_ids)
         x = self.embeddings(input_ids, token_type_ids, position_ids, rngs)
@@ -259,8 +271,7 @@ class BertForSequenceClassification(nnx.Module):
             kernel_init=normal(config.initializer_range),
             rngs=rngs,
         )
-        rate = config.classifier_dropout
-        self.classifier_dropout = config.hidden_dropout_prob if rate is None else rate
+        self.classifier_dropout = classifier_dropout(config)
 
     def __call__(
         self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None, *, pool_index=None, rngs=None
@@ -271,6 +282,11 @@ class BertForSequenceClassification(nnx.Module):
         )
         pooled = out.pooler_output
         return self.classifier(dropout(pooled, self.classifier_dropout, rngs)).astype(jnp.float32)
+
+
+def classifier_dropout(config) -> float:
+    """The classifier's dropout rate: ``classifier_dropout``, else ``hidden_dropout_prob``."""
+    return config.hidden_dropout_prob if config.classifier_dropout is None else config.classifier_dropout
 
 
 class BertPredictionHeadTransform(nnx.Module):
@@ -326,10 +342,15 @@ class BertForMaskedLM(nnx.Module):
     def __call__(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None, *, rngs=None):
         h = self.bert(input_ids, attention_mask, token_type_ids, position_ids, rngs=rngs).last_hidden_state
         head = self.cls.predictions
-        h = head.transform(h)
-        if self.config.tie_word_embeddings:
-            words = self.bert.embeddings.word_embeddings.embedding[...]
-            logits = tied_logits(h, words, h.dtype) + head.bias[...].astype(jnp.float32)
-        else:
-            logits = head.decoder(h)
-        return logits[..., : self.config.vocab_size].astype(jnp.float32)  # accumulated in float32
+        return vocabulary_logits(head.transform(h), self.bert.embeddings, head, self.config)
+
+
+def vocabulary_logits(h, embeddings: BertEmbeddings, head, config):
+    """float32 logits ``[..., vocab_size]`` of a masked-LM head's transformed states ``h``: the token embeddings
+    plus ``head.bias`` if the config ties them, else ``head.decoder`` (its own bias)."""
+    if config.tie_word_embeddings:
+        words = embeddings.word_embeddings.embedding[...]
+        logits = tied_logits(h, words, h.dtype) + head.bias[...].astype(jnp.float32)
+    else:
+        logits = head.decoder(h)
+    return logits[..., : config.vocab_size].astype(jnp.float32)  # accumulated in float32
