@@ -424,7 +424,8 @@ def test_readme_generation_example(capsys):
 
     scope = {}
     exec(compile(section_code("Generation"), "README.md", "exec"), scope)
-    out, sampled = scope["out"], scope["sampled"]
+    out, sampled, beams = scope["out"], scope["sampled"], scope["beams"]
     assert out.sequences.shape == sampled.logprobs.shape == (2, 16)
+    assert beams.sequences.shape == (4, 16) and (np.diff(np.asarray(beams.sequences_scores).reshape(2, 2)) <= 0).all()
     assert (np.asarray(sampled.logprobs) <= 0).all() and (np.asarray(sampled.logprobs) < 0).any()
     assert "[[" in capsys.readouterr().out
