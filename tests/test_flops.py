@@ -168,8 +168,23 @@ def test_roberta():
     assert model_flops(config, "sequence-classification", ROWS, SEQ) == classification
 
 
+@pytest.mark.parametrize("projected", [False, True])
+def test_opt(projected):
+    """125m-style (the head over hidden_size) and 350m-style (project_in and project_out, word_embed_proj_dim x d
+    each; the head over word_embed_proj_dim)."""
+    d, layers, ffn, width, labels = 64, 2, 96, 32 if projected else 64, 3
+    config = transformers.OPTConfig(
+        hidden_size=d, num_hidden_layers=layers, num_attention_heads=4, ffn_dim=ffn, vocab_size=V,
+        word_embed_proj_dim=width, num_labels=labels,
+    )  # fmt: skip
+    body = 6 * (layers * (4 * d * d + 2 * d * ffn) + (2 * width * d if projected else 0)) * TOKENS
+    body += 12 * layers * d * causal_pairs(SEQ) * ROWS
+    assert model_flops(config, "causal-lm", ROWS, SEQ) == body + 6 * width * V * TOKENS
+    assert model_flops(config, "sequence-classification", ROWS, SEQ) == body + 6 * width * labels * ROWS
+
+
 def test_every_family_has_a_count_and_no_other_task():
-    assert set(FAMILIES) == {"gpt2", "gptj", "t5", "bert", "roberta", "llama", "mistral", "qwen2", "qwen3"}
+    assert set(FAMILIES) == {"gpt2", "gptj", "opt", "t5", "bert", "roberta", "llama", "mistral", "qwen2", "qwen3"}
     assert all(family.flops is not None for family in FAMILIES.values())
     with pytest.raises(Exception, match="not available"):
         model_flops(transformers.BertConfig(), "causal-lm", 1, 8)

@@ -1,6 +1,6 @@
 """Scanned layers (``scan_layers=True``, ``jaxseq.models.layers.Stacked``): the blocks' parameters stacked with a
 leading layer axis and run by one scan give the unrolled model's logits, gradients, generations, train steps and
-Hugging Face files, from the same (perturbed) weights: decoders (GPT-2, GPT-J, Llama, Mistral, Qwen3), BERT and
+Hugging Face files, from the same (perturbed) weights: decoders (GPT-2, GPT-J, Llama, Mistral, Qwen3, OPT), BERT and
 RoBERTa (their classifiers' last layer at the [CLS] tokens alone, apart from the scan) and T5 (v1.0 and v1.1; the
 position bias of the unrolled first block beside each stack)."""
 
@@ -84,6 +84,13 @@ def bert_config():
     )  # fmt: skip
 
 
+def opt_config():
+    return transformers.OPTConfig(
+        num_hidden_layers=3, hidden_size=32, ffn_dim=48, num_attention_heads=4, word_embed_proj_dim=16,
+        do_layer_norm_before=False, vocab_size=VOCAB, max_position_embeddings=32, dropout=0.0,
+    )  # fmt: skip
+
+
 def roberta_config():
     return transformers.RobertaConfig(
         num_hidden_layers=3, hidden_size=32, intermediate_size=48, num_attention_heads=4, vocab_size=VOCAB,
@@ -110,6 +117,7 @@ CONFIGS = {
     "llama": llama_config,
     "mistral": mistral_config,
     "qwen3": qwen3_config,
+    "opt": opt_config,
     "bert": bert_config,
     "bert-mlm": bert_config,
     "roberta": roberta_config,
@@ -129,6 +137,7 @@ STACKS = {
     "llama": ("model/layers",),
     "mistral": ("model/layers",),
     "qwen3": ("model/layers",),
+    "opt": ("model/decoder/layers",),
     "bert": ("bert/encoder/layer",),
     "bert-mlm": ("bert/encoder/layer",),
     "roberta": ("roberta/encoder/layer",),
@@ -274,6 +283,7 @@ def assert_same_grads(got, want):
         ("llama", "offload", False),
         ("mistral", "full", False),
         ("qwen3", "dots", False),
+        ("opt", "full", False),
         ("bert", "none", False),
         ("bert", "full", True),
         ("roberta", "dots", True),
@@ -359,7 +369,7 @@ def test_scanned_training_with_dropout_runs(folders):
     assert loss(params, 1) != first and loss(params, 0) == first
 
 
-@pytest.mark.parametrize("family", ["gpt2", "gptj", "llama", "mistral", "qwen3", "t5", "t5-v1.1"])
+@pytest.mark.parametrize("family", ["gpt2", "gptj", "llama", "mistral", "qwen3", "opt", "t5", "t5-v1.1"])
 def test_scanned_generation_equals_unrolled(family, folders):
     """Greedy tokens from a stacked KV cache (``[layers, batch, ...]``, carried through the scan; T5's
     cross-attention keys/values stacked too) equal the unrolled model's, with left padding, also on a mesh."""

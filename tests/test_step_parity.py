@@ -82,6 +82,14 @@ def llama_config():
     )  # fmt: skip
 
 
+def opt_config():
+    """350m-style: post-norm, project_in/project_out."""
+    return transformers.OPTConfig(
+        num_hidden_layers=2, hidden_size=64, ffn_dim=96, num_attention_heads=4, word_embed_proj_dim=32,
+        do_layer_norm_before=False, vocab_size=VOCAB, max_position_embeddings=64, pad_token_id=0, dropout=0.0,
+    )  # fmt: skip
+
+
 def qwen3_config():
     return transformers.Qwen3Config(
         num_hidden_layers=2, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
@@ -131,6 +139,7 @@ CASES = {  # reference constructor, jaxseq task, objective, batch
     "gptj": (lambda: transformers.GPTJForCausalLM(gptj_config()), "causal-lm", CausalLM, causal_batch),
     "llama": (lambda: transformers.LlamaForCausalLM(llama_config()), "causal-lm", CausalLM, causal_batch),
     "qwen3": (lambda: transformers.Qwen3ForCausalLM(qwen3_config()), "causal-lm", CausalLM, causal_batch),
+    "opt": (lambda: transformers.OPTForCausalLM(opt_config()), "causal-lm", CausalLM, causal_batch),
     "t5-v1.0": (
         lambda: transformers.T5ForConditionalGeneration(t5_config(gated=False)),
         "seq2seq-lm",
@@ -273,6 +282,7 @@ def assert_steps_match(ours, exact, f32, before):
         ("gptj", 0.0),
         ("llama", 0.5),
         ("qwen3", 0.5),
+        ("opt", 0.5),
         ("t5-v1.0", 1.0),
         ("t5-v1.1", 0.5),
         ("bert-classification", 100.0),

@@ -6,7 +6,7 @@ jaxseq shows (help, errors, docs) is read from here (``family_names``)."""
 from __future__ import annotations
 
 from jaxseq.errors import JaxseqError
-from jaxseq.models import bert, gpt2, gptj, llama, mistral, qwen2, qwen3, roberta, t5
+from jaxseq.models import bert, gpt2, gptj, llama, mistral, opt, qwen2, qwen3, roberta, t5
 from jaxseq.models.family import Family
 
 FAMILIES: dict[str, Family] = {
@@ -14,6 +14,7 @@ FAMILIES: dict[str, Family] = {
     for family in (
         gpt2.FAMILY,
         gptj.FAMILY,
+        opt.FAMILY,
         t5.FAMILY,
         bert.FAMILY,
         roberta.FAMILY,
