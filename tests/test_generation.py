@@ -1,5 +1,5 @@
 """Generation against transformers PyTorch ``generate()``: greedy tokens with EOS inside the run, min_new_tokens
-and log-probs for GPT-2, GPT-J, Qwen3 and T5; the sampling filters against transformers' warpers and by their
+and log-probs for GPT-2, GPT-J, Qwen3, OPT and T5; the sampling filters against transformers' warpers and by their
 draws; seeds; one compiled program per bucket; a (dp=2, mp=4) mesh; and scripts/generate.py end to end."""
 
 import io
@@ -43,6 +43,19 @@ CONFIGS = {
             max_position_embeddings=64,
             initializer_range=0.3,
         )
+    ),
+    "opt": lambda: transformers.OPTForCausalLM(
+        transformers.OPTConfig(
+            num_hidden_layers=2,
+            hidden_size=64,
+            ffn_dim=128,
+            num_attention_heads=4,
+            word_embed_proj_dim=32,
+            do_layer_norm_before=False,
+            vocab_size=VOCAB,
+            max_position_embeddings=64,
+            init_std=0.2,
+        )  # 350m-style: post-norm, project_in/project_out
     ),
     "t5": lambda: t5_with_unit_weights(
         transformers.T5ForConditionalGeneration(

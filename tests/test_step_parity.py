@@ -359,6 +359,7 @@ LORA = {  # jaxseq task, PEFT task type, target modules, fan_in_fan_out (GPT-2's
         False,
     ),
     "qwen3": ("causal-lm", "CAUSAL_LM", ["q_proj", "k_proj", "v_proj", "o_proj"], False),
+    "opt": ("causal-lm", "CAUSAL_LM", ["q_proj", "v_proj", "fc1", "project_in"], False),
 }
 
 
