@@ -16,6 +16,7 @@ COMMANDS = {
     "clm": ("clm", "pretrain or keep training a causal language model (run_clm.py flags)"),
     "chat": ("chat", "fine-tune a causal LM on chats, learning only the assistant's turns"),
     "dpo": ("dpo", "align a causal LM with preference pairs: DPO, IPO, hinge, robust DPO, SimPO, ORPO (as TRL)"),
+    "grpo": ("grpo", "train a causal LM on your reward functions with GRPO, sampling in the loop (as TRL)"),
     "seq2seq": ("seq2seq", "fine-tune T5 on source/target pairs"),
     "generate": ("generate", "generate text with a causal or seq2seq language model (`jaxseq generate --help`)"),
     "push": ("push", "push a finished run's model, results and model card to the Hugging Face Hub"),

@@ -51,7 +51,9 @@ class Task(Protocol):
     # accumulated (its number of target tokens for a per-token mean; without it the micro-batches count alike)
     # optional: ``loss_and_metrics(model, batch, rngs) -> (loss, {name: scalar})``, figures logged with the loss;
     # ``needs_reference`` and ``reference(model, batch) -> {name: array}``: columns the steps add to each batch
-    # from a frozen reference model (the starting weights; with LoRA the base, adapters off), without gradients
+    # from a frozen reference model (the starting weights; with LoRA the base, adapters off), without gradients;
+    # ``rollout(trainer, batch, step) -> (batch, {name: host scalar})``: the batch a step trains on, made from the
+    # data's batch with the current weights (GRPO's sampled completions), its figures logged with the step's
 
 
 def with_reference(task: Task, graphdef, frozen, batch):

@@ -448,7 +448,11 @@ class Trainer:
             batch = next(batches)
             if ahead := self._compiling.pop(batch["input_ids"].shape[-2], None):
                 ahead.result()  # its compilation is done (or ends here, or its error is raised here)
+            made = {}
+            if rollout := getattr(self.task, "rollout", None):  # the batch made with the current weights (GRPO)
+                batch, made = rollout(self, batch, step)
             self.state, metrics = self._train_step(self.state, batch)
+            metrics = {**made, **metrics}
             self._progress.dispatched(metrics)
             if compile_seconds is None:
                 jax.block_until_ready(metrics["loss"])

@@ -1,0 +1,172 @@
+"""Train a causal language model with GRPO on rewards you compute, as TRL's GRPOTrainer.
+
+    jaxseq grpo --model_name_or_path path/to/sft-model --train_file prompts.jsonl \\
+        --reward_funcs rewards.py:correct --num_generations 8 --max_completion_length 256 \\
+        --output_dir out/grpo --learning_rate 1e-6 --max_steps 500
+
+Prompts come from .jsonl/.json files or a Hub dataset: records with "prompt", a string or a conversation (a
+list of {"role", "content"}, rendered with the tokenizer's chat template or --chat_template, the generation
+prompt added, as TRL). Each step samples --num_generations completions of each prompt from the weights being
+trained (jaxseq.generation: the same arrays, one compiled sampler for the whole run), scores them with every
+--reward_funcs (called as TRL calls them: prompts, completions, completion_ids and the records' other columns
+as keyword lists; completions are strings, or [{"role": "assistant", "content": ...}] for conversations),
+weighs them (--reward_weights), normalises them within each prompt's group into advantages and takes
+--num_iterations updates of the clipped surrogate on them, with a k3 KL to the reference when --beta > 0.
+--per_device_train_batch_size counts prompts: a step trains on that many x --num_generations completions
+(TRL's counts completions). Logged every --logging_steps as TRL logs them: reward, reward_std,
+rewards/<func>/mean and /std, frac_reward_zero_std, completions/mean_length (min, max, clipped_ratio,
+terminated lengths), kl (with --beta), entropy, clip_ratio/low_mean, high_mean, region_mean, low_min, high_max.
+Writes to --output_dir what every job writes, and the model with its tokenizer as a Hugging Face folder.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from jaxseq.cli import script
+from jaxseq.config import arg
+from jaxseq.data.chat import use_chat_template
+from jaxseq.data.records import read_records, require_columns
+from jaxseq.data.text import load_hub_dataset
+from jaxseq.errors import JaxseqError
+from jaxseq.models.source import ModelSource, check_vocabulary, load_tokenizer, model_config
+from jaxseq.runner import Job, Prepared, run
+from jaxseq.train.rl import GRPO, GRPOConfig, Rollout
+
+TASK = "causal-lm"
+
+
+@dataclasses.dataclass
+class PromptDataConfig:
+    train_file: str | None = arg(
+        None, "training prompts: .jsonl or .json records with a prompt (and any other columns)"
+    )
+    dataset_name: str | None = arg(None, "Hugging Face Hub dataset of prompts instead of --train_file")
+    dataset_config_name: str | None = arg(None, "configuration of --dataset_name")
+    max_prompt_length: int | None = arg(None, "cut each prompt to its last N tokens (TRL 0.x's flag; default: whole)")
+    chat_template: str | None = arg(
+        None, "a Jinja chat template, or a file holding one, for conversations and a tokenizer without its own"
+    )
+    max_train_samples: int | None = arg(None, "use only the first N prompts")
+
+    def __post_init__(self):
+        if self.max_prompt_length is not None and self.max_prompt_length < 1:
+            raise JaxseqError(f"--max_prompt_length must be at least 1, got {self.max_prompt_length}")
+
+
+def load_prompts(config: PromptDataConfig) -> list[dict]:
+    """The prompt records of the configured file or Hub dataset's train split."""
+    if config.dataset_name:
+        splits = load_hub_dataset(config.dataset_name, config.dataset_config_name)
+        if "train" not in splits:
+            raise JaxseqError(f"dataset {config.dataset_name!r} has no train split (it has {', '.join(splits)})")
+        records, where = [dict(r) for r in splits["train"]], config.dataset_name
+    elif config.train_file:
+        records, where = read_records(config.train_file), config.train_file
+    else:
+        raise JaxseqError("give the prompts: --train_file FILE.jsonl or --dataset_name NAME")
+    if not records or not isinstance(records[0], dict):
+        raise JaxseqError(f"{where} has no prompt records (objects with a prompt)")
+    require_columns(records, ["prompt"], where)
+    return records[: config.max_train_samples]
+
+
+def prompt_rows(tokenizer, records: list[dict], max_prompt_length: int | None, pad: int) -> dict[str, np.ndarray]:
+    """Prompts tokenised as TRL's ``_tokenize_prompts`` (conversations through the chat template with the
+    generation prompt), cut to their last ``max_prompt_length`` tokens, left-padded to the longest."""
+    if isinstance(records[0]["prompt"], list):
+        encoded = [
+            tokenizer.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=True, return_dict=True)[
+                "input_ids"
+            ]
+            for r in records
+        ]
+    else:
+        encoded = tokenizer([r["prompt"] for r in records])["input_ids"]
+    encoded = [list(ids)[-max_prompt_length:] if max_prompt_length else list(ids) for ids in encoded]
+    if not all(encoded):
+        raise JaxseqError("a prompt has no tokens; every prompt needs at least one")
+    width = max(map(len, encoded))
+    ids = np.full((len(encoded), width), pad, np.int32)
+    mask = np.zeros((len(encoded), width), np.int32)
+    for i, row in enumerate(encoded):
+        ids[i, width - len(row) :], mask[i, width - len(row) :] = row, 1
+    return {"input_ids": ids, "attention_mask": mask, "prompt_index": np.arange(len(encoded), dtype=np.int32)}
+
+
+def load_reward_funcs(specs: list[str] | None) -> list[tuple[str, object]]:
+    """(name, function) of each ``path/to/file.py:function``; the name is the function's, as TRL's."""
+    if not specs:
+        raise JaxseqError("give at least one reward function: --reward_funcs path/to/file.py:function")
+    funcs = []
+    for spec in specs:
+        path, _, name = spec.rpartition(":")
+        if not path or not name:
+            raise JaxseqError(f"--reward_funcs {spec!r} is not path/to/file.py:function")
+        if not Path(path).is_file():
+            raise JaxseqError(f"--reward_funcs {spec!r}: file {path} does not exist")
+        module_spec = importlib.util.spec_from_file_location(f"jaxseq_rewards_{Path(path).stem}", path)
+        module = importlib.util.module_from_spec(module_spec)
+        module_spec.loader.exec_module(module)
+        func = getattr(module, name, None)
+        if not callable(func):
+            raise JaxseqError(f"--reward_funcs {spec!r}: {path} defines no function {name}")
+        funcs.append((getattr(func, "__name__", name), func))
+    return funcs
+
+
+def prepare(args, planning: bool) -> Prepared:
+    """Prompt rows and the GRPO objective with its rollout (a plan compiles the update of one sampled batch)."""
+    source, data, grpo = args.source, args.data, args.grpo
+    config, folder, overrides = model_config(source, TASK, weights=not planning)
+    if planning:
+        seq, width = (data.max_prompt_length or 512) + grpo.max_completion_length, grpo.max_completion_length
+        row = {
+            "input_ids": ((seq,), np.int32),
+            "attention_mask": ((seq,), np.int32),
+            "completion_mask": ((width,), np.int32),
+            "advantages": ((), np.float32),
+        }
+        return Prepared(config=config, objective=GRPO(grpo), seq_len=seq, row=row)
+    funcs = load_reward_funcs(grpo.reward_funcs)
+    tokenizer = load_tokenizer(source.tokenizer_name or folder)
+    records = load_prompts(data)
+    if isinstance(records[0]["prompt"], list):
+        use_chat_template(tokenizer, data.chat_template)
+    check_vocabulary(tokenizer, config)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    train = prompt_rows(tokenizer, records, data.max_prompt_length, pad)
+    eos = config.eos_token_id if isinstance(config.eos_token_id, list) else [config.eos_token_id]
+    eos = [tokenizer.eos_token_id, *(e for e in eos if e is not None and e != tokenizer.eos_token_id)]
+    rollout = Rollout(grpo, tokenizer, records, funcs, seed=args.trainer.seed, eos_token_ids=eos)
+    main_process = jax.process_index() == 0
+    if main_process:
+        print(f"reward functions: {', '.join(name for name, _ in funcs)}")
+    prompts, width = train["input_ids"].shape
+    return Prepared(
+        config=config,
+        objective=GRPO(grpo, rollout),
+        train=train,
+        checkpoint=folder if source.model_name_or_path else None,
+        overrides=overrides,
+        tokenizer=tokenizer,
+        seq_len=width + grpo.max_completion_length,
+        summary=lambda _: (
+            f"{prompts:,} prompts of at most {width} tokens, {grpo.num_generations} completions each of at most "
+            f"{grpo.max_completion_length} tokens; loss {grpo.loss_type}, beta {grpo.beta}, "
+            f"{grpo.num_iterations} update(s) per sampled batch"
+        ),
+    )
+
+
+JOB = Job(__doc__, TASK, {"source": ModelSource, "data": PromptDataConfig, "grpo": GRPOConfig}, prepare)
+
+
+@script
+def main(argv) -> int:
+    return run(JOB, argv)

@@ -1,0 +1,365 @@
+"""GRPO, TRL's names and formulas (trl 1.16 ``GRPOTrainer``): group-normalised advantages, the clipped surrogate
+with a k3 KL to the reference, the ``dapo``/``grpo``/``bnpo``/``dr_grpo`` normalisations, and the rollout that
+samples completions from the policy being trained (``jaxseq.generation``, the training weights themselves) and
+scores them with the user's reward functions. The losses are pure functions of per-token log-probs."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxseq import sharding
+from jaxseq.config import arg
+from jaxseq.errors import JaxseqError
+from jaxseq.generation import generate
+
+LOSS_TYPES = ("dapo", "grpo", "bnpo", "dr_grpo")
+SCALE_REWARDS = ("group", "batch", "none")
+
+
+def group_advantages(rewards: np.ndarray, num_generations: int, scale_rewards: str = "group"):
+    """(advantages, whether each completion's std is 0) of ``rewards`` ``[prompts x num_generations]`` (each
+    prompt's completions consecutive), as TRL's ``sum_then_normalize``: the reward minus its group's mean,
+    divided by the group's (``group``) or the batch's (``batch``) unbiased std + 1e-4, or not (``none``).
+    NaN rewards (unscorable completions) are left out of the statistics and get advantage 0."""
+    rewards = np.asarray(rewards, np.float64)
+    groups = rewards.reshape(-1, num_generations)
+    mean = np.repeat(np.nanmean(groups, axis=1), num_generations)
+    if scale_rewards == "batch":
+        std = np.full_like(rewards, np.nanstd(rewards, ddof=1) if rewards.size > 1 else 0.0)
+    elif num_generations > 1:
+        std = np.repeat(np.nanstd(groups, axis=1, ddof=1), num_generations)
+    else:
+        std = np.zeros_like(rewards)
+    advantages = rewards - mean
+    if scale_rewards != "none":
+        advantages = advantages / (std + 1e-4)
+    return np.nan_to_num(advantages, nan=0.0).astype(np.float32), np.isclose(std, 0.0)
+
+
+def grpo_loss(
+    logps: jax.Array,
+    old_logps: jax.Array,
+    ref_logps: jax.Array | None,
+    advantages: jax.Array,
+    mask: jax.Array,
+    *,
+    loss_type: str = "dapo",
+    epsilon_low: float = 0.2,
+    epsilon_high: float = 0.2,
+    beta: float = 0.0,
+    max_completion_length: int | None = None,
+    bias_correction_kl: bool = True,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """The loss of one batch of completions (TRL's ``_compute_loss``, token-level importance sampling) and TRL's
+    figures. ``logps``, ``old_logps``, ``ref_logps`` and ``mask``: ``[completions, tokens]``; ``advantages``
+    ``[completions]``. Per token: -min(r A, clip(r, 1-ε_low, 1+ε_high) A) + β (exp(ref-logp) - (ref-logp) - 1),
+    r = exp(logp - old), the KL term x r with ``bias_correction_kl`` (TRL 1.16's default); reduced as
+    ``loss_type``: ``grpo`` the mean of each completion's token mean, ``bnpo`` and ``dapo`` one mean over the
+    batch's tokens (``dapo`` over the whole step's: ``GRPO.loss_weight``), ``dr_grpo`` the sum over completions
+    x ``max_completion_length``."""
+    mask = mask.astype(jnp.float32)
+    advantages = advantages[:, None]
+    ratio = jnp.exp(logps - old_logps)
+    clipped = jnp.clip(ratio, 1 - epsilon_low, 1 + epsilon_high)
+    per_token = -jnp.minimum(ratio * advantages, clipped * advantages)
+    if beta != 0.0:
+        kl = jnp.exp(ref_logps - logps) - (ref_logps - logps) - 1
+        if bias_correction_kl:  # the unbiased reverse-KL gradient (DeepSeek-V3.2), the ratio differentiated too
+            kl = kl * ratio
+        per_token = per_token + beta * kl
+    tokens = jnp.maximum(mask.sum(), 1.0)
+    if loss_type == "grpo":
+        loss = ((per_token * mask).sum(-1) / jnp.maximum(mask.sum(-1), 1.0)).mean()
+    elif loss_type in ("bnpo", "dapo"):
+        loss = (per_token * mask).sum() / tokens
+    elif loss_type == "dr_grpo":
+        loss = (per_token * mask).sum() / (per_token.shape[0] * max_completion_length)
+    else:
+        raise JaxseqError(f"--loss_type {loss_type!r} is not one of {', '.join(LOSS_TYPES)}")
+    masked_mean = lambda x: jax.lax.stop_gradient((x * mask).sum() / tokens)
+    seq_mean = lambda x: (x * mask).sum(-1) / mask.sum(-1)
+    low = ((ratio < 1 - epsilon_low) & (advantages < 0)).astype(jnp.float32)
+    high = ((ratio > 1 + epsilon_high) & (advantages > 0)).astype(jnp.float32)
+    figures = {
+        "clip_ratio/low_mean": masked_mean(low),
+        "clip_ratio/high_mean": masked_mean(high),
+        "clip_ratio/region_mean": masked_mean(jnp.maximum(low, high)),
+        "clip_ratio/low_min": jax.lax.stop_gradient(jnp.nanmin(seq_mean(low))),
+        "clip_ratio/high_max": jax.lax.stop_gradient(jnp.nanmax(seq_mean(high))),
+    }
+    if beta != 0.0:
+        figures["kl"] = masked_mean(kl)
+    return loss, figures
+
+
+def completion_logps(model, batch: Mapping[str, jax.Array], temperature: float = 1.0):
+    """(log-probs, entropies), ``[completions, tokens]`` each, of the completion tokens of ``batch`` (``input_ids``
+    and ``attention_mask`` ``[rows, prompt + completion]``, the completions the last ``completion_mask.shape[1]``
+    positions) from the logits divided by ``temperature``, as TRL scores them. Positions count real tokens (a
+    left-padded prompt starts at 0), as the sampler placed them."""
+    ids, mask = batch["input_ids"].astype(jnp.int32), batch["attention_mask"]
+    width = batch["completion_mask"].shape[-1]
+    positions = jnp.maximum(jnp.cumsum(mask, axis=1) - 1, 0)
+    vocab = model.config.vocab_size
+    if hasattr(model, "hidden_states"):  # the vocabulary projection of the completion positions only
+        h = model.hidden_states(ids, mask, positions).last_hidden_state
+        logits = model.logits(h[:, -width - 1 : -1])
+    else:
+        logits = model(ids, mask, positions).logits[:, -width - 1 : -1]
+    logp = jax.nn.log_softmax(logits[..., :vocab].astype(jnp.float32) / temperature, axis=-1)
+    chosen = jnp.take_along_axis(logp, ids[:, -width:, None], axis=-1)[..., 0]
+    entropy = -(jnp.exp(logp) * logp).sum(-1)
+    return chosen, entropy
+
+
+@dataclasses.dataclass
+class GRPOConfig:
+    reward_funcs: list[str] | None = arg(
+        None,
+        "a reward function, path/to/file.py:function (repeat the flag for several): called as TRL calls it, "
+        "f(prompts=..., completions=..., completion_ids=..., **other_columns) -> list of floats (None: unscored)",
+    )
+    reward_weights: list[float] | None = arg(
+        None, "the weight of each --reward_funcs, in order (repeat the flag; default: 1 each)"
+    )
+    num_generations: int = arg(8, "completions sampled per prompt, a group (TRL's default 8)")
+    max_completion_length: int = arg(512, "tokens generated per completion at most (TRL's default 512)")
+    temperature: float = arg(1.0, "sampling temperature; the loss's log-probs use it too, as TRL's")
+    top_p: float = arg(1.0, "nucleus sampling: keep the most likely tokens holding this much mass (1: all)")
+    top_k: int = arg(0, "sample among the k most likely tokens only (0: all)")
+    beta: float = arg(
+        0.0,
+        "weight of the KL to the reference (k3 estimator); 0 (TRL's default): no reference model. The "
+        "reference: a frozen copy of the starting weights, or with --lora_rank the base weights, adapters off",
+    )
+    use_bias_correction_kl: bool = arg(
+        True, "multiply the KL term by the probability ratio: the unbiased reverse-KL gradient (TRL 1.16's default)"
+    )
+    epsilon: float = arg(0.2, "lower clipping bound ε of the probability ratio (1 - ε)")
+    epsilon_high: float | None = arg(None, "upper clipping bound (1 + ε_high; default --epsilon; DAPO: 0.28)")
+    num_iterations: int = arg(
+        1, "updates per generated batch (μ): the first samples, the next reuse it against its old log-probs"
+    )
+    loss_type: str = arg(
+        "dapo",
+        "how per-token losses are reduced (TRL's): dapo (default: over the step's tokens), grpo (each "
+        "completion's mean, then the mean), bnpo (over each micro-batch's tokens), dr_grpo (sum / completions x "
+        "--max_completion_length)",
+        choices=LOSS_TYPES,
+    )
+    scale_rewards: str = arg(
+        "group",
+        "divide advantages by each group's reward std (group, TRL's default), the batch's (batch) or not (none)",
+        choices=SCALE_REWARDS,
+    )
+    mask_truncated_completions: bool = arg(
+        False, "leave completions that reached --max_completion_length without EOS out of the loss"
+    )
+
+    def __post_init__(self):
+        if self.num_generations < 2:
+            raise JaxseqError(f"--num_generations must be at least 2 (a group), got {self.num_generations}")
+        for name in ("max_completion_length", "num_iterations"):
+            if getattr(self, name) < 1:
+                raise JaxseqError(f"--{name} must be at least 1, got {getattr(self, name)}")
+        if not self.temperature > 0:
+            raise JaxseqError(f"--temperature must be above 0, got {self.temperature}")
+        if self.top_k < 0 or not 0 < self.top_p <= 1:
+            raise JaxseqError(f"--top_k must be >= 0 and --top_p in (0, 1], got {self.top_k} and {self.top_p}")
+        if self.epsilon_high is None:
+            self.epsilon_high = self.epsilon
+        funcs = self.reward_funcs or []
+        if self.reward_weights is not None and len(self.reward_weights) != len(funcs):
+            raise JaxseqError(
+                f"--reward_weights gives {len(self.reward_weights)} weights for {len(funcs)} --reward_funcs; "
+                "give one per function"
+            )
+
+
+class GRPO:
+    """The GRPO loss of a batch of sampled completions: ``input_ids``/``attention_mask`` ``[rows, prompt +
+    completion]``, ``completion_mask`` ``[rows, completion]``, ``advantages`` ``[rows]``, and ``old_logps``
+    when a batch is reused (``--num_iterations`` > 1; else the ratio is 1 with the gradient of the log-probs).
+    With ``beta`` the steps add ``ref_logps`` from the frozen reference (``reference``). ``rollout`` makes
+    those batches from batches of prompts, in the Trainer's loop."""
+
+    needs_reference: bool
+
+    def __init__(self, config: GRPOConfig, rollout: Rollout | None = None):
+        self.config, self.rollout_source = config, rollout
+        self.needs_reference = config.beta != 0.0
+        self.metric_names = ("loss",)
+
+    def per_token(self, model, batch):
+        return completion_logps(model, batch, self.config.temperature)
+
+    def reference(self, model, batch) -> dict[str, jax.Array]:
+        return {"ref_logps": self.per_token(model, batch)[0]}
+
+    def loss_weight(self, batch) -> jax.Array:
+        """A micro-batch's share of an accumulated step: its completion tokens for ``dapo`` (one mean over the
+        step's tokens, TRL's ``num_items_in_batch``), else 1 (TRL averages the micro-batches' losses)."""
+        if self.config.loss_type == "dapo":
+            return batch["completion_mask"].astype(jnp.float32).sum()
+        return jnp.float32(1.0)
+
+    def loss_and_metrics(self, model, batch, rngs=None):
+        c = self.config
+        logps, entropy = self.per_token(model, batch)
+        old = batch.get("old_logps")
+        mask = batch["completion_mask"]
+        loss, figures = grpo_loss(
+            logps,
+            jax.lax.stop_gradient(logps) if old is None else old,
+            batch.get("ref_logps"),
+            batch["advantages"],
+            mask,
+            loss_type=c.loss_type,
+            epsilon_low=c.epsilon,
+            epsilon_high=c.epsilon_high,
+            beta=c.beta,
+            max_completion_length=c.max_completion_length,
+            bias_correction_kl=c.use_bias_correction_kl,
+        )
+        m = mask.astype(jnp.float32)
+        figures["entropy"] = jax.lax.stop_gradient((entropy * m).sum() / jnp.maximum(m.sum(), 1.0))
+        return loss, figures
+
+    def loss(self, model, batch, rngs=None):
+        return self.loss_and_metrics(model, batch, rngs)[0]
+
+    def predict(self, model, batch):
+        raise JaxseqError("GRPO has no evaluation set; its figures are logged every step")
+
+    def metrics(self, outputs):
+        return {}
+
+    def rollout(self, trainer, batch, step: int):
+        """The batch step ``step`` trains on, from a batch of prompts (the Trainer's hook)."""
+        return self.rollout_source(trainer, batch, step)
+
+
+RewardFunc = Callable[..., Sequence[float | None]]
+
+
+class Rollout:
+    """Sample ``num_generations`` completions of each prompt of a batch from the current weights, score them with
+    the reward functions and make GRPO's training batch; a batch serves ``num_iterations`` steps. ``prompts``:
+    each row's prompt as the data gave it (string or conversation) and its other columns, by ``prompt_index``."""
+
+    def __init__(
+        self,
+        config: GRPOConfig,
+        tokenizer,
+        records: Sequence[dict],
+        funcs: Sequence[tuple[str, RewardFunc]],
+        *,
+        seed: int = 0,
+        eos_token_ids: Sequence[int] = (),
+    ):
+        self.config, self.tokenizer, self.records, self.funcs, self.seed = config, tokenizer, records, funcs, seed
+        self.weights = np.asarray(config.reward_weights or [1.0] * len(funcs), np.float32)
+        self.eos = [int(e) for e in eos_token_ids] or [tokenizer.eos_token_id]
+        pad = tokenizer.pad_token_id
+        self.pad = int(pad if pad is not None else self.eos[0])
+        self._logps = None
+        self._cached: tuple[int, dict, dict] | None = None
+
+    def __call__(self, trainer, batch, step: int):
+        c = self.config
+        if self._cached is not None and step - self._cached[0] < c.num_iterations:
+            return self._cached[1], {}  # a reused batch: its figures were logged when it was sampled
+        host = sharding.gather(batch)
+        accumulate = trainer.config.gradient_accumulation_steps
+        flat = {k: v.reshape(-1, *v.shape[(2 if accumulate > 1 else 1) :]) for k, v in host.items()}
+        model = trainer.program.merged_model(trainer.state.params, trainer.frozen)
+        rows, figures = self.sample(model, flat, seed=self.seed * 1_000_003 + step)
+        if c.num_iterations > 1:  # the old policy's log-probs, before this batch's first update
+            if self._logps is None:
+                self._logps = jax.jit(lambda m, b: completion_logps(m, b, c.temperature)[0])
+            rows["old_logps"] = np.asarray(self._logps(model, rows))
+        if accumulate > 1:
+            rows = {k: v.reshape(accumulate, -1, *v.shape[1:]) for k, v in rows.items()}
+        device = trainer.feed.device_batch(rows, stacked=accumulate > 1)
+        self._cached = (step, device, figures)
+        return device, figures
+
+    def sample(self, model, prompts: Mapping[str, np.ndarray], *, seed: int):
+        """(GRPO's rows, TRL's rollout figures) for host prompt rows ``input_ids``/``attention_mask`` (left-padded)
+        and ``prompt_index``, sampled from ``model``."""
+        c, g = self.config, self.config.num_generations
+        ids = np.repeat(prompts["input_ids"], g, axis=0)
+        mask = np.repeat(prompts["attention_mask"], g, axis=0)
+        out = generate(
+            model,
+            ids,
+            mask,
+            max_new_tokens=c.max_completion_length,
+            do_sample=True,
+            temperature=c.temperature,
+            top_k=c.top_k,
+            top_p=c.top_p,
+            eos_token_id=self.eos,
+            pad_token_id=self.pad,
+            seed=seed,
+        )
+        completion = np.asarray(out.sequences)
+        is_eos = np.isin(completion, self.eos)
+        ended = is_eos.any(axis=1)
+        length = np.where(ended, is_eos.argmax(axis=1) + 1, completion.shape[1])
+        completion_mask = (np.arange(completion.shape[1])[None] < length[:, None]).astype(np.int32)
+        records = [self.records[i] for i in np.repeat(prompts["prompt_index"], g)]
+        rewards = self.rewards(records, [row[:n].tolist() for row, n in zip(completion, length)])
+        total = np.nansum(rewards * self.weights, axis=1)
+        total[np.isnan(rewards).all(axis=1)] = np.nan
+        advantages, zero_std = group_advantages(total, g, c.scale_rewards)
+        if c.mask_truncated_completions:
+            completion_mask = completion_mask * ended[:, None].astype(np.int32)
+        rows = {
+            "input_ids": np.concatenate([ids, completion], axis=1).astype(np.int32),
+            "attention_mask": np.concatenate([mask, completion_mask], axis=1).astype(np.int32),
+            "completion_mask": completion_mask,
+            "advantages": advantages,
+        }
+        terminated = length[ended]
+        figures = {
+            "reward": np.nanmean(total),
+            "reward_std": np.nanstd(total, ddof=1),
+            "frac_reward_zero_std": zero_std.mean(),
+            "completions/mean_length": length.mean(),
+            "completions/min_length": length.min(),
+            "completions/max_length": length.max(),
+            "completions/clipped_ratio": 1.0 - ended.mean(),
+            "completions/mean_terminated_length": terminated.mean() if terminated.size else 0.0,
+            "completions/min_terminated_length": terminated.min() if terminated.size else 0.0,
+            "completions/max_terminated_length": terminated.max() if terminated.size else 0.0,
+        }
+        for (name, _), column in zip(self.funcs, rewards.T):
+            figures[f"rewards/{name}/mean"] = np.nanmean(column)
+            figures[f"rewards/{name}/std"] = np.nanstd(column, ddof=1)
+        return rows, {k: np.float32(v) for k, v in figures.items()}
+
+    def rewards(self, records: Sequence[dict], completion_ids: list[list[int]]) -> np.ndarray:
+        """``[completions, functions]``: each function called as TRL's ``_calculate_rewards`` calls it (None: NaN)."""
+        texts = self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+        prompts = [r["prompt"] for r in records]
+        conversational = isinstance(prompts[0], list)
+        completions = [[{"role": "assistant", "content": t}] for t in texts] if conversational else texts
+        columns = {
+            k: [r[k] for r in records] for k in records[0] if k not in ("prompt", "completion", "completion_ids")
+        }
+        out = np.empty((len(records), len(self.funcs)), np.float32)
+        for j, (name, func) in enumerate(self.funcs):
+            values = func(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns)
+            if len(values) != len(records):
+                raise JaxseqError(
+                    f"reward function {name} returned {len(values)} rewards for {len(records)} completions; "
+                    "return one per completion"
+                )
+            out[:, j] = [np.nan if v is None else float(v) for v in values]
+        return out

@@ -1,0 +1,315 @@
+"""``jaxseq grpo`` against TRL's GRPOTrainer (trl 1.16): on a tiny GPT-2 with perturbed weights, for every loss type
+with and without the KL, the loss, TRL's logged figures and every gradient of one batch of given completions,
+advantages and old/reference log-probs equal TRL's own ``_compute_loss`` (its log-probs from its fused LM head,
+at a temperature); advantages equal TRL's formulas (its ``nanstd``); reward functions get TRL's arguments; the
+sampler compiles once for every step; and ``jaxseq grpo`` as a fresh process raises a verifiable reward."""
+
+import collections
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from tests.conftest import shared_asset
+
+transformers = pytest.importorskip("transformers")
+torch = pytest.importorskip("torch")
+trl = pytest.importorskip("trl")
+
+from trl.trainer.grpo_trainer import GRPOTrainer  # noqa: E402
+from trl.trainer.utils import add_fused_lm_head, nanstd  # noqa: E402
+
+from jaxseq import generation  # noqa: E402
+from jaxseq.commands.grpo import load_reward_funcs, prompt_rows  # noqa: E402
+from jaxseq.errors import JaxseqError  # noqa: E402
+from jaxseq.models import load_pretrained  # noqa: E402
+from jaxseq.train.rl import GRPO, LOSS_TYPES, GRPOConfig, Rollout, group_advantages  # noqa: E402
+from tests.reference import perturb  # noqa: E402
+from tests.test_dpo import assert_gradients_match  # noqa: E402
+
+TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}{{ eos_token }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    folder = shared_asset("data/tokenizers/gpt2")
+    tokenizer = transformers.GPT2TokenizerFast(vocab=str(folder / "vocab.json"), merges=str(folder / "merges.txt"))
+    tokenizer.chat_template = TEMPLATE
+    return tokenizer
+
+
+@pytest.fixture(scope="module")
+def folder(tok, tmp_path_factory):
+    """A tiny GPT-2 with every weight perturbed, as a Hugging Face folder."""
+    root = tmp_path_factory.mktemp("grpo-model")
+    config = transformers.GPT2Config(
+        n_layer=2, n_embd=32, n_head=4, n_positions=64, vocab_size=len(tok), resid_pdrop=0, embd_pdrop=0, attn_pdrop=0
+    )
+    torch.manual_seed(0)
+    perturb(transformers.GPT2LMHeadModel(config), std=0.05, seed=0).save_pretrained(root)
+    tok.save_pretrained(root)
+    return root
+
+
+class OneProcess:
+    """The accelerator's collectives on one process (identity), as TRL's ``_compute_loss`` calls them."""
+
+    num_processes, is_main_process = 1, True
+    autocast = staticmethod(contextlib.nullcontext)
+    gather = gather_for_metrics = staticmethod(lambda x: x)
+    reduce = staticmethod(lambda x, reduction="sum": x)
+
+
+def trl_loss(folder, tmp_path, batch, *, loss_type, beta, temperature, epsilon, epsilon_high, max_completion_length):
+    """TRL's own ``GRPOTrainer._compute_loss`` (and its ``_get_per_token_logps_and_entropies`` through the fused
+    LM head it installs) on a trainer holding only what that code reads, and the torch model's gradients."""
+    args = trl.GRPOConfig(
+        output_dir=str(tmp_path / "trl"), use_cpu=True, report_to=[], bf16=False, loss_type=loss_type, beta=beta,
+        temperature=temperature, epsilon=epsilon, epsilon_high=epsilon_high, num_generations=2,
+        per_device_train_batch_size=len(batch["advantages"]), max_completion_length=max_completion_length,
+    )  # fmt: skip
+    model = transformers.GPT2LMHeadModel.from_pretrained(folder)
+    model.train()
+    add_fused_lm_head(model, temperature=temperature, outputs=("log_probs", "entropy"))
+    trainer = object.__new__(GRPOTrainer)
+    trainer.__dict__.update(
+        args=args, model=model, accelerator=OneProcess(), beta=beta, loss_type=loss_type, temperature=temperature,
+        epsilon_low=epsilon, epsilon_high=epsilon_high, max_completion_length=max_completion_length,
+        top_entropy_quantile=1.0, off_policy_mask_threshold=None, importance_sampling_level="token", use_vllm=False,
+        aux_loss_enabled=False, _entropy_bonus_enabled=False, current_gradient_accumulation_steps=1,
+        _metrics={"train": collections.defaultdict(list), "eval": collections.defaultdict(list)},
+    )  # fmt: skip
+    width = batch["completion_mask"].shape[1]
+    t = {k: torch.as_tensor(np.asarray(v)) for k, v in batch.items()}
+    inputs = {
+        "prompt_ids": t["input_ids"][:, :-width].long(),
+        "prompt_mask": t["attention_mask"][:, :-width].long(),
+        "completion_ids": t["input_ids"][:, -width:].long(),
+        "completion_mask": t["completion_mask"].long(),
+        "advantages": t["advantages"],
+        "old_per_token_logps": t["old_logps"],
+        "num_items_in_batch": t["completion_mask"].sum().float(),
+    }
+    if beta:
+        inputs["ref_per_token_logps"] = t["ref_logps"]
+    loss = trainer._compute_loss(model, inputs)
+    loss.backward()
+    grads = {n: p.grad.numpy() for n, p in model.named_parameters()}
+    figures = {k: v[-1] for k, v in trainer._metrics["train"].items()}
+    return loss.item(), figures, grads
+
+
+def given_batch(tok, policy, temperature, seed=0):
+    """Four completions of two prompts of equal length (TRL's training forward numbers positions 0, 1, ... also
+    over left padding), right-padded, with advantages, and old and reference log-probs perturbed off the
+    policy's own so that both clipping bounds act."""
+    rng = np.random.default_rng(seed)
+    prompts = tok(["The sky is", "Two plus two"])["input_ids"]
+    prompt = np.repeat(np.asarray(prompts, np.int32), 2, axis=0)
+    width = 6
+    completion = rng.integers(10, 1000, (4, width)).astype(np.int32)
+    lengths = np.array([6, 3, 5, 1])
+    completion_mask = (np.arange(width)[None] < lengths[:, None]).astype(np.int32)
+    completion[completion_mask == 0] = tok.eos_token_id
+    batch = {
+        "input_ids": np.concatenate([prompt, completion], axis=1),
+        "attention_mask": np.concatenate([np.ones_like(prompt), completion_mask], axis=1),
+        "completion_mask": completion_mask,
+        "advantages": np.array([1.2, -0.7, 0.4, -1.1], np.float32),
+    }
+    own = np.asarray(GRPO(GRPOConfig(temperature=temperature)).per_token(policy, batch)[0])
+    batch["old_logps"] = (own + rng.normal(0, 0.3, own.shape)).astype(np.float32)
+    batch["ref_logps"] = (own + rng.normal(0, 0.5, own.shape)).astype(np.float32)
+    return batch
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.04])
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_loss_figures_and_gradients_equal_trl(tok, folder, tmp_path, loss_type, beta):
+    settings = {"temperature": 0.7, "epsilon": 0.2, "epsilon_high": 0.28, "max_completion_length": 8}
+    policy = load_pretrained(folder, "causal-lm")
+    batch = given_batch(tok, policy, settings["temperature"])
+    want, want_figures, want_grads = trl_loss(folder, tmp_path, batch, loss_type=loss_type, beta=beta, **settings)
+
+    config = GRPOConfig(loss_type=loss_type, beta=beta, **settings)
+    objective = GRPO(config)
+    assert objective.needs_reference == bool(beta)
+    ours = {k: jnp.asarray(v) for k, v in batch.items() if beta or k != "ref_logps"}
+    graphdef, state = nnx.split(policy)
+    (got, figures), grads = jax.value_and_grad(
+        lambda s: objective.loss_and_metrics(nnx.merge(graphdef, s), ours), has_aux=True
+    )(state)
+    assert abs(float(got) - want) <= 1e-5 * max(1.0, abs(want)), (float(got), want)
+    assert want_figures["clip_ratio/low_mean"] > 0 and want_figures["clip_ratio/high_mean"] > 0  # both bounds act
+    assert set(figures) == set(want_figures), (set(figures), set(want_figures))
+    for key, value in want_figures.items():
+        assert abs(float(figures[key]) - value) <= 1e-4 * max(1.0, abs(value)), (key, float(figures[key]), value)
+    assert_gradients_match(policy, grads, want_grads)
+
+
+@pytest.mark.parametrize("scale_rewards", ["group", "batch", "none"])
+def test_advantages_equal_trls(scale_rewards):
+    """TRL's ``_generate_and_score_completions`` (sum_then_normalize), its lines reimplemented here with its own
+    ``nanstd`` (the method needs a whole generation run)."""
+    rng = np.random.default_rng(1)
+    rewards = rng.normal(size=12).astype(np.float32)
+    rewards[3:6] = 0.5  # a group whose rewards are all equal
+    rewards[7] = np.nan  # an unscorable completion
+    g = 3
+    r = torch.tensor(rewards)
+    mean = torch.nanmean(r.view(-1, g), dim=1).repeat_interleave(g, dim=0)
+    if scale_rewards in ("group", "none"):
+        std = nanstd(r.view(-1, g), dim=1).repeat_interleave(g, dim=0)
+    else:
+        std = nanstd(r).expand_as(r)
+    want = r - mean
+    if scale_rewards != "none":
+        want = want / (std + 1e-4)
+    want = torch.nan_to_num(want, nan=0.0).numpy()
+    got, zero = group_advantages(rewards, g, scale_rewards)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(zero, torch.isclose(std, torch.zeros_like(std)).numpy())
+    if scale_rewards != "batch":
+        assert zero[3:6].all() and not zero[:3].any()
+
+
+def recording(calls):
+    def reward_len(prompts, completions, completion_ids, **kwargs):
+        calls.append({"prompts": prompts, "completions": completions, "completion_ids": completion_ids, **kwargs})
+        return [float(len(ids)) for ids in completion_ids]
+
+    return reward_len
+
+
+@pytest.mark.parametrize("conversational", [False, True])
+def test_reward_funcs_get_trls_arguments_and_the_sampler_compiles_once(tok, folder, conversational, monkeypatch):
+    records = [
+        {"prompt": "The sky is", "answer": "blue"},
+        {"prompt": "Two plus two is", "answer": "four"},
+    ]
+    if conversational:
+        records = [{**r, "prompt": [{"role": "user", "content": r["prompt"]}]} for r in records]
+    calls = []
+    config = GRPOConfig(num_generations=3, max_completion_length=5, temperature=0.9)
+    rollout = Rollout(config, tok, records, [("reward_len", recording(calls))], eos_token_ids=[tok.eos_token_id])
+    rows = prompt_rows(tok, records, None, tok.eos_token_id)
+    policy = load_pretrained(folder, "causal-lm")
+    built, original = [], generation.program
+    monkeypatch.setattr(generation, "program", lambda *a: built.append(original(*a)) or built[-1])
+    generation.cached_program.cache_clear()
+    graphdef, state = nnx.split(policy)
+    for step in range(3):  # new weights each step, as after an update: the same compiled sampler
+        state = jax.tree.map(lambda x: x * 1.01, state)
+        out, figures = rollout.sample(nnx.merge(graphdef, state), rows, seed=step)
+    info = generation.cached_program.cache_info()
+    assert info.misses == 1 and info.hits == 2 and len(built) == 1, info
+    assert built[0]._cache_size() == 1  # one trace, one compilation for every step
+    call = calls[-1]
+    assert set(call) == {"prompts", "completions", "completion_ids", "answer"}
+    assert call["prompts"] == [r["prompt"] for r in records for _ in range(3)]
+    assert call["answer"] == ["blue"] * 3 + ["four"] * 3
+    lengths = out["completion_mask"].sum(1)
+    assert [len(ids) for ids in call["completion_ids"]] == lengths.tolist()
+    texts = tok.batch_decode(call["completion_ids"], skip_special_tokens=True)
+    if conversational:
+        assert call["completions"] == [[{"role": "assistant", "content": t}] for t in texts]
+    else:
+        assert call["completions"] == texts
+    np.testing.assert_allclose(figures["reward"], lengths.mean(), rtol=1e-6)
+    np.testing.assert_allclose(figures["rewards/reward_len/mean"], lengths.mean(), rtol=1e-6)
+    np.testing.assert_allclose(out["advantages"], group_advantages(lengths.astype(np.float32), 3)[0], rtol=1e-5)
+
+
+def test_bad_grpo_settings_stop_in_one_line(tmp_path):
+    with pytest.raises(JaxseqError, match="--num_generations"):
+        GRPOConfig(num_generations=1)
+    with pytest.raises(JaxseqError, match="--reward_weights"):
+        GRPOConfig(reward_funcs=["a.py:f"], reward_weights=[1.0, 2.0])
+    with pytest.raises(JaxseqError, match="--reward_funcs"):
+        load_reward_funcs(None)
+    with pytest.raises(JaxseqError, match="does not exist"):
+        load_reward_funcs([str(tmp_path / "missing.py:f")])
+    (tmp_path / "r.py").write_text("def f(**kw):\n    return []\n")
+    with pytest.raises(JaxseqError, match="defines no function g"):
+        load_reward_funcs([f"{tmp_path / 'r.py'}:g"])
+
+
+REWARD = '''
+def fraction_of_a(prompts, completions, completion_ids, **kwargs):
+    """The share of the completion's tokens that are "a"."""
+    return [sum(t == {a} for t in ids) / max(len(ids), 1) for ids in completion_ids]
+'''
+LETTERS = list("abcdefghijklmnop")
+
+
+def tiny_vocab_folder(root):
+    """A GPT-2 of 20 tokens (16 letters, spaces between them) with a word-level tokenizer, as a folder."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {w: i for i, w in enumerate(["<eos>", "<pad>", "<unk>", *LETTERS])}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=backend, eos_token="<eos>", pad_token="<pad>", unk_token="<unk>"
+    )
+    config = transformers.GPT2Config(
+        n_layer=2, n_embd=32, n_head=4, n_positions=64, vocab_size=len(vocab), bos_token_id=0, eos_token_id=0,
+        resid_pdrop=0, embd_pdrop=0, attn_pdrop=0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    transformers.GPT2LMHeadModel(config).save_pretrained(root)
+    tokenizer.save_pretrained(root)
+    return vocab
+
+
+def test_jaxseq_grpo_raises_a_verifiable_reward(tmp_path):
+    """A fresh process on one CPU device: reward = the share of "a" in 8-token completions; uniform at the start
+    (about 1/19), it climbs well above within 40 steps, logged every step under TRL's names."""
+    vocab = tiny_vocab_folder(tmp_path / "model")
+    (tmp_path / "rewards.py").write_text(REWARD.format(a=vocab["a"]))
+    rng = np.random.default_rng(0)
+    prompts = [{"prompt": " ".join(rng.choice(LETTERS, 4))} for _ in range(32)]
+    (tmp_path / "prompts.jsonl").write_text("\n".join(map(json.dumps, prompts)) + "\n")
+    steps = 40
+    args = [
+        "--model_name_or_path", tmp_path / "model", "--train_file", tmp_path / "prompts.jsonl",
+        "--reward_funcs", f"{tmp_path / 'rewards.py'}:fraction_of_a", "--num_generations", 8,
+        "--max_completion_length", 8, "--per_device_train_batch_size", 4, "--max_steps", steps,
+        "--learning_rate", 3e-3, "--lr_scheduler_type", "constant", "--logging_steps", 1,
+        "--output_dir", tmp_path / "out", "--report_to", "none", "--save_strategy", "no", "--seed", 0,
+    ]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    env["HF_HUB_OFFLINE"] = "1"
+    started = time.perf_counter()
+    result = subprocess.run([sys.executable, "-m", "jaxseq", "grpo", *map(str, args)], capture_output=True,
+                            text=True, env=env, timeout=600)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    logged = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in logged if "train/reward" in r]
+    assert [r["step"] for r in train] == list(range(1, steps + 1))
+    names = ("reward", "reward_std", "rewards/fraction_of_a/mean", "completions/mean_length", "clip_ratio/region_mean")
+    assert {f"train/{k}" for k in names} <= set(train[0])
+    rewards = np.array([r["train/reward"] for r in train])
+    first, last = rewards[:5].mean(), rewards[-5:].mean()
+    assert first < 0.15 and last > 0.4 and last > 3 * first, (rewards.round(3).tolist(), time.perf_counter() - started)
+    assert (tmp_path / "out" / "config.json").exists() or any((tmp_path / "out").glob("**/config.json"))
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo"])
+def test_accumulated_micro_batches_reduce_as_trl(loss_type):
+    """dapo is one token mean over the whole step (TRL's num_items_in_batch); the others average the
+    micro-batches' losses: the loss weights the Trainer accumulates with say so."""
+    objective = GRPO(GRPOConfig(loss_type=loss_type))
+    batch = {"completion_mask": jnp.array([[1, 1, 0], [1, 0, 0]])}
+    assert float(objective.loss_weight(batch)) == (3.0 if loss_type == "dapo" else 1.0)
