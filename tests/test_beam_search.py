@@ -87,8 +87,18 @@ def prompts(lengths=(9, 4, 6)):
     return ids, mask
 
 
+REFERENCE = {}  # torch_beams' results by (model, eos, settings): choosing an EOS already ran most cases
+
+
 def torch_beams(ref, eos: int, **kw):
     """transformers' beam search on ``prompts()``: the new tokens padded to NEW with PAD, and sequences_scores."""
+    key = (id(ref), eos, tuple(sorted(kw.items())))
+    if key not in REFERENCE:
+        REFERENCE[key] = (ref, run_beams(ref, eos, **kw))  # ref kept alive, so its id stays its own
+    return REFERENCE[key][1]
+
+
+def run_beams(ref, eos: int, **kw):
     ids, mask = prompts()
     with torch.no_grad():
         out = ref.generate(

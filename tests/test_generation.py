@@ -420,6 +420,7 @@ def test_script_reads_stdin_and_prints(gpt2_with_tokenizer, monkeypatch, capsys)
         (["--prompt_file", "prompts.jsonl"], "line 1 of prompts.jsonl has no string 'prompt' field"),
         (["--prompt", "a", "--batch_size", "0"], "--batch_size must be at least 1"),
         (["--prompt_file", "missing.txt"], "prompt file missing.txt does not exist"),
+        (["--prompt", "a", "--num_beams", "2", "--num_return_sequences", "3"], "between 1 and num_beams (2)"),
     ],
 )
 def test_script_bad_input_is_one_line_and_exit_1(gpt2_with_tokenizer, tmp_path, monkeypatch, capsys, args, message):
