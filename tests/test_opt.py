@@ -173,3 +173,31 @@ def test_mesh_places_every_parameter_and_gives_the_same_logits(case):
 def test_layerdrop_is_a_one_line_error():
     with pytest.raises(JaxseqError, match=r"^OPT's layerdrop \(0.1\) is not supported; set it to 0"):
         from_config(tiny_config("125m-pre-norm-untied", layerdrop=0.1), "causal-lm")
+
+
+def test_a_bare_decoder_checkpoint_loads_as_a_language_model(tmp_path, caplog):
+    """The Hub's OPT checkpoints hold OPTModel's names (``decoder.*``, no ``model.`` prefix, no ``lm_head``): they
+    load as the causal LM, its head tied to the token embeddings, with transformers' logits."""
+    torch.manual_seed(0)
+    ref = perturb(transformers.OPTForCausalLM(tiny_config("350m-post-norm-projected"))).eval()
+    ref.model.save_pretrained(tmp_path)
+    model = load_pretrained(tmp_path, "causal-lm")
+    assert "initialised" not in caplog.text
+    ids, mask = rows(left=True)
+    want = torch_forward(ref, input_ids=ids, attention_mask=mask).logits.numpy()
+    assert relative_diff(mask, forward(model, jnp.asarray(ids), jnp.asarray(mask)).logits, want) <= RTOL
+
+
+def test_packed_classifier_rows_equal_unpacked(tmp_path):
+    """The packer's positions restart at 0 in every example, as OPT counts them: packed examples score as unpacked
+    ones, each read at its last token."""
+    from jaxseq.data import packing
+
+    torch.manual_seed(0)
+    config = tiny_config("350m-post-norm-projected", num_labels=3)
+    perturb(transformers.OPTForSequenceClassification(config)).save_pretrained(tmp_path)
+    model = load_pretrained(tmp_path, "sequence-classification")
+    ids, mask = rows(left=False, lengths=(16, 9, 5, 7, 3))
+    batch = packing.pack({"input_ids": ids, "attention_mask": mask}, 3, pool=type(model).pooled_token)
+    packed = forward(model, **{k: jnp.asarray(v) for k, v in batch.items()})
+    np.testing.assert_allclose(packed, forward(model, jnp.asarray(ids), jnp.asarray(mask)), rtol=1e-5, atol=1e-5)
