@@ -272,13 +272,17 @@ class Rollout:
 
     def __call__(self, trainer, batch, step: int):
         c = self.config
-        if self._cached is not None and step - self._cached[0] < c.num_iterations:
-            return self._cached[1], {}  # a reused batch: its figures were logged when it was sampled
-        host = sharding.gather(batch)
+        sampled = step // c.num_iterations  # steps μk .. μk+μ-1 train on the completions of prompt batch k
+        if self._cached is not None and self._cached[0] == sampled:
+            return self._cached[1], self._cached[2]  # a reused batch, logged again as TRL averages it in
+        if c.num_iterations > 1:  # the prompts of batch k (the feeder's batches are a function of their index)
+            host = trainer.feed._host_batch(sampled)
+        else:
+            host = sharding.gather(batch)
         accumulate = trainer.config.gradient_accumulation_steps
         flat = {k: v.reshape(-1, *v.shape[(2 if accumulate > 1 else 1) :]) for k, v in host.items()}
         model = trainer.program.merged_model(trainer.state.params, trainer.frozen)
-        rows, figures = self.sample(model, flat, seed=self.seed * 1_000_003 + step)
+        rows, figures = self.sample(model, flat, seed=self.seed * 1_000_003 + sampled)
         if c.num_iterations > 1:  # the old policy's log-probs, before this batch's first update
             if self._logps is None:
                 self._logps = jax.jit(lambda m, b: completion_logps(m, b, c.temperature)[0])
@@ -286,7 +290,7 @@ class Rollout:
         if accumulate > 1:
             rows = {k: v.reshape(accumulate, -1, *v.shape[1:]) for k, v in rows.items()}
         device = trainer.feed.device_batch(rows, stacked=accumulate > 1)
-        self._cached = (step, device, figures)
+        self._cached = (sampled, device, figures)
         return device, figures
 
     def sample(self, model, prompts: Mapping[str, np.ndarray], *, seed: int):
