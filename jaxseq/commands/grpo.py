@@ -121,18 +121,14 @@ def load_reward_funcs(specs: list[str] | None) -> list[tuple[str, object]]:
 
 
 def prepare(args, planning: bool) -> Prepared:
-    """Prompt rows and the GRPO objective with its rollout (a plan compiles the update of one sampled batch)."""
+    """Prompt rows and the GRPO objective with its rollout."""
     source, data, grpo = args.source, args.data, args.grpo
     config, folder, overrides = model_config(source, TASK, weights=not planning)
-    if planning:
-        seq, width = (data.max_prompt_length or 512) + grpo.max_completion_length, grpo.max_completion_length
-        row = {
-            "input_ids": ((seq,), np.int32),
-            "attention_mask": ((seq,), np.int32),
-            "completion_mask": ((width,), np.int32),
-            "advantages": ((), np.float32),
-        }
-        return Prepared(config=config, objective=GRPO(grpo), seq_len=seq, row=row)
+    if planning:  # a plan compiles the step of batches it knows; GRPO's are sampled (x --num_generations)
+        raise JaxseqError(
+            "jaxseq grpo cannot be planned yet: its batches are sampled in the loop; plan the same model and "
+            "--per_device_train_batch_size x --num_generations rows of prompt + completion tokens with jaxseq clm"
+        )
     funcs = load_reward_funcs(grpo.reward_funcs)
     tokenizer = load_tokenizer(source.tokenizer_name or folder)
     records = load_prompts(data)
