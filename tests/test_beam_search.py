@@ -63,7 +63,7 @@ CASES = [
     dict(num_beams=4),  # transformers' defaults: length_penalty 1, early_stopping False
     dict(num_beams=4, length_penalty=0.8, num_return_sequences=3),
     dict(num_beams=4, length_penalty=2.0, early_stopping=True, num_return_sequences=2),
-    dict(num_beams=4, length_penalty=0.5, early_stopping="never", num_return_sequences=4),  # judged at NEW
+    dict(num_beams=4, length_penalty=1.0, early_stopping="never", num_return_sequences=4),  # judged at NEW
     dict(num_beams=4, length_penalty=-1.0, early_stopping="never", num_return_sequences=2),
     dict(num_beams=2, length_penalty=0.0, early_stopping=True, num_return_sequences=2),
     dict(num_beams=4, min_new_tokens=3, num_return_sequences=4),  # no EOS among the first 3 new tokens
