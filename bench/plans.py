@@ -25,8 +25,7 @@ import records
 ROOT = Path(__file__).resolve().parents[1]
 COMMON = ["--dtype", "bfloat16", "--remat", "full"]
 GPT2_XL = "n_layer=48,n_embd=1600,n_head=25"
-# Pretraining without dropout (as GPT-J's config has it): with GPT-2's default 0.1 the step needs about 13 GiB
-# more temporaries per chip on v5e-8, whatever the depth (the gpt2-xl-dropout row; see BENCHMARKS.md)
+# Pretraining without dropout (as GPT-J's config has it); the gpt2-xl-dropout row keeps GPT-2's default 0.1
 NO_DROPOUT = ",attn_pdrop=0,resid_pdrop=0,embd_pdrop=0"
 BERT_LARGE = "hidden_size=1024,num_hidden_layers=24,num_attention_heads=16,intermediate_size=4096"
 T5_XL = (

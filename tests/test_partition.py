@@ -22,20 +22,20 @@ MESHES = ["dp=8", "dp=2,mp=4", "fsdp=4,mp=2"]
 VOCAB = 128
 
 
-def lm_loss(model, batch):
-    logits = model(batch["input_ids"], batch["attention_mask"]).logits
+def lm_loss(model, batch, rngs=None):
+    logits = model(batch["input_ids"], batch["attention_mask"], rngs=rngs).logits
     losses = optax.softmax_cross_entropy_with_integer_labels(logits[:, :-1], batch["input_ids"][:, 1:])
     weights = batch["attention_mask"][:, 1:]
     return (losses * weights).sum() / weights.sum(), logits
 
 
-def classification_loss(model, batch):
-    logits = model(batch["input_ids"], batch["attention_mask"])
+def classification_loss(model, batch, rngs=None):
+    logits = model(batch["input_ids"], batch["attention_mask"], rngs=rngs)
     return optax.softmax_cross_entropy_with_integer_labels(logits, batch["labels"]).mean(), logits
 
 
-def seq2seq_loss(model, batch):
-    logits = model(batch["input_ids"], batch["attention_mask"], batch["decoder_input_ids"]).logits
+def seq2seq_loss(model, batch, rngs=None):
+    logits = model(batch["input_ids"], batch["attention_mask"], batch["decoder_input_ids"], rngs=rngs).logits
     return optax.softmax_cross_entropy_with_integer_labels(logits, batch["input_ids"]).mean(), logits
 
 
@@ -127,8 +127,9 @@ LLAMA_CASES = {
 }
 
 
-def run(case, mesh_spec=None):
-    """One AdamW step: logits, loss, updated params (on their devices) and optimizer state."""
+def run(case, mesh_spec=None, dropout_key=None):
+    """One AdamW step: logits, loss, updated params (on their devices) and optimizer state; in training mode
+    (dropout drawn from ``dropout_key``) when one is given."""
     make_config, task, loss_fn = {**CASES, **LLAMA_CASES}[case]
     config = make_config()
     mesh = make_mesh(mesh_spec) if mesh_spec else None
@@ -141,7 +142,8 @@ def run(case, mesh_spec=None):
 
     def step(params, opt_state, batch):
         def loss_of(p):
-            return loss_fn(nnx.merge(graphdef, p), batch)
+            rngs = None if dropout_key is None else nnx.Rngs(dropout=dropout_key)
+            return loss_fn(nnx.merge(graphdef, p), batch, rngs)
 
         (loss, logits), grads = jax.value_and_grad(loss_of, has_aux=True)(params)
         updates, opt_state = tx.update(grads, opt_state, params)
@@ -184,6 +186,19 @@ def test_llama_families_on_a_dp_fsdp_mp_mesh_equal_single_device(case):
     k_proj = dict(partition.named_leaves(got["params"]))["model/layers/0/self_attn/k_proj/kernel"]
     assert k_proj.sharding.spec == P("fsdp", "mp")
     assert {s.data.shape for s in k_proj.addressable_shards} == {(32, kv_heads * 16 // 2)}
+
+
+# the dropout PRNG of programs on CPU, and on TPU and GPU (jaxseq.models.layers.dropout_prng)
+@pytest.mark.parametrize("case, prng", [("gpt2-lm", "threefry4x32"), ("bert-cls", "threefry2x32")])
+def test_dropout_draws_the_same_masks_on_any_mesh(case, prng):
+    """Dropout (GPT-2's and BERT's default 0.1: attention probabilities, residuals, embeddings) drawn per shard
+    from partitionable keys gives the single-device step on every mesh, so no chip draws the global batch's
+    bits and a run's numbers do not depend on its mesh."""
+    key = jax.random.key(3, impl=prng)
+    want = run(case, dropout_key=key)
+    assert abs(float(want["loss"]) - float(run(case)["loss"])) > 1e-3  # dropout is on
+    for mesh_spec in MESHES:
+        assert_same_step(run(case, mesh_spec, dropout_key=key), want)
 
 
 def assert_same_step(got, want):
