@@ -8,6 +8,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -24,7 +25,7 @@ GiB = 2**30
 PLAN_FIELDS = {
     "topology", "accelerator", "devices", "mesh", "hbm_bytes_per_device", "bytes_per_device", "fits",
     "model_flops_per_step", "compiled_flops_per_device", "estimated_step_seconds", "estimated_mfu",
-    "estimate_method", "attention_kernel", "compile_seconds", "jax_version", "libtpu_version",
+    "estimate_method", "attention_kernel", "compile_seconds", "jax_version", "libtpu_version", "peak_buffers",
 }  # fmt: skip
 
 
@@ -137,13 +138,16 @@ def mlp_step(mesh, layers=L, width=D, hidden=H, fsdp=True):
     return jitted.lower(params, opt_state, batch), params, opt_state, batch
 
 
+KINDS = {"p": "parameters", "o": "optimizer state", "x": "batch"}  # mlp_step's step(p, o, x)
+
+
 @pytest.fixture(scope="module")
 def mlp_plan(v5e):
     mesh = make_mesh("fsdp=8", devices=v5e.devices)
     lowered, params, opt_state, batch = mlp_step(mesh)
     flops = 6.0 * 2 * L * D * H * B  # forward and backward of the two matmuls per layer
     plan = planlib.compile_plan(
-        lowered, v5e, parameters=params, optimizer_state=opt_state, batch=batch, model_flops=flops
+        lowered, v5e, parameters=params, optimizer_state=opt_state, batch=batch, model_flops=flops, argument_kinds=KINDS
     )
     return plan, lowered
 
@@ -300,10 +304,32 @@ def test_trip_count_on_cpu_hlo():
     assert planlib.hlo_cost(text, 1).flops == 5 * 2 * 8 * 64 * 64
 
 
+def test_peak_buffers_name_what_the_memory_holds(mlp_plan):
+    """At the compiler's memory peak, every weight and optimizer moment is live: summed by kind, they are
+    exactly the bytes their shard shapes give, and the largest buffers are named by their pytree paths."""
+    plan, _ = mlp_plan
+    peak, memory = plan["peak_buffers"], plan["bytes_per_device"]
+    assert peak["by_kind"]["parameters"] == memory["parameters"]
+    assert peak["by_kind"]["optimizer state"] == memory["optimizer_state"]
+    assert memory["parameters"] + memory["optimizer_state"] < peak["live_bytes"] <= memory["total"]
+    largest = peak["largest"]
+    assert len(largest) == planlib.PEAK_BUFFERS and [b["bytes"] for b in largest] == sorted(
+        (b["bytes"] for b in largest), reverse=True
+    )
+    named = {b["holds"]: (b["kind"], b["shape"], b["bytes"]) for b in largest}
+    assert named["p w1"] == ("parameters", "f32[4,128,2048]", L * D * H * 4 // 8)  # w1's fsdp shard
+    assert named["o 0/nu/w2"] == ("optimizer state", "f32[4,2048,128]", L * D * H * 4 // 8)
+    assert {b["kind"] for b in largest} >= {"backward", "forward activations"}  # the step's own buffers
+    table = planlib.format_table(plan)
+    assert re.search(r"^  at the peak +[\d.]+ GiB live: .*optimizer state 0\.02", table, re.M)
+
+
 def test_over_budget_is_refused(v5e):
     mesh = make_mesh("fsdp=8", devices=v5e.devices)
     lowered, params, opt_state, batch = mlp_step(mesh, layers=2, width=16384, hidden=32768, fsdp=False)
-    plan = planlib.compile_plan(lowered, v5e, parameters=params, optimizer_state=opt_state, batch=batch)
+    plan = planlib.compile_plan(
+        lowered, v5e, parameters=params, optimizer_state=opt_state, batch=batch, argument_kinds=KINDS
+    )
     assert set(plan) == PLAN_FIELDS and plan["fits"] is False
     memory = plan["bytes_per_device"]
     assert memory["parameters"] == 2 * 2 * 16384 * 32768 * 4  # replicated: whole on every device
@@ -312,7 +338,10 @@ def test_over_budget_is_refused(v5e):
     assert plan["estimated_step_seconds"] is None and plan["attention_kernel"] == "xla"
     line = planlib.refusal(plan)
     assert "\n" not in line and line.startswith(f"needs {memory['total'] / GiB:.2f} GiB per chip of 15.75 GiB on v5e-8")
-    assert "LoRA" in line and line.count(",") <= 2  # the training state, not activations, is what is too big
+    assert "LoRA" in line and line.split("; try: ")[1].count(",") <= 2  # the training state is what is too big
+    # what it is, from the buffers live at the (refused) program's peak
+    assert plan["peak_buffers"]["by_kind"]["parameters"] == memory["parameters"]
+    assert "(at the peak: optimizer state 16.00 GiB, " in line
     assert planlib.refusal(plan, ["--remat full"]).endswith("; try: --remat full")
 
 
@@ -330,7 +359,7 @@ def test_total_is_the_compilers_peak(v5e):
 
 def test_other_compile_errors_propagate():
     class Broken:
-        def compile(self):
+        def compile(self, compiler_options=None):
             raise ValueError("INVALID_ARGUMENT: something else")
 
     with pytest.raises(ValueError, match="something else"):

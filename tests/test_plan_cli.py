@@ -28,6 +28,7 @@ FIELDS = {
     "topology", "accelerator", "devices", "mesh", "hbm_bytes_per_device", "bytes_per_device", "fits",
     "model_flops_per_step", "compiled_flops_per_device", "estimated_step_seconds", "estimated_mfu",
     "estimate_method", "attention_kernel", "compile_seconds", "jax_version", "libtpu_version", "layers", "inputs",
+    "peak_buffers",
 }  # fmt: skip
 
 if importlib.util.find_spec("libtpu") is None:
@@ -93,6 +94,12 @@ def test_clm_plan_on_v5e_8(tmp_path, remat, scan, layers):
     assert plan_["bytes_per_device"]["parameters"] == params * 4
     assert plan_["bytes_per_device"]["optimizer_state"] == pytest.approx(2 * params * 4, abs=64)
     assert plan_["bytes_per_device"]["batch"] == 2 * 256 * 2  # uint16 tokens of this device's rows, as the run feeds
+    # at the peak every weight and moment is live, named by its path in the run's train state
+    peak = plan_["peak_buffers"]
+    assert peak["by_kind"]["parameters"] == params * 4
+    assert peak["by_kind"]["optimizer state"] == pytest.approx(plan_["bytes_per_device"]["optimizer_state"], abs=64)
+    assert any(b["holds"].startswith("params transformer/") for b in peak["largest"])
+    assert re.search(r"^  at the peak +[\d.]+ GiB live: ", result.stdout, re.M)
     assert plan_["model_flops_per_step"] > 6 * params * 4 * 16 * 256 * 0.5
     assert plan_["estimated_step_seconds"] > 0 and 0 < plan_["estimated_mfu"] <= 1
     assert plan_["compiled_flops_per_device"] > 0 and plan_["compile_seconds"] > 0
@@ -136,7 +143,9 @@ def test_a_run_that_cannot_fit_refuses_in_one_line(tmp_path):
     assert result.returncode == 1
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: needs "), result.stderr[-2000:]
-    assert "GiB per chip of 15.75 GiB on v5e-4; try: " in lines[0]
+    # what fills the chip, from the buffers live at the peak: activations, so --remat full comes first
+    assert re.search(r"GiB per chip of 15\.75 GiB on v5e-4 \(at the peak: forward activations [\d.]+ GiB, ", lines[0])
+    assert "; try: --remat full, " in lines[0]
     assert "Traceback" not in result.stderr
     assert plan_ is not None and not plan_["fits"] and plan_["devices"] == 4
 
