@@ -27,11 +27,15 @@ trl = pytest.importorskip("trl")
 from trl.trainer.grpo_trainer import GRPOTrainer  # noqa: E402
 from trl.trainer.utils import add_fused_lm_head, nanstd  # noqa: E402
 
-from jaxseq import generation  # noqa: E402
+from jaxseq import generation, sharding  # noqa: E402
 from jaxseq.commands.grpo import load_reward_funcs, prompt_rows  # noqa: E402
 from jaxseq.errors import JaxseqError  # noqa: E402
+from jaxseq.mesh import make_mesh  # noqa: E402
 from jaxseq.models import load_pretrained  # noqa: E402
+from jaxseq.train.lora import LoraConfig  # noqa: E402
+from jaxseq.train.optim import OptimizerConfig  # noqa: E402
 from jaxseq.train.rl import GRPO, LOSS_TYPES, GRPOConfig, Rollout, group_advantages  # noqa: E402
+from jaxseq.train.step import TrainProgram  # noqa: E402
 from tests.reference import perturb  # noqa: E402
 from tests.test_dpo import assert_gradients_match  # noqa: E402
 
@@ -156,6 +160,40 @@ def test_loss_figures_and_gradients_equal_trl(tok, folder, tmp_path, loss_type, 
     for key, value in want_figures.items():
         assert abs(float(figures[key]) - value) <= 1e-4 * max(1.0, abs(value)), (key, float(figures[key]), value)
     assert_gradients_match(policy, grads, want_grads)
+
+
+def test_lora_reference_is_the_base_with_adapters_off_as_a_frozen_copy(tok, folder):
+    """With --lora_rank the KL's reference is the base weights (adapters off, no copy): the train step's loss
+    and kl equal those of the full model (adapters folded in) against a frozen copy of the base, and the loss
+    computed directly with the base's log-probs as ``ref_logps``."""
+    mesh = make_mesh("dp=1", devices=jax.devices()[:1])
+    objective = GRPO(GRPOConfig(beta=0.1, temperature=0.7))
+    base = load_pretrained(folder, "causal-lm", mesh=mesh)
+    batch = {k: v for k, v in given_batch(tok, base, 0.7).items() if k != "ref_logps"}
+    lora = LoraConfig(lora_rank=4, lora_alpha=8.0, lora_dropout=0.0)
+    program = TrainProgram(base, objective, mesh, OptimizerConfig(), total_steps=1, seed=0, lora=lora)
+    frozen = sharding.shard(nnx.state(base), program.frozen_shardings)
+    adapters = program.adapter_init(frozen)
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(adapters)
+    keys = jax.random.split(jax.random.key(1), len(leaves))
+    adapters = jax.tree.unflatten(
+        treedef,
+        [x + 0.3 * jax.random.normal(k, x.shape) if "lora_B" in jax.tree_util.keystr(p) else x
+         for (p, x), k in zip(leaves, keys)],
+    )  # fmt: skip
+    start = load_pretrained(folder, "causal-lm", mesh=mesh)
+    full = TrainProgram(start, objective, mesh, OptimizerConfig(), total_steps=1, seed=0)
+    assert full.reference_copy and not program.reference_copy
+    copy = sharding.shard(nnx.state(start), full.frozen_shardings)
+    merged = sharding.shard(program.lora.merged(adapters, frozen), full.state_shardings.params)
+    direct = {**batch, "ref_logps": objective.per_token(start, batch)[0]}
+    want, figures = objective.loss_and_metrics(nnx.merge(full.graphdef, merged), direct)
+    _, lora_step = program.step(program.init_state(adapters), frozen, batch)
+    _, copy_step = full.step(full.init_state(merged), copy, batch)
+    assert float(figures["kl"]) > 1e-3  # the adapters moved the policy off its reference
+    for key, value in (("loss", want), ("kl", figures["kl"])):
+        np.testing.assert_allclose(float(lora_step[key]), float(value), rtol=1e-4, atol=1e-6)
+        np.testing.assert_allclose(float(copy_step[key]), float(value), rtol=1e-4, atol=1e-6)
 
 
 @pytest.mark.parametrize("scale_rewards", ["group", "batch", "none"])
