@@ -249,3 +249,21 @@ def save_config(path: Path, *instances) -> None:
         for i in instances
     }
     path.write_text(yaml.safe_dump(data, sort_keys=False))
+
+
+@dataclasses.dataclass
+class Stages:
+    """transformers' --do_train/--do_eval/--do_predict, for a job's data section to inherit."""
+
+    do_train: bool | None = arg(None, "train (default: train and evaluate unless --do_eval or --do_predict is given)")
+    do_eval: bool | None = arg(
+        None, "evaluate on the validation set; alone, the model of --model_name_or_path (or --resume_from_checkpoint)"
+    )
+    do_predict: bool | None = arg(None, "predict the test set (--test_file or the dataset's test split)")
+
+    def stages(self) -> tuple[bool, bool, bool]:
+        """(train, evaluate, predict): what the flags ask for; none of them given: train and evaluate."""
+        given = (self.do_train, self.do_eval, self.do_predict)
+        if all(flag is None for flag in given):
+            return True, True, False
+        return tuple(bool(flag) for flag in given)

@@ -61,3 +61,27 @@ def spearmanr(x, y) -> float:
 
 def perplexity(mean_loss: float) -> float:
     return float(math.exp(min(mean_loss, 700.0)))
+
+
+def seqeval(references: list[list[str]], predictions: list[list[str]], entity_level: bool = False) -> dict[str, float]:
+    """Entity-level ``precision``, ``recall``, ``f1`` (micro averages over entities, seqeval's default scheme)
+    and token ``accuracy`` of tag sequences, as run_ner.py computes them through ``evaluate``'s seqeval;
+    ``entity_level`` adds ``<type>_precision``, ``_recall``, ``_f1`` and ``_number`` for each entity type."""
+    from seqeval.metrics import accuracy_score, classification_report
+
+    report = classification_report(references, predictions, output_dict=True)
+    for average in ("macro avg", "weighted avg"):
+        report.pop(average)
+    overall = report.pop("micro avg")
+    results = {
+        "precision": float(overall["precision"]),
+        "recall": float(overall["recall"]),
+        "f1": float(overall["f1-score"]),
+        "accuracy": float(accuracy_score(references, predictions)),
+    }
+    if entity_level:
+        for name, score in report.items():
+            for key, field in (("precision", "precision"), ("recall", "recall"), ("f1", "f1-score")):
+                results[f"{name}_{key}"] = float(score[field])
+            results[f"{name}_number"] = int(score["support"])
+    return results

@@ -24,7 +24,15 @@ FAMILIES: dict[str, Family] = {
         qwen3.FAMILY,
     )
 }
-TASKS = ("base", "causal-lm", "seq2seq-lm", "sequence-classification", "masked-lm")
+TASKS = (
+    "base",
+    "causal-lm",
+    "seq2seq-lm",
+    "sequence-classification",
+    "masked-lm",
+    "token-classification",
+    "question-answering",
+)
 
 
 def family_for(model_type: str | None) -> Family:

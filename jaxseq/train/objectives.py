@@ -14,7 +14,7 @@ import optax
 from jaxseq.config import arg
 from jaxseq.errors import JaxseqError
 from jaxseq.generation import greedy_tokens
-from jaxseq.metrics import perplexity
+from jaxseq.metrics import perplexity, seqeval
 from jaxseq.models.layers import padded_vocab_size
 
 
@@ -97,6 +97,53 @@ class TokenLoss:
     def metrics(self, outputs: dict[str, np.ndarray]) -> dict[str, float]:
         loss = float(outputs["loss_sum"].astype(np.float64).sum() / max(outputs["tokens"].sum(), 1.0))
         return {"loss": loss, "perplexity": perplexity(loss)}
+
+
+class TokenClassification(TokenLoss):
+    """Cross-entropy of every labelled token (``labels`` not negative: a word's first sub-token, as run_ner.py);
+    the loss is the mean over them. ``predict`` gives each token's predicted label id where it is labelled (-100
+    elsewhere); ``metrics`` the eval loss and seqeval's entity ``precision``, ``recall``, ``f1`` and token
+    ``accuracy`` over the tag names ``labels`` (per entity type too with ``entity_level``)."""
+
+    metric_names = ("loss", "precision", "recall", "f1", "accuracy")
+
+    def __init__(self, labels, entity_level: bool = False):
+        self.labels, self.entity_level = list(labels), entity_level
+
+    def _logits(self, model, batch, rngs=None):
+        extra = {k: batch[k] for k in ("token_type_ids", "position_ids") if k in batch}
+        return model(batch["input_ids"], batch["attention_mask"], **extra, rngs=rngs)
+
+    def _scored(self, logits, batch):
+        """(per-token losses, weights, labels), the labels cut to the logits' width (an evaluation batch
+        trimmed to its length bucket: the positions cut are padding, never labelled)."""
+        labels = batch["labels"][:, : logits.shape[1]]
+        weights = (labels >= 0).astype(jnp.float32)
+        losses = optax.softmax_cross_entropy_with_integer_labels(logits, jnp.maximum(labels, 0))
+        return losses * weights, weights, labels
+
+    def _token_losses(self, model, batch, rngs=None) -> tuple[jax.Array, jax.Array]:
+        losses, weights, _ = self._scored(self._logits(model, batch, rngs), batch)
+        return losses, weights
+
+    def _weights(self, batch) -> jax.Array:
+        return (batch["labels"] >= 0).astype(jnp.float32)
+
+    def predict(self, model, batch: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
+        logits = self._logits(model, batch)
+        losses, weights, labels = self._scored(logits, batch)
+        prediction = jnp.where(labels >= 0, jnp.argmax(logits, axis=-1), -100)
+        return {"loss_sum": losses.sum(-1), "tokens": weights.sum(-1), "prediction": prediction, "labels": labels}
+
+    def tags(self, ids: np.ndarray, where: np.ndarray) -> list[list[str]]:
+        """Each row's tag names at its positions ``where`` is true."""
+        return [[self.labels[i] for i in row[keep]] for row, keep in zip(np.asarray(ids), np.asarray(where))]
+
+    def metrics(self, outputs: dict[str, np.ndarray]) -> dict[str, float]:
+        loss = super().metrics(outputs)["loss"]
+        scored = outputs["labels"] >= 0  # -100: not scored; -1: width padding between length buckets
+        gold, predicted = self.tags(outputs["labels"], scored), self.tags(outputs["prediction"], scored)
+        return {"loss": loss, **seqeval(gold, predicted, self.entity_level)}
 
 
 AUTO_CHUNK = -1

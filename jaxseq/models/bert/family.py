@@ -5,7 +5,13 @@ from __future__ import annotations
 from jax.sharding import PartitionSpec as P
 
 from jaxseq.models import flops
-from jaxseq.models.bert.modeling import BertForMaskedLM, BertForSequenceClassification, BertModel
+from jaxseq.models.bert.modeling import (
+    BertForMaskedLM,
+    BertForQuestionAnswering,
+    BertForSequenceClassification,
+    BertForTokenClassification,
+    BertModel,
+)
 from jaxseq.models.family import Family
 
 
@@ -14,8 +20,9 @@ def model_flops(config, task: str, rows: int, seq_len: int, target_len: int = 0,
     attention bidirectional over ``seq_len`` (causal if ``is_decoder``). The classifier's encoder computes its
     last layer's keys and values at every token but the rest of that layer at the [CLS] token of each row
     alone (``BertEncoder``'s ``positions``), then the pooler (d x d) and the classifier (d x num_labels) there;
-    the masked LM adds the head's transform (d x d) and the projection onto the vocabulary at every token; the
-    bare model its pooler at each row's first token."""
+    the masked LM adds the head's transform (d x d) and the projection onto the vocabulary at every token; token
+    classification its classifier (d x num_labels) and question answering ``qa_outputs`` (d x 2) at every token;
+    the bare model its pooler at each row's first token."""
     d, inner, layers, causal = config.hidden_size, config.intermediate_size, config.num_hidden_layers, config.is_decoder
     tokens, layer = rows * seq_len, 4 * d * d + 2 * d * inner
     dense = lambda weights, n: flops.dense(weights, n, training=training)
@@ -28,6 +35,8 @@ def model_flops(config, task: str, rows: int, seq_len: int, target_len: int = 0,
         return count + dense(d * d + d * config.num_labels, rows)
     if task == "masked-lm":
         return count + dense(d * d + d * config.vocab_size, tokens)
+    if task in ("token-classification", "question-answering"):
+        return count + dense(d * (config.num_labels if task == "token-classification" else 2), tokens)
     return count + dense(d * d, rows)
 
 
@@ -48,6 +57,8 @@ PARTITION_RULES = (
     (r"(pooler|transform)/dense/bias$", P()),
     (r"classifier/kernel$", P("fsdp", None)),
     (r"classifier/bias$", P()),
+    (r"qa_outputs/kernel$", P("fsdp", None)),
+    (r"qa_outputs/bias$", P()),
     (r"decoder/kernel$", P("fsdp", "mp")),
     (r"(decoder|predictions)/bias$", P("mp")),
 )
@@ -60,9 +71,11 @@ FAMILY = Family(
         "base": BertModel,
         "sequence-classification": BertForSequenceClassification,
         "masked-lm": BertForMaskedLM,
+        "token-classification": BertForTokenClassification,
+        "question-answering": BertForQuestionAnswering,
     },
     base_prefix="bert",
-    heads=(r"^classifier\.", r"^cls\.", r"(^|\.)pooler\."),
+    heads=(r"^classifier\.", r"^cls\.", r"(^|\.)pooler\.", r"^qa_outputs\."),
     aliases={
         "cls.predictions.decoder.weight": "bert.embeddings.word_embeddings.weight",
         "cls.predictions.decoder.bias": "cls.predictions.bias",

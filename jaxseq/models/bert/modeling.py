@@ -354,3 +354,52 @@ def vocabulary_logits(h, embeddings: BertEmbeddings, head, config):
     else:
         logits = head.decoder(h)
     return logits[..., : config.vocab_size].astype(jnp.float32)  # accumulated in float32
+
+
+class BertForTokenClassification(nnx.Module):
+    """BERT (without pooler) scoring every token: logits ``[batch, seq, num_labels]`` (named entities)."""
+
+    hf_architecture = "BertForTokenClassification"
+    task_head = r"^classifier/"
+    base = "bert"
+
+    def __init__(
+        self, config, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs, scan_layers: bool = False
+    ):
+        self.config = config
+        kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        setattr(self, self.base, self.model_class(config, add_pooling_layer=False, scan_layers=scan_layers, **kw))
+        self.classifier = Linear(
+            config.hidden_size, config.num_labels, kernel_init=normal(config.initializer_range), **kw
+        )
+        self.classifier_dropout = classifier_dropout(config)
+
+    model_class = BertModel
+
+    def __call__(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None, *, rngs=None):
+        h = getattr(self, self.base)(input_ids, attention_mask, token_type_ids, position_ids, rngs=rngs)
+        return self.classifier(dropout(h.last_hidden_state, self.classifier_dropout, rngs)).astype(jnp.float32)
+
+
+class BertForQuestionAnswering(nnx.Module):
+    """BERT (without pooler) with ``qa_outputs``: start and end logits of each token, ``[batch, seq]`` each
+    (extractive question answering, SQuAD)."""
+
+    hf_architecture = "BertForQuestionAnswering"
+    task_head = r"^qa_outputs/"
+    base = "bert"
+    model_class = BertModel
+
+    def __init__(
+        self, config, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs, scan_layers: bool = False
+    ):
+        self.config = config
+        kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        setattr(self, self.base, self.model_class(config, add_pooling_layer=False, scan_layers=scan_layers, **kw))
+        self.qa_outputs = Linear(config.hidden_size, 2, kernel_init=normal(config.initializer_range), **kw)
+
+    def __call__(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None, *, rngs=None):
+        """``(start_logits, end_logits)``, float32 ``[batch, seq]`` each."""
+        h = getattr(self, self.base)(input_ids, attention_mask, token_type_ids, position_ids, rngs=rngs)
+        logits = self.qa_outputs(h.last_hidden_state).astype(jnp.float32)
+        return logits[..., 0], logits[..., 1]

@@ -9,7 +9,13 @@ from jax.sharding import PartitionSpec as P
 
 from jaxseq.models.bert.family import PARTITION_RULES, model_flops
 from jaxseq.models.family import Family
-from jaxseq.models.roberta.modeling import RobertaForMaskedLM, RobertaForSequenceClassification, RobertaModel
+from jaxseq.models.roberta.modeling import (
+    RobertaForMaskedLM,
+    RobertaForQuestionAnswering,
+    RobertaForSequenceClassification,
+    RobertaForTokenClassification,
+    RobertaModel,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,9 +32,11 @@ FAMILY = RobertaFamily(
         "base": RobertaModel,
         "sequence-classification": RobertaForSequenceClassification,
         "masked-lm": RobertaForMaskedLM,
+        "token-classification": RobertaForTokenClassification,
+        "question-answering": RobertaForQuestionAnswering,
     },
     base_prefix="roberta",
-    heads=(r"^classifier\.", r"^lm_head\.", r"(^|\.)pooler\."),
+    heads=(r"^classifier\.", r"^lm_head\.", r"(^|\.)pooler\.", r"^qa_outputs\."),
     aliases={
         "lm_head.decoder.weight": "roberta.embeddings.word_embeddings.weight",
         "lm_head.decoder.bias": "lm_head.bias",

@@ -14,6 +14,8 @@ from flax import nnx
 
 from jaxseq.models.bert.modeling import (
     BertEmbeddings,
+    BertForQuestionAnswering,
+    BertForTokenClassification,
     BertModel,
     classifier_dropout,
     vocabulary_logits,
@@ -121,3 +123,19 @@ class RobertaForMaskedLM(nnx.Module):
     def __call__(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None, *, rngs=None):
         h = self.roberta(input_ids, attention_mask, token_type_ids, position_ids, rngs=rngs).last_hidden_state
         return vocabulary_logits(self.lm_head.transform(h), self.roberta.embeddings, self.lm_head, self.config)
+
+
+class RobertaForTokenClassification(BertForTokenClassification):
+    """RoBERTa (without pooler) scoring every token: logits ``[batch, seq, num_labels]``."""
+
+    hf_architecture = "RobertaForTokenClassification"
+    base = "roberta"
+    model_class = RobertaModel
+
+
+class RobertaForQuestionAnswering(BertForQuestionAnswering):
+    """RoBERTa (without pooler) with ``qa_outputs``: start and end logits of each token."""
+
+    hf_architecture = "RobertaForQuestionAnswering"
+    base = "roberta"
+    model_class = RobertaModel

@@ -1,0 +1,129 @@
+"""`jaxseq ner` and the token-classification models: BERT's and RoBERTa's logits against transformers' from
+perturbed weights (exports round-trip); labels on each word's first sub-token, or all of them with B- turned
+to I- (run_ner.py's alignment, read from the tokenizer's word ids); and all-MiniLM-L6-v2 fine-tuned on real
+CoNLL-2003 sentences by `jaxseq ner` in a fresh one-device process, its reported figures recomputed by seqeval
+on predictions.txt against the file's gold tags, and its export tagging the same words in transformers."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+seqeval_metrics = pytest.importorskip("seqeval.metrics")
+
+from jaxseq.data.tokens import IGNORE, b_to_i, encode  # noqa: E402
+from jaxseq.models import load_pretrained, save_pretrained  # noqa: E402
+from tests.conftest import shared_asset  # noqa: E402
+from tests.reference import padded_batch, perturb, scaled_diff, torch_forward  # noqa: E402
+
+JAXSEQ = Path(sys.executable).with_name("jaxseq")
+TINY = dict(vocab_size=99, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128)
+CASES = {
+    "bert": (transformers.BertConfig(**TINY, max_position_embeddings=32), transformers.BertForTokenClassification),
+    "roberta": (
+        transformers.RobertaConfig(**TINY, max_position_embeddings=34, pad_token_id=1, type_vocab_size=1),
+        transformers.RobertaForTokenClassification,
+    ),
+}
+
+
+@pytest.mark.parametrize("family", list(CASES))
+def test_token_classifier_matches_transformers_and_round_trips(family, tmp_path):
+    config, torch_cls = CASES[family]
+    config.num_labels = 5
+    ref = perturb(torch_cls(config)).eval()
+    ref.save_pretrained(tmp_path / "ref")
+    model = load_pretrained(tmp_path / "ref", "token-classification")
+    assert type(model).hf_architecture == torch_cls.__name__
+    pad = config.pad_token_id or 0
+    ids, mask = padded_batch(config.vocab_size, pad_id=pad, low=pad + 2)
+    want = torch_forward(ref, input_ids=ids, attention_mask=mask).logits.numpy()
+    got = np.asarray(nnx.jit(lambda m, i, a: m(i, a))(model, jnp.asarray(ids), jnp.asarray(mask)))
+    assert got.shape == want.shape == (3, 12, 5)
+    assert scaled_diff(mask, got, want) < 1e-5
+    save_pretrained(model, tmp_path / "out")
+    back, info = torch_cls.from_pretrained(tmp_path / "out", output_loading_info=True)
+    assert not any(info.values())
+    assert scaled_diff(mask, torch_forward(back, input_ids=ids, attention_mask=mask).logits.numpy(), want) < 1e-5
+
+
+def test_labels_go_on_first_sub_tokens_or_all_with_b_turned_to_i():
+    """A word of several sub-tokens: its tag on the first (then -100), or with label_all_tokens on every one,
+    B-X becoming I-X after the first; special tokens and padding -100; words past the length cut."""
+    tokenizer = transformers.AutoTokenizer.from_pretrained(shared_asset("models/all-MiniLM-L6-v2"))
+    labels = ["B-PER", "I-PER", "O"]
+    example = {"tokens": ["Nadim", "Ladki", "arrived"], "tags": ["B-PER", "I-PER", "O"]}
+    words = tokenizer(example["tokens"], is_split_into_words=True).word_ids()
+    assert words.count(0) > 1  # "Nadim" is several sub-tokens
+    kw = dict(text_column="tokens", label_column="tags", label_to_id={n: i for i, n in enumerate(labels)})
+    first = encode([example], tokenizer, max_seq_length=16, **kw)["labels"][0]
+    every = encode([example], tokenizer, max_seq_length=16, label_all_tokens=True, **kw)["labels"][0]
+    for position, word in enumerate(words):
+        tag = None if word is None else labels.index(example["tags"][word])
+        starts = word is not None and (position == 0 or words[position - 1] != word)
+        assert first[position] == (tag if starts else IGNORE)
+        assert every[position] == (IGNORE if word is None else tag if starts else b_to_i(labels)[tag])
+    assert (first[len(words) :] == IGNORE).all() and b_to_i(labels) == [1, 1, 2]
+    cut = encode([example], tokenizer, max_seq_length=4, **kw)["labels"][0]
+    assert (cut >= 0).sum() == 1  # [CLS], two pieces of "Nadim", [SEP]: one word left
+
+
+def run_jaxseq(*args, timeout=300):
+    """``jaxseq`` as a user runs it: a fresh process, one CPU device, offline."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env.update(HF_HUB_OFFLINE="1", JAX_PLATFORMS="cpu")
+    return subprocess.run([str(JAXSEQ), *map(str, args)], capture_output=True, text=True, timeout=timeout, env=env)
+
+
+@pytest.mark.slow
+def test_jaxseq_ner_fine_tunes_minilm_and_its_figures_are_seqevals(tmp_path):
+    """Train on 32 CoNLL-2003 sentences for 4 epochs, evaluate and predict them: eval_* and predict_* are seqeval's
+    figures on predictions.txt (one tag a word) against the file's own tags; the exported model, loaded by
+    AutoModelForTokenClassification, tags each word's first sub-token as predictions.txt says."""
+    conll = shared_asset("data/ner/conll2003-test.json").read_text().splitlines()
+    (tmp_path / "train.json").write_text("\n".join(conll[:32]) + "\n")
+    out = tmp_path / "out"
+    done = run_jaxseq(
+        "ner", "--model_name_or_path", shared_asset("models/all-MiniLM-L6-v2"),
+        "--train_file", tmp_path / "train.json", "--validation_file", tmp_path / "train.json",
+        "--test_file", tmp_path / "train.json", "--do_train", "--do_eval", "--do_predict",
+        "--max_seq_length", 64, "--max_steps", 16, "--per_device_train_batch_size", 8,
+        "--learning_rate", 3e-4, "--warmup_steps", 0, "--output_dir", out,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    gold = [json.loads(line) for line in conll[:32]]
+    predicted = [line.split() for line in (out / "predictions.txt").read_text().splitlines()]
+    assert len(predicted) == len(gold)
+    assert all(len(p) == len(g["tokens"]) for p, g in zip(predicted, gold))  # no sentence was cut at 64
+    truth = [g["ner_tags"] for g in gold]
+    evaluated = json.loads((out / "eval_results.json").read_text())
+    predict = json.loads((out / "predict_results.json").read_text())
+    want = {
+        "precision": seqeval_metrics.precision_score(truth, predicted),
+        "recall": seqeval_metrics.recall_score(truth, predicted),
+        "f1": seqeval_metrics.f1_score(truth, predicted),
+        "accuracy": seqeval_metrics.accuracy_score(truth, predicted),
+    }
+    assert want["f1"] > 0.2, want  # it learnt some entities: the figures are not all zeros
+    for name, value in want.items():
+        assert evaluated[f"eval_{name}"] == pytest.approx(value, abs=1e-9)
+        assert predict[f"predict_{name}"] == pytest.approx(value, abs=1e-9)
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+    model = transformers.AutoModelForTokenClassification.from_pretrained(out).eval()
+    assert type(model).__name__ == "BertForTokenClassification"
+    for example, tags in zip(gold, predicted):
+        enc = tokenizer(example["tokens"], is_split_into_words=True, return_tensors="pt")
+        with torch.no_grad():
+            ids = model(**enc).logits[0].argmax(-1).tolist()
+        words = enc.word_ids()
+        firsts = [p for p, w in enumerate(words) if w is not None and (p == 0 or words[p - 1] != w)]
+        assert [model.config.id2label[ids[p]] for p in firsts] == tags
