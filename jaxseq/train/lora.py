@@ -40,6 +40,7 @@ from jaxseq.models.layers import Conv1D, dropout_with_key, layer_paths
 from jaxseq.models.registry import family_for
 from jaxseq.models.weights import resize_vocab, torch_layout
 from jaxseq.sharding import STACKED, gather, match_partition_rules, path_string, unstacked_path
+from jaxseq.train.quantize import QUANTIZE, dequantize, quantize
 
 EXPORTS = ("merged", "adapter")
 ADAPTER_HELP = (
@@ -84,10 +85,19 @@ class LoraConfig:
         "adapter_model.safetensors)",
         choices=EXPORTS,
     )
+    quantize: str = arg(
+        "none",
+        "QLoRA: store the frozen base weights of the blocks' dense layers quantised (nf4: 4-bit NormalFloat, "
+        "an absmax scale per 64 inputs, as bitsandbytes; int8: a scale per output channel), dequantised "
+        "one layer at a time where used; needs --lora_rank",
+        choices=QUANTIZE,
+    )
 
     def __post_init__(self):
         if self.lora_rank < 0:
             raise JaxseqError(f"--lora_rank must be 0 (off) or positive, got {self.lora_rank}")
+        if self.quantize != "none" and not self.enabled:
+            raise JaxseqError(f"--quantize {self.quantize} quantises LoRA's frozen weights; add --lora_rank (e.g. 16)")
         if not 0.0 <= self.lora_dropout < 1.0:
             raise JaxseqError(f"--lora_dropout must be in [0, 1), got {self.lora_dropout}")
         for flag in ("lora_targets", "lora_trainable"):
@@ -157,8 +167,20 @@ class Lora:
                 f"{both[0]} is both adapted (--lora_targets) and trained in full (--lora_trainable); "
                 "narrow one of the regexes"
             )
-        self.shapes = {path: v.get_value().shape for path, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+        flat_params = nnx.to_flat_state(nnx.state(model, nnx.Param))
+        self.shapes = {path: v.get_value().shape for path, v in flat_params}
+        self.dtypes = {path: v.get_value().dtype for path, v in flat_params}
         flat_specs = {path: v.get_value() for path, v in nnx.to_flat_state(param_specs)}
+        self.kind = config.quantize  # QLoRA: every dense kernel inside the blocks is kept quantised
+        in_block = lambda path: any(p == STACKED or str(p).isdigit() for p in path)
+        self.quantized = [
+            path
+            for path, m in dense.items()
+            if self.kind != "none" and in_block(path) and (*path, "kernel") not in self.full
+        ]
+        odd = [_name(p) for p in self.quantized if self.kind == "nf4" and dense[p].in_features % 64]
+        if odd:
+            raise JaxseqError(f"--quantize nf4 needs inputs in blocks of 64; {odd[0]}/kernel has other; use int8")
         specs = {}
         for path in self.targets:  # a stacked kernel's leading layer axis stays on its adapters
             ndim = len(self.shapes[(*path, "kernel")])
@@ -167,6 +189,13 @@ class Lora:
             specs[(*path, "lora_B")] = P(*layers, None, columns)
         specs.update({path: flat_specs[path] for path in self.full})
         self.specs = _tree(specs)
+        frozen = dict(flat_specs)  # with QLoRA, each quantised kernel's codes and scales sharded after it
+        for path in self.quantized:
+            ndim = len(self.shapes[(*path, "kernel")])
+            *layers, rows, columns = (tuple(frozen.pop((*path, "kernel"))) + (None,) * ndim)[:ndim]
+            frozen[(*path, "kernel", "codes")] = P(*layers, rows, columns)
+            frozen[(*path, "kernel", "scales")] = P(*layers, rows if self.kind == "nf4" else None, columns)
+        self.frozen_specs = traverse_util.unflatten_dict(frozen) if self.quantized else param_specs
         self.fan_in_fan_out = any(isinstance(dense[p], Conv1D) for p in self.targets)
         self.architecture = type(model).hf_architecture
         self.family, self.vocab_size = family, model.config.vocab_size
@@ -176,16 +205,16 @@ class Lora:
     def init(self, params, seed: int) -> dict:
         """The trainable tree: fresh adapters, and the task-head parameters taken from ``params`` (the model's
         state). Jit it with the adapters' shardings to build it in place."""
-        flat = {path: v.get_value() for path, v in nnx.to_flat_state(params)}
+        flat = traverse_util.flatten_dict(params if isinstance(params, dict) else nnx.to_pure_dict(params))
         key = jax.random.key(seed)
         out = {}
         for i, (path, (fan_in, fan_out)) in enumerate(self.targets.items()):
-            kernel = flat[(*path, "kernel")]
-            layers, bound = kernel.shape[:-2], fan_in**-0.5  # layers: a stacked kernel's leading axis
+            shape, dtype = self.shapes[(*path, "kernel")], self.dtypes[(*path, "kernel")]
+            layers, bound = shape[:-2], fan_in**-0.5  # layers: a stacked kernel's leading axis
             out[(*path, "lora_A")] = jax.random.uniform(
-                jax.random.fold_in(key, i), (*layers, fan_in, self.rank), kernel.dtype, -bound, bound
+                jax.random.fold_in(key, i), (*layers, fan_in, self.rank), dtype, -bound, bound
             )
-            out[(*path, "lora_B")] = jnp.zeros((*layers, self.rank, fan_out), kernel.dtype)
+            out[(*path, "lora_B")] = jnp.zeros((*layers, self.rank, fan_out), dtype)
         out.update({path: flat[path] for path in self.full})
         return _tree(out)
 
@@ -227,10 +256,36 @@ class Lora:
             out[path] = array.astype(np.float32)
         return _tree(out)
 
+    def freeze(self, params):
+        """The frozen tree of the model's state ``params``: itself, or with QLoRA each quantised kernel replaced
+        by ``{"codes", "scales"}`` (``jaxseq.train.quantize``)."""
+        if not self.quantized:
+            return params
+        flat = {path: v.get_value() for path, v in nnx.to_flat_state(params)}
+        for path in self.quantized:
+            for part, array in quantize(flat.pop((*path, "kernel")), self.kind).items():
+                flat[(*path, "kernel", part)] = array
+        return traverse_util.unflatten_dict(flat)
+
+    def _unfrozen(self, frozen, kernel) -> tuple[nnx.State, dict]:
+        """``(state, quantised)``: the model's state from ``frozen``, each quantised kernel given by
+        ``kernel(path, codes, scales)``, and those codes and scales by module path."""
+        if not self.quantized:
+            return frozen, {}
+        flat = traverse_util.flatten_dict(frozen)
+        parts = {path: {p: flat.pop((*path, "kernel", p)) for p in ("codes", "scales")} for path in self.quantized}
+        for path, q in parts.items():
+            flat[(*path, "kernel")] = kernel(path, q["codes"], q["scales"])
+        return nnx.from_flat_state(flat), parts
+
     def merged(self, trainable: dict, frozen, *, fold: bool = True):
-        """The model's full state: ``frozen`` with the trained task head and (``fold``) every adapter folded
-        into its kernel, ``W + (alpha / r) A B``."""
-        flat = traverse_util.flatten_dict(trainable)
+        """The model's full state: ``frozen`` (dequantised) with the trained task head and (``fold``) every
+        adapter folded into its kernel, ``W + (alpha / r) A B``."""
+        dequantized = lambda path, codes, scales: dequantize(codes, scales, self.kind, self.dtypes[(*path, "kernel")])
+        return self._with(traverse_util.flatten_dict(trainable), self._unfrozen(frozen, dequantized)[0], fold)
+
+    def _with(self, flat: dict, state, fold: bool):
+        """``state`` with the trainable tree's (``flat``) head and, with ``fold``, its adapters folded in."""
 
         def leaf(path, w):
             key = tuple(path_string(path).split("/"))
@@ -242,22 +297,35 @@ class Lora:
                 return (w + self.scale * delta).astype(w.dtype)
             return w
 
-        return jax.tree_util.tree_map_with_path(leaf, frozen)
+        return jax.tree_util.tree_map_with_path(leaf, state)
 
-    def training_model(self, graphdef, trainable: dict, frozen, key: jax.Array | None = None) -> nnx.Module:
+    def training_model(self, graphdef, trainable: dict | None, frozen, key: jax.Array | None = None) -> nnx.Module:
         """The model as it trains: frozen kernels, each adapted layer computing its adapter's branch, with
-        dropout on the adapter's input drawn from ``key`` (none without a key)."""
-        model = nnx.merge(graphdef, self.merged(trainable, frozen, fold=False))
+        dropout on the adapter's input drawn from ``key`` (none without a key); with QLoRA each quantised
+        layer dequantises its own kernel where it is used. ``trainable`` None: the base, adapters off."""
+        # a quantised kernel's place holds an empty array (a stack's: one per layer); its dot ignores it
+        state, quantized = self._unfrozen(
+            frozen, lambda path, codes, _: jnp.zeros((*codes.shape[:-2], 0), self.dtypes[(*path, "kernel")])
+        )
+        flat = {} if trainable is None else traverse_util.flatten_dict(trainable)
+        model = nnx.merge(graphdef, self._with(flat, state, fold=False))
         modules = dict(nnx.iter_modules(model))
-        flat = traverse_util.flatten_dict(trainable)
         rate = self.config.lora_dropout if key is not None else 0.0
-        for i, path in enumerate(self.targets):
+        for i, path in enumerate(self.targets if trainable is not None else ()):
             a, b = flat[(*_keys(path), "lora_A")], flat[(*_keys(path), "lora_B")]
             adapter_key = jax.random.fold_in(key, i) if rate else None
             if rate and a.ndim == 3:  # a stacked kernel's: one key per layer
                 adapter_key = jax.random.split(adapter_key, a.shape[0])
-            modules[path].dot_general = nnx.data(_AdapterDot(a, b, self.scale, rate, adapter_key))
+            modules[path].dot_general = nnx.data(
+                _AdapterDot((a, b), self.scale, rate, adapter_key, quantized.get(path), self._dtype(path))
+            )
+        for path in quantized.keys() - (self.targets.keys() if trainable is not None else set()):
+            modules[path].dot_general = nnx.data(_AdapterDot(None, 0.0, 0.0, None, quantized[path], self._dtype(path)))
         return model
+
+    def _dtype(self, path) -> tuple[str, jnp.dtype]:
+        """``(quantisation, parameter dtype)`` of the kernel of the dense layer at ``path``."""
+        return self.kind, self.dtypes[(*path, "kernel")]
 
     def describe(self, model_count: int, trainable_count: int) -> str:
         targets = sorted({re.sub(f"/(\\d+|{STACKED})/", "/*/", _name(path)) for path in self.targets})
@@ -415,18 +483,27 @@ def merge_adapter(model: nnx.Module, folder: str | os.PathLike) -> nnx.Module:
 
 
 class _AdapterDot(nnx.Module):
-    """A dense layer's ``dot_general`` with the LoRA branch added: ``x W + scale * dropout(x) A B``. The adapters
-    (and the dropout key) are variables, so a scanned stack (``layers.Stacked``) gives each layer its own slice."""
+    """A dense layer's ``dot_general`` with the LoRA branch added, ``x W + scale * dropout(x) A B``, and/or
+    (QLoRA) ``W`` dequantised from ``quantized``'s codes and scales in place of the kernel it is given. The
+    adapters, codes, scales and dropout key are variables, so a scanned stack (``layers.Stacked``) gives each
+    layer its own slice and dequantises that layer's kernel alone."""
 
-    def __init__(self, a, b, scale: float, rate: float, key):
-        self.a, self.b, self.scale, self.rate = nnx.Variable(a), nnx.Variable(b), scale, rate
+    def __init__(self, adapter, scale: float, rate: float, key, quantized=None, dtype=("none", None)):
+        self.adapter = None if adapter is None else nnx.data([nnx.Variable(w) for w in adapter])
+        self.scale, self.rate, (self.kind, self.dtype) = scale, rate, dtype
         self.key = None if key is None else nnx.Variable(key)
+        self.quantized = None if quantized is None else nnx.data({k: nnx.Variable(v) for k, v in quantized.items()})
 
     def __call__(self, x, kernel, dimension_numbers, precision=None, **kwargs):
+        if self.quantized is not None:  # in the parameter's dtype, then the one the layer computes in
+            q = self.quantized
+            kernel = dequantize(q["codes"][...], q["scales"][...], self.kind, self.dtype).astype(kernel.dtype)
         y = jax.lax.dot_general(x, kernel, dimension_numbers, precision=precision, **kwargs)
+        if self.adapter is None:
+            return y
         if self.rate:
             x = dropout_with_key(x, self.rate, self.key[...])
-        a, b = self.a[...].astype(x.dtype), self.b[...].astype(x.dtype)
+        a, b = (w[...].astype(x.dtype) for w in self.adapter)
         h = jnp.matmul(jnp.matmul(x, a, precision=precision), b, precision=precision)
         return y + (self.scale * h).astype(y.dtype)
 

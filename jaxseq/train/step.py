@@ -56,12 +56,13 @@ class Task(Protocol):
     # data's batch with the current weights (GRPO's sampled completions), its figures logged with the step's
 
 
-def with_reference(task: Task, graphdef, frozen, batch):
-    """``batch`` with the task's reference columns (``reference``) from the model of the ``frozen`` weights,
-    when the task asks for them (``needs_reference``)."""
+def with_reference(task: Task, graphdef, frozen, batch, lora=None):
+    """``batch`` with the task's reference columns (``reference``) from the model of the ``frozen`` weights
+    (with ``lora``: its base, adapters off), when the task asks for them (``needs_reference``)."""
     if not getattr(task, "needs_reference", False):
         return batch
-    return {**batch, **jax.lax.stop_gradient(task.reference(nnx.merge(graphdef, frozen), batch))}
+    model = nnx.merge(graphdef, frozen) if lora is None else lora.training_model(graphdef, None, frozen)
+    return {**batch, **jax.lax.stop_gradient(task.reference(model, batch))}
 
 
 def loss_and_metrics(task: Task, model, batch, rngs) -> tuple[jax.Array, dict]:
@@ -131,7 +132,7 @@ def train_step_fn(
             key, adapter_key = jax.random.split(key)
             model = lora.training_model(graphdef, params, frozen, adapter_key)
         loss, metrics = loss_and_metrics(
-            task, model, with_reference(task, graphdef, frozen, batch), nnx.Rngs(dropout=key)
+            task, model, with_reference(task, graphdef, frozen, batch, lora), nnx.Rngs(dropout=key)
         )
         return (loss if scale is None else loss * scale), metrics
 
@@ -244,20 +245,27 @@ class TrainProgram:
         self.lora = Lora(lora, model, param_specs) if lora is not None and lora.enabled else None
         self.frozen_shardings = None
         self.adapter_init = None
-        trained = params
+        trained = frozen = params
         self.reference_copy = not self.lora and getattr(task, "needs_reference", False)
         if self.reference_copy:  # the reference: a frozen copy of the starting weights, an input of the steps
             sharding.check_divisible(params, param_specs, mesh)
             self.frozen_shardings = sharding.make_shardings(mesh, param_specs)
-        if self.lora:  # the model's weights become a frozen input of the steps; the adapters train
+        if self.lora:  # the model's weights (QLoRA: quantised) become a frozen input of the steps; the adapters train
             sharding.check_divisible(params, param_specs, mesh)
-            self.frozen_shardings = sharding.make_shardings(mesh, param_specs)
+            frozen = jax.eval_shape(self.lora.freeze, params)
+            sharding.check_divisible(frozen, self.lora.frozen_specs, mesh)
+            self.frozen_shardings = sharding.make_shardings(mesh, self.lora.frozen_specs)
+            self.freeze = jax.jit(
+                self.lora.freeze,
+                in_shardings=(sharding.make_shardings(mesh, param_specs),),
+                out_shardings=self.frozen_shardings,
+            )
             self.adapter_init = jax.jit(
                 lambda p: self.lora.init(p, seed),
                 in_shardings=(self.frozen_shardings,),
                 out_shardings=sharding.make_shardings(mesh, self.lora.specs),
             )
-            trained = jax.eval_shape(self.adapter_init, params)
+            trained = jax.eval_shape(self.adapter_init, frozen)
             param_specs = self.lora.specs
         self.ema_decay, self.eval_with_ema = optimizer.ema_decay, optimizer.eval_with_ema
         self.tx, self.schedule = make_optimizer(optimizer, total_steps)
@@ -278,7 +286,7 @@ class TrainProgram:
         self.param_specs = specs.params
         self.state_shardings = sharding.make_shardings(mesh, specs)
         self.abstract_state = abstract_like(abstract, self.state_shardings)
-        self.abstract_frozen = None if self.frozen_shardings is None else abstract_like(params, self.frozen_shardings)
+        self.abstract_frozen = None if self.frozen_shardings is None else abstract_like(frozen, self.frozen_shardings)
         self.step = jit_train_step(
             train_step_fn(
                 self.graphdef,
@@ -298,7 +306,8 @@ class TrainProgram:
 
         def eval_step(params, frozen, batch):
             """The task's per-example outputs (``Task.predict``)."""
-            return task.predict(self.merged_model(params, frozen), with_reference(task, self.graphdef, frozen, batch))
+            batch = with_reference(task, self.graphdef, frozen, batch, self.lora)
+            return task.predict(self.eval_model(params, frozen), batch)
 
         self.eval_step = jax.jit(
             eval_step,
@@ -309,6 +318,13 @@ class TrainProgram:
     def merged_model(self, params, frozen) -> nnx.Module:
         """The model of ``params`` (with LoRA: the frozen weights, adapters folded in, the trained head)."""
         return nnx.merge(self.graphdef, params if self.lora is None else self.lora.merged(params, frozen))
+
+    def eval_model(self, params, frozen) -> nnx.Module:
+        """The model evaluation runs: ``merged_model``, but with QLoRA the training model without dropout
+        (each layer dequantised where used, its adapter beside it)."""
+        if self.lora is not None and self.lora.quantized:
+            return self.lora.training_model(self.graphdef, params, frozen)
+        return self.merged_model(params, frozen)
 
     def init_state(self, trained) -> TrainState:
         """The first state, from the parameters that train; the moving average starts at them (a copy: the

@@ -218,7 +218,7 @@ class Trainer:
         params = nnx.state(model)
         self.frozen = None
         if self.lora:
-            self.frozen = sharding.shard(params, program.frozen_shardings)
+            self.frozen = program.freeze(params)
             params = program.adapter_init(self.frozen)
             if self.lora.adapter is not None:  # --lora_adapter: go on from its weights
                 params = sharding.shard(self.lora.adapter_weights(), jax.tree.map(lambda x: x.sharding, params))
@@ -256,7 +256,7 @@ class Trainer:
         from the starting weights through the evaluation batches: they join the sets' arrays, so no
         reference weights are held while training."""
         program, feed = self.program, self.feed
-        step = jax.jit(lambda params, frozen, batch: self.task.reference(program.merged_model(params, frozen), batch))
+        step = jax.jit(lambda params, frozen, batch: self.task.reference(program.eval_model(params, frozen), batch))
         for name in ([None] if feed.train_data is not None else []) + list(feed.eval_sets):
             data = feed.train_data if name is None else feed.eval_sets[name]
             key = f"reference {'train' if name is None else name or 'eval'}"

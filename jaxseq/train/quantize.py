@@ -1,0 +1,42 @@
+"""QLoRA's frozen kernels (Dettmers et al. 2023), quantised by qwix: ``nf4`` codes with an absmax scale per
+block of 64 inputs of one output (bitsandbytes' ``blocksize=64`` over the torch weight's ``[out, in]`` rows),
+or ``int8`` with one scale per output channel (``round(w / s)``, ``s = absmax / 127.5``). Scales are float32.
+
+qwix keeps an nf4 code in a ``uint4`` per element, which jaxseq's byte counts (``itemsize``) and non-TPU
+backends take as a byte; the codes are stored two to a ``uint8`` along the input axis instead.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import qwix
+
+QUANTIZE = ("none", "int8", "nf4")
+BLOCK = 64  # nf4's block of inputs sharing a scale
+_QTYPES = {"int8": jnp.int8, "nf4": "nf4"}
+
+
+def quantize(kernel: jax.Array, kind: str) -> dict[str, jax.Array]:
+    """``{"codes", "scales"}`` of a kernel ``[..., in, out]``; leading axes (a stacked kernel's layers) are
+    quantised one slice at a time, so only one layer's temporaries are live."""
+    if kernel.ndim > 2:
+        return jax.lax.map(lambda k: quantize(k, kind), kernel)
+    tiles = {0: BLOCK} if kind == "nf4" else {}
+    q = qwix.quantize(
+        kernel.astype(jnp.float32), _QTYPES[kind], channelwise_axes=(1,), tiled_axes=tiles, scale_dtype=jnp.float32
+    )
+    codes = q.qvalue
+    if kind == "nf4":  # two codes a byte: even inputs in the low nibble, odd in the high
+        codes = codes.astype(jnp.uint8)
+        codes = codes[0::2] | (codes[1::2] << 4)
+    return {"codes": codes, "scales": q.scale}
+
+
+def dequantize(codes: jax.Array, scales: jax.Array, kind: str, dtype) -> jax.Array:
+    """The kernel ``[..., in, out]`` in ``dtype`` from ``quantize``'s codes and scales."""
+    if codes.ndim > 2:
+        return jax.vmap(lambda c, s: dequantize(c, s, kind, dtype))(codes, scales)
+    if kind == "nf4":
+        codes = jnp.stack([codes & 15, codes >> 4], axis=1).reshape(-1, codes.shape[-1]).astype(jnp.uint4)
+    return qwix.dequantize(qwix.QArray(codes, scales, qtype=_QTYPES[kind])).astype(dtype)
