@@ -129,6 +129,8 @@ def prepare(args, planning: bool) -> Prepared:
             "jaxseq grpo cannot be planned yet: its batches are sampled in the loop; plan the same model and "
             "--per_device_train_batch_size x --num_generations rows of prompt + completion tokens with jaxseq clm"
         )
+    if jax.process_count() > 1:
+        raise JaxseqError("jaxseq grpo runs in one process for now (all its devices, --mesh); start it on one host")
     funcs = load_reward_funcs(grpo.reward_funcs)
     tokenizer = load_tokenizer(source.tokenizer_name or folder)
     records = load_prompts(data)
