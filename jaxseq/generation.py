@@ -518,7 +518,7 @@ def generate(
     return GenerationOutput(best(tokens), None if logprobs is None else best(logprobs), best(scores))
 
 
-def greedy_tokens(
+def search_tokens(
     model,
     input_ids: jax.Array,
     attention_mask: jax.Array,

@@ -85,3 +85,25 @@ def seqeval(references: list[list[str]], predictions: list[list[str]], entity_le
                 results[f"{name}_{key}"] = float(score[field])
             results[f"{name}_number"] = int(score["support"])
     return results
+
+
+ROUGE_KEYS = ("rouge1", "rouge2", "rougeL", "rougeLsum")
+
+
+def summary_sentences(text: str) -> str:
+    """``text`` stripped, a sentence a line (run_summarization's postprocess_text, for rougeLsum): nltk's Punkt
+    algorithm with default parameters, as its English model (punkt_tab) is a download outside pip."""
+    from nltk.tokenize.punkt import PunktSentenceTokenizer
+
+    return "\n".join(PunktSentenceTokenizer().tokenize(text.strip()))
+
+
+def rouge(predictions: list[str], references: list[str]) -> dict[str, float]:
+    """``rouge1``, ``rouge2``, ``rougeL``, ``rougeLsum``: rouge_score's F-measures (use_stemmer=True, rougeLsum
+    over ``summary_sentences``) averaged over the pairs, x100 and rounded to 4 places as run_summarization.
+    The script's ``evaluate`` reports the median of 1000 random bootstrap means; this is the mean itself."""
+    from rouge_score import rouge_scorer
+
+    scorer = rouge_scorer.RougeScorer(list(ROUGE_KEYS), use_stemmer=True)
+    scores = [scorer.score(summary_sentences(r), summary_sentences(p)) for p, r in zip(predictions, references)]
+    return {k: round(float(np.mean([s[k].fmeasure for s in scores])) * 100, 4) if scores else 0.0 for k in ROUGE_KEYS}

@@ -1,7 +1,7 @@
 """Beam search against transformers PyTorch ``generate(num_beams=..., do_sample=False)``: the same tokens and
 ``sequences_scores`` for GPT-2, Llama and T5 over (num_beams, length_penalty, early_stopping,
 num_return_sequences) with an EOS that beams reach at different steps; one compiled program for every
-length_penalty / early_stopping; a scanned model on a (dp=2, mp=4) mesh; the traced ``greedy_tokens`` an
+length_penalty / early_stopping; a scanned model on a (dp=2, mp=4) mesh; the traced ``search_tokens`` an
 evaluation step calls; one-line errors; and ``jaxseq generate --num_beams`` in a fresh one-device process."""
 
 import json
@@ -19,7 +19,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from jaxseq.errors import JaxseqError  # noqa: E402
-from jaxseq.generation import ProgramKey, Settings, cached_program, generate, greedy_tokens  # noqa: E402
+from jaxseq.generation import ProgramKey, Settings, cached_program, generate, search_tokens  # noqa: E402
 from jaxseq.mesh import make_mesh  # noqa: E402
 from jaxseq.models import load_pretrained  # noqa: E402
 from tests.conftest import shared_asset  # noqa: E402
@@ -212,12 +212,12 @@ def test_scanned_model_on_a_mesh_equals_pytorch(tmp_path, name):
 
 
 def test_traced_best_beam_for_an_evaluation_step(family):
-    """``greedy_tokens(num_beams=...)`` inside the caller's jit: the best beam of ``generate``."""
+    """``search_tokens(num_beams=...)`` inside the caller's jit: the best beam of ``generate``."""
     _, _, model, eos = family
     ids, mask = prompts()
     kw = dict(num_beams=3, length_penalty=0.8, early_stopping=True)
     traced = jax.jit(
-        lambda i, m: greedy_tokens(model, i, m, max_new_tokens=NEW, eos_token_id=eos, pad_token_id=PAD, **kw)
+        lambda i, m: search_tokens(model, i, m, max_new_tokens=NEW, eos_token_id=eos, pad_token_id=PAD, **kw)
     )(ids, mask)
     got = generate(model, ids, mask, max_new_tokens=NEW, eos_token_id=eos, pad_token_id=PAD, **kw)
     np.testing.assert_array_equal(np.asarray(traced), np.asarray(got.sequences))

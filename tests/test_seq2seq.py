@@ -231,6 +231,6 @@ def test_evaluation_in_length_buckets_equals_full_rows_in_input_order(tmp_path, 
     expected = objective.predict(trainer.model(), {k: jnp.asarray(v) for k, v in arrays.items()})
     np.testing.assert_array_equal(got["tokens"], np.asarray(expected["tokens"]))
     np.testing.assert_allclose(got["loss_sum"], np.asarray(expected["loss_sum"]), rtol=1e-5, atol=1e-5)
-    np.testing.assert_array_equal(got["generated"], np.asarray(expected["generated"]))
+    np.testing.assert_array_equal(got["prediction"], np.asarray(expected["prediction"]))
     assert objective.decode(got["references"]) == [target for _, target in pairs]
     assert trainer.program.eval_step._cache_size() == len(shapes)  # one program per bucket

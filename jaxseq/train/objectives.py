@@ -13,8 +13,8 @@ import optax
 
 from jaxseq.config import arg
 from jaxseq.errors import JaxseqError
-from jaxseq.generation import greedy_tokens
-from jaxseq.metrics import perplexity, seqeval
+from jaxseq.generation import search_tokens
+from jaxseq.metrics import ROUGE_KEYS, perplexity, rouge, seqeval
 from jaxseq.models.layers import padded_vocab_size
 
 
@@ -300,13 +300,21 @@ def chunked_cross_entropy(
 class Seq2SeqLM(TokenLoss):
     """Teacher-forced cross-entropy of an encoder-decoder (T5) on ``labels`` (``decoder_attention_mask``
     marks the real target tokens); eval loss and perplexity exact over all target tokens. With a
-    ``tokenizer`` and ``max_new_tokens`` > 0, evaluation also decodes greedily and scores the text:
-    exact match (stripped strings equal)."""
+    ``tokenizer`` and ``max_new_tokens`` > 0, evaluation also generates (greedy, or beam search with
+    ``num_beams`` > 1) and scores the text (``text_metrics``)."""
 
-    def __init__(self, tokenizer=None, max_new_tokens: int = 0):
+    def __init__(
+        self,
+        tokenizer=None,
+        max_new_tokens: int = 0,
+        num_beams: int = 1,
+        length_penalty: float = 1.0,
+        early_stopping: bool | str = False,
+    ):
         self.tokenizer, self.max_new_tokens = tokenizer, max_new_tokens
+        self.search = dict(num_beams=num_beams, length_penalty=length_penalty, early_stopping=early_stopping)
         if tokenizer is not None and max_new_tokens > 0:
-            self.metric_names = (*TokenLoss.metric_names, "exact_match")
+            self.metric_names = (*TokenLoss.metric_names, "exact_match", *ROUGE_KEYS, "gen_len")
 
     def _token_losses(self, model, batch, rngs=None) -> tuple[jax.Array, jax.Array]:
         labels = batch["labels"]
@@ -320,24 +328,34 @@ class Seq2SeqLM(TokenLoss):
     def predict(self, model, batch: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
         outputs = super().predict(model, batch)
         if self.tokenizer is not None and self.max_new_tokens > 0:
-            outputs["generated"] = greedy_tokens(
+            outputs["prediction"] = search_tokens(
                 model,
                 batch["input_ids"],
                 batch["attention_mask"],
                 max_new_tokens=self.max_new_tokens,
                 eos_token_id=model.config.eos_token_id,
                 pad_token_id=model.config.pad_token_id,
+                **self.search,
             )
             outputs["references"] = jnp.where(batch["decoder_attention_mask"] > 0, batch["labels"], -1)
         return outputs
 
     def metrics(self, outputs: dict[str, np.ndarray]) -> dict[str, float]:
         results = super().metrics(outputs)
-        if "generated" in outputs:
-            predictions = self.decode(outputs["generated"])
-            references = self.decode(outputs["references"])
-            results["exact_match"] = float(np.mean([p == r for p, r in zip(predictions, references)]))
+        if "prediction" in outputs:
+            results.update(self.text_metrics(outputs["prediction"], outputs["references"]))
         return results
+
+    def text_metrics(self, generated: np.ndarray, references: np.ndarray) -> dict[str, float]:
+        """``exact_match`` (stripped texts equal), ROUGE (``metrics.rouge``) and ``gen_len`` (tokens generated
+        that are not padding, EOS included, as run_summarization counts them) of token rows (negative: none)."""
+        predictions, truths = self.decode(generated), self.decode(references)
+        lengths = np.sum((generated >= 0) & (generated != self.tokenizer.pad_token_id), axis=1)
+        return {
+            "exact_match": float(np.mean([p == r for p, r in zip(predictions, truths)])),
+            **rouge(predictions, truths),
+            "gen_len": float(np.mean(lengths)),
+        }
 
     def decode(self, ids: np.ndarray) -> list[str]:
         """Texts of token rows; negative ids (no token: masked or bucket padding) are dropped."""
