@@ -71,6 +71,8 @@ MODELS = {
     # chat fine-tuning (jaxseq chat) of the Llama-3-8B shape: every weight, and LoRA on all seven projections
     "llama3-8b": ("finetune_chat.py", LLAMA_CHAT),
     "llama3-8b-lora": ("finetune_chat.py", [*LLAMA_CHAT, *LORA_ALL]),
+    # QLoRA: the blocks' frozen kernels in nf4 (scanned layers, as --scan_layers auto under --remat full), one chip
+    "llama3-8b-qlora": ("finetune_chat.py", [*LLAMA_CHAT, *LORA_ALL, "--quantize", "nf4"]),
     # the attention kernel side by side (every row above runs --attention auto: splash on TPU where it applies)
     "gpt2-small-splash": (
         "pretrain_clm.py",
@@ -118,6 +120,7 @@ SLICES = {
     "bert-large": ["v5e-8", "v5e-1", "v4-8"],
     "llama3-8b": ["v5e-8", "v5p-8"],
     "llama3-8b-lora": ["v5e-8", "v5p-8"],
+    "llama3-8b-qlora": ["v5e-1"],
     "gpt2-small-splash": ["v5e-8"],
     "gpt2-small-xla": ["v5e-8"],
     "gptj-6b-xla": ["v5e-8"],
@@ -133,7 +136,7 @@ ROWS = {  # name -> (script, flags)
 BATCH = {
     "gptj-6b": 1, "gpt2-xl": 4, "gpt2-xl-dropout": 4, "bert-large": 8, "t5-v1_1-xl": 2, "gpt2-small-splash": 8,
     "gpt2-small-xla": 8, "gptj-6b-xla": 1, "gptj-6b-8k-splash": 1, "gptj-6b-8k-xla": 1, "llama3-8b": 1,
-    "llama3-8b-lora": 1,
+    "llama3-8b-lora": 1, "llama3-8b-qlora": 1,
 }  # fmt: skip
 BATCH.update({f"{model}-scan": BATCH[model] for model in SCANNED})
 
@@ -170,6 +173,7 @@ NAMES = {
     "bert-large": "BERT-large",
     "llama3-8b": "Llama-3-8B shape, chat, all weights",
     "llama3-8b-lora": "Llama-3-8B shape, chat, LoRA r16 on all projections",
+    "llama3-8b-qlora": "Llama-3-8B shape, chat, QLoRA (nf4) r16 on all projections",
     "gpt2-small-splash": "GPT-2 small, no dropout, --attention splash",
     "gpt2-small-xla": "GPT-2 small, no dropout, --attention xla",
     "gptj-6b-xla": "GPT-J-6B, --attention xla",

@@ -317,13 +317,13 @@ class Lora:
             if rate and a.ndim == 3:  # a stacked kernel's: one key per layer
                 adapter_key = jax.random.split(adapter_key, a.shape[0])
             modules[path].dot_general = nnx.data(
-                _AdapterDot((a, b), self.scale, rate, adapter_key, quantized.get(path), self._dtype(path))
+                _AdapterDot((a, b), self.scale, rate, adapter_key, quantized.get(path), self._how(path))
             )
         for path in quantized.keys() - (self.targets.keys() if trainable is not None else set()):
-            modules[path].dot_general = nnx.data(_AdapterDot(None, 0.0, 0.0, None, quantized[path], self._dtype(path)))
+            modules[path].dot_general = nnx.data(_AdapterDot(None, 0.0, 0.0, None, quantized[path], self._how(path)))
         return model
 
-    def _dtype(self, path) -> tuple[str, jnp.dtype]:
+    def _how(self, path) -> tuple[str, jnp.dtype]:
         """``(quantisation, parameter dtype)`` of the kernel of the dense layer at ``path``."""
         return self.kind, self.dtypes[(*path, "kernel")]
 
@@ -488,9 +488,9 @@ class _AdapterDot(nnx.Module):
     adapters, codes, scales and dropout key are variables, so a scanned stack (``layers.Stacked``) gives each
     layer its own slice and dequantises that layer's kernel alone."""
 
-    def __init__(self, adapter, scale: float, rate: float, key, quantized=None, dtype=("none", None)):
+    def __init__(self, adapter, scale: float, rate: float, key, quantized=None, how=("none", None)):
         self.adapter = None if adapter is None else nnx.data([nnx.Variable(w) for w in adapter])
-        self.scale, self.rate, (self.kind, self.dtype) = scale, rate, dtype
+        self.scale, self.rate, (self.kind, self.dtype) = scale, rate, how
         self.key = None if key is None else nnx.Variable(key)
         self.quantized = None if quantized is None else nnx.data({k: nnx.Variable(v) for k, v in quantized.items()})
 

@@ -255,11 +255,7 @@ class TrainProgram:
             frozen = jax.eval_shape(self.lora.freeze, params)
             sharding.check_divisible(frozen, self.lora.frozen_specs, mesh)
             self.frozen_shardings = sharding.make_shardings(mesh, self.lora.frozen_specs)
-            self.freeze = jax.jit(
-                self.lora.freeze,
-                in_shardings=(sharding.make_shardings(mesh, param_specs),),
-                out_shardings=self.frozen_shardings,
-            )
+            self._param_shardings = sharding.make_shardings(mesh, param_specs)
             self.adapter_init = jax.jit(
                 lambda p: self.lora.init(p, seed),
                 in_shardings=(self.frozen_shardings,),
@@ -318,6 +314,13 @@ class TrainProgram:
     def merged_model(self, params, frozen) -> nnx.Module:
         """The model of ``params`` (with LoRA: the frozen weights, adapters folded in, the trained head)."""
         return nnx.merge(self.graphdef, params if self.lora is None else self.lora.merged(params, frozen))
+
+    def freeze(self, params):
+        """LoRA's frozen tree of the model's state ``params``, on its shardings (QLoRA: quantised in place)."""
+        if not self.lora.quantized:
+            return sharding.shard(params, self.frozen_shardings)
+        quantize = jax.jit(self.lora.freeze, out_shardings=self.frozen_shardings)
+        return quantize(sharding.shard(params, self._param_shardings))
 
     def eval_model(self, params, frozen) -> nnx.Module:
         """The model evaluation runs: ``merged_model``, but with QLoRA the training model without dropout
