@@ -19,6 +19,7 @@ COMMANDS = {
     "grpo": ("grpo", "train a causal LM on your reward functions with GRPO, sampling in the loop (as TRL)"),
     "seq2seq": ("seq2seq", "fine-tune T5 on source/target pairs"),
     "ner": ("ner", "fine-tune an encoder to tag words: named entities (run_ner.py flags, seqeval metrics)"),
+    "qa": ("qa", "fine-tune an encoder to answer questions from a context: SQuAD v1.1/v2.0 (run_qa.py flags)"),
     "generate": ("generate", "generate text with a causal or seq2seq language model (`jaxseq generate --help`)"),
     "push": ("push", "push a finished run's model, results and model card to the Hugging Face Hub"),
 }

@@ -146,6 +146,33 @@ class TokenClassification(TokenLoss):
         return {"loss": loss, **seqeval(gold, predicted, self.entity_level)}
 
 
+class SpanExtraction:
+    """Extractive question answering: the mean of the start and end cross-entropies of each window (its
+    ``start_positions`` and ``end_positions``, the [CLS] token where it holds no answer), as transformers'
+    ``BertForQuestionAnswering``. ``predict`` gives each window's ``[seq, 2]`` start and end logits;
+    ``metrics`` the eval loss and ``score(logits)``: the job's figures over the answers those logits give."""
+
+    def __init__(self, score, metric_names: tuple[str, ...]):
+        self.score, self.metric_names = score, ("loss", *metric_names)
+
+    def _losses(self, model, batch, rngs=None):
+        extra = {k: batch[k] for k in ("token_type_ids", "position_ids") if k in batch}
+        start, end = model(batch["input_ids"], batch["attention_mask"], **extra, rngs=rngs)
+        ce = optax.softmax_cross_entropy_with_integer_labels
+        losses = (ce(start, batch["start_positions"]) + ce(end, batch["end_positions"])) / 2
+        return losses, jnp.stack([start, end], axis=-1)
+
+    def loss(self, model, batch: Mapping[str, jax.Array], rngs) -> jax.Array:
+        return self._losses(model, batch, rngs)[0].mean()
+
+    def predict(self, model, batch: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
+        losses, logits = self._losses(model, batch)
+        return {"prediction": logits, "loss": losses}
+
+    def metrics(self, outputs: dict[str, np.ndarray]) -> dict[str, float]:
+        return {"loss": float(outputs["loss"].mean()), **self.score(outputs["prediction"])}
+
+
 AUTO_CHUNK = -1
 """``CausalLM(chunk_tokens=AUTO_CHUNK)``: chunks sized for the devices (``CausalLM.for_batch_shards``)."""
 DEFAULT_CHUNK_TOKENS = 512
