@@ -69,7 +69,7 @@ def seqeval(references: list[list[str]], predictions: list[list[str]], entity_le
     ``entity_level`` adds ``<type>_precision``, ``_recall``, ``_f1`` and ``_number`` for each entity type."""
     from seqeval.metrics import accuracy_score, classification_report
 
-    report = classification_report(references, predictions, output_dict=True)
+    report = classification_report(references, predictions, output_dict=True, zero_division=0)  # 0, unwarned
     for average in ("macro avg", "weighted avg"):
         report.pop(average)
     overall = report.pop("micro avg")

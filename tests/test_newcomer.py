@@ -29,7 +29,7 @@ JAXSEQ = Path(sys.executable).with_name("jaxseq")  # the console command of the 
 JOB = re.compile(r"(?:^|[\s|\"'])jaxseq\s+(\S+)")
 """A command line that runs `jaxseq` (after a pipe or inside quotes too), and which job."""
 EXEMPT = re.compile(r"#.*\b(needs (the Hub|a TPU|\d+ devices|several hosts)|not run in CI)")
-SHORTER = {"clm": "--max_steps 4 --max_eval_samples 16"}
+SHORTER = {"clm": "--max_steps 4 --max_eval_samples 16", "ner": "--max_steps 4", "qa": "--max_steps 4"}
 """Flags appended to a job's README commands so that they run in seconds (later flags win)."""
 TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}{{ eos_token }}\n{% endfor %}"
@@ -148,6 +148,19 @@ def world(tmp_path_factory):
         (root / name).write_text("".join(json.dumps({"source": p, "target": p.split()[0]}) + "\n" for p in pairs))
     (root / "prompts.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ("Once upon", "To be")))
     (root / "prompts.txt").write_text("translate: a house\nsummarize: the long day\n")
+    conll = shared_asset("data/ner/conll2003-test.json").read_text().splitlines()
+    (root / "ner-train.json").write_text("\n".join(conll[:64]) + "\n")
+    (root / "ner-dev.json").write_text("\n".join(conll[64:80]) + "\n")
+    for name, ks in (("train-v2.0.json", range(20)), ("dev-v2.0.json", range(40, 48))):  # SQuAD v2.0: a word's place
+        paragraphs = []
+        for k in ks:
+            context = " ".join(words[k * 30 : k * 30 + 120])
+            word = words[k * 30 + 7]
+            qas = [{"id": f"q{k}", "question": f"Which word comes after {words[k * 30 + 6]}?", "is_impossible": False,
+                    "answers": [{"text": word, "answer_start": context.index(" " + word + " ") + 1}]},
+                   {"id": f"n{k}", "question": "Who wrote it?", "is_impossible": True, "answers": []}]  # fmt: skip
+            paragraphs.append({"context": context, "qas": qas})
+        (root / name).write_text(json.dumps({"version": "v2.0", "data": [{"title": "t", "paragraphs": paragraphs}]}))
 
     home = tmp_path_factory.mktemp("home")
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
