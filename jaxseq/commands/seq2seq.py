@@ -153,7 +153,11 @@ def prepare(args, planning: bool) -> Prepared:
         checkpoint=folder if source.model_name_or_path else None,
         overrides=overrides,
         tokenizer=tokenizer,
-        summary=lambda _: " / ".join(f"{len(p)} {split}" for split, p in pairs.items()) + " pairs",
+        summary=lambda _: (
+            " / ".join(f"{len(p)} {split}" for split, p in pairs.items())
+            + " pairs"
+            + (f"; generating up to {max_new} tokens with {objective.search['num_beams']} beam(s)" if max_new else "")
+        ),
         write_predictions=functools.partial(write_predictions, objective, rows.get("predict")),
         **common,
     )
