@@ -809,7 +809,9 @@ def peak_buffers(dump_dir: str, program_text: str | None = None, argument_kinds:
     """What one device holds when its memory peaks, from the compiler's buffer live ranges in ``dump_dir``
     (``-live-range.txt``, written with :func:`_dump_options`) and the optimized HLO (``program_text``, else the
     dump's): ``{"live_bytes", "by_kind": {kind: bytes}, "largest": [{"bytes", "shape", "kind", "holds"}]}``;
-    ``live_bytes`` sums the values live at the peak, which the allocator's total exceeds by its fragmentation.
+    ``live_bytes`` sums the values the live ranges list at the peak: it differs from the compiler's total by
+    the allocator's fragmentation (added there) and by values listed apart that share a buffer (a donated
+    weight and its update).
     Kinds: the step's arguments by ``argument_kinds`` (their name's prefix in the step's signature -> kind:
     parameters, optimizer state, batch, ...), copies of arguments (casts, slices), gathered weights (fsdp
     all-gathers), forward activations, backward (gradients and what the backward pass recomputes), dropout
@@ -842,7 +844,7 @@ def peak_buffers(dump_dir: str, program_text: str | None = None, argument_kinds:
         by_kind[buffer["kind"]] = by_kind.get(buffer["kind"], 0) + buffer["bytes"]
     largest = sorted(buffers, key=lambda b: -b["bytes"])[:PEAK_BUFFERS]
     return {
-        "live_bytes": sum(b["bytes"] for b in buffers),  # below the allocator's total: it adds fragmentation
+        "live_bytes": sum(b["bytes"] for b in buffers),  # not the allocator's total (see the docstring)
         "by_kind": dict(sorted(by_kind.items(), key=lambda kv: -kv[1])),
         "largest": largest,
     }
