@@ -10,7 +10,7 @@ import jax
 import pytest
 import transformers
 
-from jaxseq.commands import chat, clm, glue
+from jaxseq.commands import chat, clm, glue, ner, qa
 from jaxseq.mesh import make_mesh
 from jaxseq.runner import parse_job, plan_programs, spec_of
 from jaxseq.train.trainer import Trainer
@@ -106,6 +106,25 @@ def test_a_chat_plan_compiles_the_runs_own_step(tmp_path):
     run, plan, names = lowered_texts(chat.JOB, list(map(str, argv)), make_mesh("dp=8"))
     assert "loss_mask" in names
     assert run == plan
+
+
+def test_ner_and_qa_plans_compile_the_runs_own_steps(tmp_path):
+    """Token classification (CoNLL-2003 sentences) and question answering (windows of a SQuAD file): one
+    example or window a row, the plan's step is the run's."""
+    from tests.test_qa import SQUAD
+
+    conll = shared_asset("data/ner/conll2003-test.json").read_text().splitlines()
+    (tmp_path / "ner.json").write_text("\n".join(conll[:16]) + "\n")
+    (tmp_path / "squad.json").write_text(json.dumps(SQUAD))
+    model = ["--model_name_or_path", shared_asset("models/all-MiniLM-L6-v2"), "--do_train", "--max_seq_length", "32"]
+    for job, data in (
+        (ner.JOB, ["--train_file", tmp_path / "ner.json"]),
+        (qa.JOB, ["--train_file", tmp_path / "squad.json", "--doc_stride", "12"]),
+    ):
+        argv = [*model, *data, "--output_dir", tmp_path / job.task, *COMMON]
+        run, plan, names = lowered_texts(job, list(map(str, argv)), make_mesh("dp=4,fsdp=2"))
+        assert "labels" in names or "start_positions" in names
+        assert run == plan
 
 
 @pytest.fixture(autouse=True)
