@@ -118,7 +118,8 @@ class Cache(NamedTuple):
 def run_blocks(blocks, remat: str, x, mask, *args, cache: Cache | None, rngs, **kwargs):
     """Run decoder blocks in order (a list, or a scanned ``Stacked`` one), each reading and writing its own
     layer of ``cache`` (if given) at the cache's index, and reading its own cross-attention keys/values
-    (``cache.cross``, as ``cross=``); returns the output and the cache advanced past ``x``'s positions."""
+    (``cache.cross``, as ``cross=``); returns the output and the cache advanced past ``x``'s positions, or
+    without a cache what the blocks return beside their outputs (MoE layers' router statistics), None if nothing."""
     index = 0 if cache is None else cache.index
     own = {} if cache is None else {"cache": cache.layers, "cross": cache.cross}
     own = {name: value for name, value in own.items() if value is not None}
@@ -131,9 +132,9 @@ def run_blocks(blocks, remat: str, x, mask, *args, cache: Cache | None, rngs, **
             x, layer = call_block(block, remat, x, mask, *args, index=index, rngs=rngs, **layer, **kwargs)
             layers.append(layer)
         layers = tuple(layers)
-    if cache is not None:
-        cache = cache._replace(layers=layers, index=cache.index + x.shape[1])
-    return x, cache
+    if cache is None:
+        return x, layers if jax.tree.leaves(layers) else None
+    return x, cache._replace(layers=layers, index=cache.index + x.shape[1])
 
 
 def update_kv(cache: KVCache, k: jax.Array, v: jax.Array, index: jax.Array) -> KVCache:

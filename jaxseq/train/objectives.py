@@ -258,20 +258,29 @@ class CausalLM(TokenLoss):
         fits = max(1, self.logits_bytes // (4 * padded_vocab_size(vocab_size)))
         return None if -(-rows // self.batch_shards) * seq <= fits else fits
 
+    def loss(self, model, batch: Mapping[str, jax.Array], rngs) -> jax.Array:
+        """The mean token loss plus the model's auxiliary loss, if it returns one (``LMOutput.aux_loss``)."""
+        losses, weights, aux = self._scored(model, batch, rngs)
+        return losses.sum() / jnp.maximum(weights.sum(), 1.0) + (0.0 if aux is None else aux)
+
     def _token_losses(self, model, batch, rngs=None) -> tuple[jax.Array, jax.Array]:
+        return self._scored(model, batch, rngs)[:2]
+
+    def _scored(self, model, batch, rngs=None) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+        """Per-token losses, weights and the model's auxiliary loss (None without one)."""
         ids = batch["input_ids"].astype(jnp.int32)  # the data may be stored as uint16
         mask, positions = batch.get("attention_mask"), batch.get("position_ids")
         targets = jnp.roll(ids, -1, axis=1)
         weights = self._weights(batch)
         chunk_tokens = self._chunk_tokens(*ids.shape, model.config.vocab_size)
         if chunk_tokens and hasattr(model, "hidden_states"):
-            h = model.hidden_states(ids, mask, positions, rngs=rngs).last_hidden_state
+            out = model.hidden_states(ids, mask, positions, rngs=rngs)
             chunk = self.chunk_positions(*ids.shape, chunk_tokens)
-            losses = chunked_cross_entropy(model.logits, h, targets, chunk, model.config.vocab_size)
+            losses = chunked_cross_entropy(model.logits, out.last_hidden_state, targets, chunk, model.config.vocab_size)
         else:
-            logits = model(ids, mask, positions, rngs=rngs).logits
-            losses = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
-        return losses * weights, weights
+            out = model(ids, mask, positions, rngs=rngs)
+            losses = optax.softmax_cross_entropy_with_integer_labels(out.logits, targets)
+        return losses * weights, weights, getattr(out, "aux_loss", None)
 
     def _weights(self, batch) -> jax.Array:
         """1 where position t's next token is a target: a real token (``attention_mask`` not 0, as

@@ -155,7 +155,7 @@ class DecoderLM(nnx.Module):
     def __call__(self, input_ids, attention_mask=None, position_ids=None, *, cache=None, rngs=None):
         """Logits over the ``config.vocab_size`` tokens, as transformers returns them."""
         out = self.hidden_states(input_ids, attention_mask, position_ids, cache=cache, rngs=rngs)
-        return LMOutput(self.logits(out.last_hidden_state)[..., : self.config.vocab_size], out.cache)
+        return LMOutput(self.logits(out.last_hidden_state)[..., : self.config.vocab_size], out.cache, out.aux_loss)
 
     def hidden_states(self, input_ids, attention_mask=None, position_ids=None, *, cache=None, rngs=None):
         """The final hidden states (``BaseOutput``), before the head."""

@@ -194,12 +194,14 @@ class LlamaMLP(nnx.Module):
 
 
 class LlamaDecoderLayer(nnx.Module):
+    mlp_class = LlamaMLP  # Mixtral's: its sparse MoE block
+
     def __init__(self, config, window: int | None = None, *, dtype, param_dtype, rngs: nnx.Rngs):
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.input_layernorm = nnx.RMSNorm(config.hidden_size, epsilon=config.rms_norm_eps, **kw)
         self.self_attn = LlamaAttention(config, window, **kw)
         self.post_attention_layernorm = nnx.RMSNorm(config.hidden_size, epsilon=config.rms_norm_eps, **kw)
-        self.mlp = LlamaMLP(config, **kw)
+        self.mlp = self.mlp_class(config, **kw)
 
     def __call__(self, x, masks, rope, *, cache=None, index=0, rngs=None):
         a, cache = self.self_attn(self.input_layernorm(x), masks, rope, cache=cache, index=index, rngs=rngs)
@@ -215,6 +217,7 @@ class LlamaModel(nnx.Module):
     needs every layer to attend over the same window."""
 
     hf_architecture = "LlamaModel"
+    layer_class = LlamaDecoderLayer
 
     def __init__(
         self, config, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs, scan_layers: bool = False
@@ -235,7 +238,7 @@ class LlamaModel(nnx.Module):
                 "layers (layer_types); leave scan_layers off"
             )
         self.layers = blocks(
-            lambda i, rngs: LlamaDecoderLayer(config, self.windows[i], dtype=dtype, param_dtype=param_dtype, rngs=rngs),
+            lambda i, rngs: self.layer_class(config, self.windows[i], dtype=dtype, param_dtype=param_dtype, rngs=rngs),
             config.num_hidden_layers,
             rngs,
             scan=scan_layers,
@@ -286,12 +289,13 @@ class LlamaForCausalLM(DecoderLM):
 
     hf_architecture = "LlamaForCausalLM"
     base_name = "model"
+    base = LlamaModel
 
     def __init__(
         self, config, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs, scan_layers: bool = False
     ):
         self.config = config
-        self.model = LlamaModel(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs, scan_layers=scan_layers)
+        self.model = self.base(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs, scan_layers=scan_layers)
         if not config.tie_word_embeddings:
             self.lm_head = Linear(
                 config.hidden_size,

@@ -1,0 +1,138 @@
+"""Mixtral (Jiang et al. 2024): Llama's decoder (``jaxseq.models.llama``) with each MLP a sparse mixture of
+experts, parameters named as Mixtral's checkpoints name them (``block_sparse_moe.gate`` the router,
+``block_sparse_moe.experts.N.w1/w2/w3`` expert N's gate, down and up projections; transformers 5 saves these
+names and fuses them only in memory).
+
+Each token goes to its ``num_experts_per_tok`` best experts by the router's softmax, their weights renormalised to
+sum to one. Dropless: the token-expert pairs are sorted by expert and each expert multiplies only its own rows in
+one grouped matmul (``jax.lax.ragged_dot`` with the experts' row counts), then the rows are weighted and
+summed back onto their tokens. With ``output_router_logits`` the model returns transformers'
+``load_balancing_loss_func`` times ``router_aux_loss_coef`` as ``aux_loss``, which the causal-LM objective adds.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxseq.models.layers import Linear, activation, normal
+from jaxseq.models.llama.modeling import LlamaDecoderLayer, LlamaForCausalLM, LlamaForSequenceClassification, LlamaModel
+from jaxseq.models.outputs import BaseOutput
+
+
+def route(logits: jax.Array, top_k: int, normalise: bool) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """float32 router probabilities ``[tokens, experts]``, each token's ``top_k`` weights and expert ids
+    (weights renormalised to sum to one if ``normalise``, as Mixtral's and Qwen3-MoE's ``norm_topk_prob``)."""
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    weights, experts = jax.lax.top_k(probs, top_k)
+    if normalise:
+        weights = weights / weights.sum(axis=-1, keepdims=True)
+    return probs, weights, experts
+
+
+class Expert(nnx.Module):
+    """One SwiGLU expert, PyTorch's names: ``w2(silu(w1(x)) * w3(x))``."""
+
+    def __init__(self, config, *, dtype, param_dtype, rngs: nnx.Rngs):
+        d, inner = config.hidden_size, config.intermediate_size
+        kw = dict(use_bias=False, kernel_init=normal(config.initializer_range), dtype=dtype, param_dtype=param_dtype)
+        self.w1, self.w3 = Linear(d, inner, **kw, rngs=rngs), Linear(d, inner, **kw, rngs=rngs)
+        self.w2 = Linear(inner, d, **kw, rngs=rngs)
+
+
+def grouped_experts(experts, act, dtype, x, weights, ids):
+    """``x`` ``[tokens, hidden]`` through each token's experts ``ids`` ``[tokens, k]``, summed with ``weights``:
+    the token-expert pairs sorted by expert, each expert's rows multiplied by its kernels alone in one grouped
+    matmul (``jax.lax.ragged_dot`` over the kernels stacked ``[experts, in, out]``), then weighted and summed back
+    onto their tokens."""
+    tokens, k = ids.shape
+    flat = ids.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    rows = order // k
+    sizes = jnp.bincount(flat, length=len(experts)).astype(jnp.int32)
+    stack = {n: jnp.stack([getattr(e, n).kernel[...] for e in experts]).astype(dtype) for n in ("w1", "w2", "w3")}
+    h = x[rows].astype(dtype)
+    h = act(jax.lax.ragged_dot(h, stack["w1"], sizes)) * jax.lax.ragged_dot(h, stack["w3"], sizes)
+    y = jax.lax.ragged_dot(h, stack["w2"], sizes).astype(jnp.float32) * weights.reshape(-1)[order][:, None]
+    return jnp.zeros((tokens, x.shape[-1]), jnp.float32).at[rows].add(y).astype(x.dtype)
+
+
+class SparseMoeBlock(nnx.Module):
+    """The router (``gate``, no bias) and the ``experts``; returns the output and the layer's router statistics
+    for the load balancing loss: ``[2, experts]``, each expert's count of top-k picks and its summed
+    probability over the real tokens (``key_mask`` not 0; all tokens without one)."""
+
+    def __init__(self, config, *, dtype, param_dtype, rngs: nnx.Rngs):
+        kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.gate = Linear(
+            config.hidden_size, config.num_local_experts, use_bias=False, kernel_init=normal(config.initializer_range),
+            **kw,
+        )  # fmt: skip
+        self.experts = nnx.List([Expert(config, **kw) for _ in range(config.num_local_experts)])
+        self.top_k, self.normalise = config.num_experts_per_tok, getattr(config, "norm_topk_prob", True)
+        self.act, self.dtype = activation(config.hidden_act), dtype
+
+    def __call__(self, x, key_mask=None):
+        flat = x.reshape(-1, x.shape[-1])
+        probs, weights, experts = route(self.gate(flat), self.top_k, self.normalise)
+        real = jnp.ones(flat.shape[:1], jnp.float32) if key_mask is None else (key_mask.reshape(-1) != 0)
+        real = real.astype(jnp.float32)
+        picks = jax.nn.one_hot(experts, probs.shape[-1], dtype=jnp.float32).sum(axis=1)
+        stats = jnp.stack([real @ picks, real @ probs])
+        y = grouped_experts(self.experts, self.act, self.dtype or x.dtype, flat, weights, experts)
+        return y.reshape(x.shape), stats
+
+
+class MixtralDecoderLayer(LlamaDecoderLayer):
+    """Llama's pre-norm layer with the sparse MoE block for its MLP; beside its output it returns its cache, or
+    without one its router statistics (``SparseMoeBlock``)."""
+
+    mlp_class = SparseMoeBlock
+
+    def __init__(self, config, window: int | None = None, **kw):
+        super().__init__(config, window, **kw)
+        self.block_sparse_moe = self.mlp  # transformers' checkpoint name
+        del self.mlp
+
+    def __call__(self, x, masks, ropes, *, cache=None, index=0, rngs=None):
+        a, cache = self.self_attn(self.input_layernorm(x), masks, ropes, cache=cache, index=index, rngs=rngs)
+        x = x + a
+        y, stats = self.block_sparse_moe(self.post_attention_layernorm(x), masks[0].segments)
+        return x + y, stats if cache is None else cache
+
+
+def load_balancing_loss(stats: jax.Array) -> jax.Array:
+    """transformers' ``load_balancing_loss_func`` from every layer's router statistics ``[layers, 2, experts]``:
+    ``experts x sum(picks / rows x probs / rows)`` over all layers' real tokens (``rows``)."""
+    total = stats.sum(axis=0)
+    rows = total[1].sum()  # each real token's probabilities sum to one in every layer
+    return stats.shape[-1] * jnp.sum(total[0] / rows * total[1] / rows)
+
+
+class MixtralModel(LlamaModel):
+    """Llama's decoder stack with Mixtral's layers; without a cache and with ``output_router_logits``, its output
+    carries the router's load balancing loss times ``router_aux_loss_coef`` (``aux_loss``)."""
+
+    hf_architecture = "MixtralModel"
+    layer_class = MixtralDecoderLayer
+
+    def __call__(self, input_ids, attention_mask=None, position_ids=None, *, cache=None, rngs=None):
+        out = super().__call__(input_ids, attention_mask, position_ids, cache=cache, rngs=rngs)
+        if cache is not None:
+            return out
+        aux = None
+        if getattr(self.config, "output_router_logits", False):
+            stats = out.cache if isinstance(out.cache, jax.Array) else jnp.stack(out.cache)
+            aux = self.config.router_aux_loss_coef * load_balancing_loss(stats)
+        return BaseOutput(out.last_hidden_state, aux_loss=aux)
+
+
+class MixtralForCausalLM(LlamaForCausalLM):
+    hf_architecture = "MixtralForCausalLM"
+    base = MixtralModel
+
+
+class MixtralForSequenceClassification(LlamaForSequenceClassification):
+    hf_architecture = "MixtralForSequenceClassification"
+    base = MixtralModel

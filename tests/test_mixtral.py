@@ -1,0 +1,150 @@
+"""Mixtral against transformers PyTorch, every weight perturbed: logits on right- and left-padded rows (unrolled
+and scanned layers), export, greedy generation, the router load balancing loss and the training loss with it,
+one step's gradients, a (dp, fsdp, mp) mesh, and FLOPs that count only the experts each token goes to."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from jaxseq import partition  # noqa: E402
+from jaxseq.generation import generate  # noqa: E402
+from jaxseq.mesh import make_mesh  # noqa: E402
+from jaxseq.models import load_pretrained, save_pretrained  # noqa: E402
+from jaxseq.models.registry import family_for  # noqa: E402
+from jaxseq.train.objectives import CausalLM  # noqa: E402
+from tests.reference import max_diff_on, padded_batch, perturb, torch_forward  # noqa: E402
+from tests.test_llama import NEW, PAD, VOCAB, forward, prompts  # noqa: E402
+
+COEF = 0.02
+
+
+def tiny_config(**kw):
+    """4 experts, top-2, 2 layers; ``output_router_logits`` so that transformers returns the aux loss."""
+    base = dict(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=128,
+        pad_token_id=PAD, bos_token_id=1, eos_token_id=2, initializer_range=0.3, output_router_logits=True,
+        router_aux_loss_coef=COEF,
+    )  # fmt: skip
+    return transformers.MixtralConfig(**{**base, **kw})
+
+
+def relative_diff(mask, got, want) -> float:
+    want = np.asarray(want, np.float32)
+    return max_diff_on(mask, got, want) / max(1.0, max_diff_on(mask, want, np.zeros_like(want)))
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    torch.manual_seed(0)
+    ref = perturb(transformers.MixtralForCausalLM(tiny_config())).eval()
+    path = tmp_path_factory.mktemp("mixtral")
+    ref.save_pretrained(path)
+    return ref, path
+
+
+@pytest.mark.parametrize("scan", [False, True])
+def test_logits_match_pytorch_on_both_paddings(saved, scan):
+    ref, path = saved
+    model = load_pretrained(path, "causal-lm", scan_layers=scan)
+    for ids, mask in (padded_batch(VOCAB), prompts((12, 9, 5))):
+        want = torch_forward(ref, input_ids=ids, attention_mask=mask).logits.numpy()
+        assert relative_diff(mask, forward(model, jnp.asarray(ids), jnp.asarray(mask)).logits, want) <= 1e-4
+
+
+def test_export_loads_in_transformers_with_the_same_logits(saved, tmp_path):
+    ref, path = saved
+    save_pretrained(load_pretrained(path, "causal-lm"), tmp_path)
+    back, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, output_loading_info=True)
+    assert type(back) is transformers.MixtralForCausalLM
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    ids, mask = padded_batch(VOCAB)
+    want = torch_forward(ref, input_ids=ids, attention_mask=mask).logits.numpy()
+    assert relative_diff(mask, torch_forward(back, input_ids=ids, attention_mask=mask).logits, want) <= 1e-5
+
+
+def test_greedy_generation_matches_pytorch(saved):
+    ref, path = saved
+    ids, mask = prompts()
+    with torch.no_grad():
+        out = ref.generate(
+            torch.as_tensor(ids).long(), attention_mask=torch.as_tensor(mask).long(), max_new_tokens=NEW,
+            do_sample=False, pad_token_id=PAD, eos_token_id=None, output_router_logits=False,
+        )  # fmt: skip
+    want = out[:, ids.shape[1] :].numpy()
+    assert all(len(set(row)) > 4 for row in want)
+    got = generate(load_pretrained(path, "causal-lm"), ids, mask, max_new_tokens=NEW, pad_token_id=PAD)
+    np.testing.assert_array_equal(np.asarray(got.sequences), want)
+
+
+@pytest.mark.parametrize("chunk", [None, 4])
+def test_aux_loss_and_training_loss_equal_transformers(saved, chunk):
+    """transformers' aux_loss (load_balancing_loss_func over both layers, padding masked) times the coefficient,
+    and its loss with labels (LM loss plus that), from the full logits and from the chunked loss."""
+    ref, path = saved
+    ids, mask = padded_batch(VOCAB)
+    want = torch_forward(ref, input_ids=ids, attention_mask=mask, labels=np.where(mask == 1, ids, -100))
+    model = load_pretrained(path, "causal-lm")
+    out = forward(model, jnp.asarray(ids), jnp.asarray(mask))
+    assert abs(float(out.aux_loss) - COEF * float(want.aux_loss)) <= 1e-6
+    batch = {"input_ids": jnp.asarray(ids), "attention_mask": jnp.asarray(mask)}
+    loss = nnx.jit(lambda m, b: CausalLM(chunk).loss(m, b, None))(model, batch)
+    assert abs(float(loss) - float(want.loss)) <= 1e-5
+
+
+def test_gradients_equal_transformers(saved):
+    """One training step's loss (aux included) and the gradients of the router and an expert's kernels."""
+    ref, path = saved
+    ids, mask = padded_batch(VOCAB)
+    ref.train()
+    ref.zero_grad()
+    out = ref(
+        input_ids=torch.as_tensor(ids).long(), attention_mask=torch.as_tensor(mask).long(),
+        labels=torch.as_tensor(np.where(mask == 1, ids, -100)).long(),
+    )  # fmt: skip
+    out.loss.backward()
+    ref.eval()
+    model = load_pretrained(path, "causal-lm")
+    batch = {"input_ids": jnp.asarray(ids), "attention_mask": jnp.asarray(mask)}
+    loss, grads = nnx.jit(nnx.value_and_grad(lambda m: CausalLM(None).loss(m, batch, None)))(model)
+    assert abs(float(loss) - out.loss.item()) <= 1e-5
+    layer = grads.model.layers[1].block_sparse_moe
+    torch_layer = ref.model.layers[1].mlp
+    want = {
+        "gate": torch_layer.gate.weight.grad.numpy().T,
+        "w1": torch_layer.experts.gate_up_proj.grad[2, :48].numpy().T,
+        "w2": torch_layer.experts.down_proj.grad[2].numpy().T,
+    }
+    got = {"gate": layer.gate.kernel[...], "w1": layer.experts[2].w1.kernel[...], "w2": layer.experts[2].w2.kernel[...]}
+    for name in want:
+        scale = max(1e-8, float(np.abs(want[name]).max()))
+        assert float(np.abs(np.asarray(got[name]) - want[name]).max()) / scale <= 1e-4, name
+    ref.zero_grad()
+
+
+def test_mesh_gives_the_same_logits(saved):
+    _, path = saved
+    ids, mask = padded_batch(VOCAB)
+    want = forward(load_pretrained(path, "causal-lm"), jnp.asarray(ids), jnp.asarray(mask))
+    model = load_pretrained(path, "causal-lm", mesh=make_mesh("dp=2,fsdp=2,mp=2"))
+    specs = {name: x.sharding.spec for name, x in partition.named_leaves(nnx.state(model, nnx.Param))}
+    assert specs["model/layers/0/block_sparse_moe/experts/3/w1/kernel"] == P("fsdp", "mp")
+    assert specs["model/layers/1/block_sparse_moe/experts/0/w2/kernel"] == P("mp", "fsdp")
+    got = forward(model, jnp.asarray(ids), jnp.asarray(mask))
+    assert relative_diff(mask, got.logits, want.logits) <= 1e-5
+    assert abs(float(got.aux_loss) - float(want.aux_loss)) <= 1e-7
+
+
+def test_flops_count_only_the_routed_experts():
+    """Per token and layer: q, o (64 x 64 each), k, v (64 x 32 each), the router (64 x 4) and 2 of the 4
+    experts (3 x 64 x 48 each); causal attention over 16 positions; the head (64 x 101)."""
+    config, rows, seq = tiny_config(), 2, 16
+    per_token = 2 * (2 * 64 * 64 + 2 * 64 * 32 + 64 * 4 + 2 * 3 * 64 * 48) + 64 * VOCAB
+    attention = 2 * 2.0 * 2 * 64 * (seq * seq / 2) * rows
+    want = 3 * (2.0 * per_token * rows * seq + attention)
+    assert family_for("mixtral").model_flops(config, "causal-lm", rows, seq) == pytest.approx(want)
