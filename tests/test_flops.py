@@ -110,6 +110,16 @@ def test_qwen3_head_dim_and_norms():
     assert model_flops(config, "sequence-classification", ROWS, SEQ) == classifier
 
 
+def test_gemma2_windows_and_head_dim():
+    """head_dim 32 apart from hidden / heads; layers sliding over 8 positions and full in turn (layer_types); the
+    extra norms, embedding scale and soft-caps count nothing."""
+    config = llama_like(transformers.Gemma2Config, head_dim=32, sliding_window=8)
+    assert config.layer_types == ["sliding_attention", "full_attention"]
+    attention = 12 * (4 * 32) * (causal_pairs(SEQ, 8) + causal_pairs(SEQ)) * ROWS
+    expected = 6 * (2 * llama_layer(dim=32) + 64 * V) * TOKENS + attention
+    assert model_flops(config, "causal-lm", ROWS, SEQ) == expected
+
+
 @pytest.mark.parametrize("gated", [False, True])
 def test_t5(gated):
     d, inner, d_ff, enc, dec = 32, 4 * 8, 64, 2, 3
@@ -184,7 +194,8 @@ def test_opt(projected):
 
 
 def test_every_family_has_a_count_and_no_other_task():
-    assert set(FAMILIES) == {"gpt2", "gptj", "opt", "t5", "bert", "roberta", "llama", "mistral", "qwen2", "qwen3"}
+    families = {"gpt2", "gptj", "opt", "t5", "bert", "roberta", "llama", "mistral", "qwen2", "qwen3", "gemma2"}
+    assert set(FAMILIES) == families
     assert all(family.flops is not None for family in FAMILIES.values())
     with pytest.raises(Exception, match="not available"):
         model_flops(transformers.BertConfig(), "causal-lm", 1, 8)

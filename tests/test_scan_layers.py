@@ -77,6 +77,15 @@ def qwen3_config():
     )  # fmt: skip
 
 
+def gemma2_config():
+    """Every layer sliding (a scan needs one window), both soft-caps, tied head."""
+    return transformers.Gemma2Config(
+        num_hidden_layers=3, hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=8, vocab_size=VOCAB, max_position_embeddings=32, sliding_window=4, query_pre_attn_scalar=12,
+        attn_logit_softcapping=3.0, final_logit_softcapping=8.0, layer_types=["sliding_attention"] * 3,
+    )  # fmt: skip
+
+
 def bert_config():
     return transformers.BertConfig(
         num_hidden_layers=3, hidden_size=32, intermediate_size=48, num_attention_heads=4, vocab_size=VOCAB,
@@ -117,6 +126,7 @@ CONFIGS = {
     "llama": llama_config,
     "mistral": mistral_config,
     "qwen3": qwen3_config,
+    "gemma2": gemma2_config,
     "opt": opt_config,
     "bert": bert_config,
     "bert-mlm": bert_config,
@@ -137,6 +147,7 @@ STACKS = {
     "llama": ("model/layers",),
     "mistral": ("model/layers",),
     "qwen3": ("model/layers",),
+    "gemma2": ("model/layers",),
     "opt": ("model/decoder/layers",),
     "bert": ("bert/encoder/layer",),
     "bert-mlm": ("bert/encoder/layer",),
@@ -283,6 +294,7 @@ def assert_same_grads(got, want):
         ("llama", "offload", False),
         ("mistral", "full", False),
         ("qwen3", "dots", False),
+        ("gemma2", "full", False),
         ("opt", "full", False),
         ("bert", "none", False),
         ("bert", "full", True),
@@ -369,7 +381,7 @@ def test_scanned_training_with_dropout_runs(folders):
     assert loss(params, 1) != first and loss(params, 0) == first
 
 
-@pytest.mark.parametrize("family", ["gpt2", "gptj", "llama", "mistral", "qwen3", "opt", "t5", "t5-v1.1"])
+@pytest.mark.parametrize("family", ["gpt2", "gptj", "llama", "mistral", "qwen3", "gemma2", "opt", "t5", "t5-v1.1"])
 def test_scanned_generation_equals_unrolled(family, folders):
     """Greedy tokens from a stacked KV cache (``[layers, batch, ...]``, carried through the scan; T5's
     cross-attention keys/values stacked too) equal the unrolled model's, with left padding, also on a mesh."""

@@ -97,10 +97,26 @@ def qwen3_config():
     )  # fmt: skip
 
 
+def gemma2_config():
+    """Tied head, both soft-caps, layers sliding over 4 positions and full in turn."""
+    return transformers.Gemma2Config(
+        num_hidden_layers=2, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, vocab_size=VOCAB, max_position_embeddings=64, pad_token_id=0, sliding_window=4,
+        query_pre_attn_scalar=24, attn_logit_softcapping=3.0, final_logit_softcapping=8.0, attn_implementation="eager",
+    )  # fmt: skip
+
+
 def causal_batch(seed=0, lengths=LENGTHS):
     ids, mask = padded_batch(VOCAB, lengths, seed=seed)
     labels = np.where(mask == 1, ids, -100)  # transformers' loss skips -100; jaxseq's skips mask-0 targets
     return {"input_ids": ids, "attention_mask": mask}, {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def full_rows(seed=0):
+    """``causal_batch`` without padding: transformers' eager Gemma 2 in float64 (the exact reference) gives NaN
+    logits on every position of padded rows (transformers 5.23; not in float32);
+    test_gemma checks padded rows against its float32 model."""
+    return causal_batch(seed, lengths=(SEQ,) * len(LENGTHS))
 
 
 def seq2seq_batch(seed=0):
@@ -140,6 +156,7 @@ CASES = {  # reference constructor, jaxseq task, objective, batch
     "llama": (lambda: transformers.LlamaForCausalLM(llama_config()), "causal-lm", CausalLM, causal_batch),
     "qwen3": (lambda: transformers.Qwen3ForCausalLM(qwen3_config()), "causal-lm", CausalLM, causal_batch),
     "opt": (lambda: transformers.OPTForCausalLM(opt_config()), "causal-lm", CausalLM, causal_batch),
+    "gemma2": (lambda: transformers.Gemma2ForCausalLM(gemma2_config()), "causal-lm", CausalLM, full_rows),
     "t5-v1.0": (
         lambda: transformers.T5ForConditionalGeneration(t5_config(gated=False)),
         "seq2seq-lm",
@@ -283,6 +300,7 @@ def assert_steps_match(ours, exact, f32, before):
         ("llama", 0.5),
         ("qwen3", 0.5),
         ("opt", 0.5),
+        ("gemma2", 0.5),
         ("t5-v1.0", 1.0),
         ("t5-v1.1", 0.5),
         ("bert-classification", 100.0),

@@ -229,12 +229,14 @@ def ring_mask(key_mask: jax.Array | None, seq: int, length: int, index, window: 
     return AttentionMask(mask, None, window)
 
 
-def attend_ring(q: jax.Array, cache: KVCache, k: jax.Array, v: jax.Array, mask, *, scale: float) -> jax.Array:
+def attend_ring(
+    q: jax.Array, cache: KVCache, k: jax.Array, v: jax.Array, mask, *, scale: float, softcap: float | None = None
+) -> jax.Array:
     """Attention (XLA, no dropout) of ``q`` over a rolling cache's slots, before this call's write, and the call's
     own keys/values ``k``/``v`` (``[batch, t, kv_heads, dim]``); ``mask`` from ``ring_mask``."""
     new = KVCache.of(k, v, q.dtype)
     k, v = (jnp.concatenate([old.astype(q.dtype), t], axis=2) for old, t in zip(cache, new))
-    return _written_out(q, k, v, "bhkd", mask.dense, None, scale, 0.0, None)
+    return _written_out(q, k, v, "bhkd", mask.dense, None, scale, 0.0, None, softcap)
 
 
 def update_ring(cache: KVCache, k: jax.Array, v: jax.Array, index) -> KVCache:
@@ -259,15 +261,17 @@ def attend(
     rngs: nnx.Rngs | None = None,
     kernel: AttentionKernel = AttentionKernel(),
     causal: bool = False,
+    softcap: float | None = None,
 ) -> jax.Array:
     """Scaled dot-product attention with ``kernel`` (``causal``: the mask is causal, which the fused
     kernels build themselves, with its sliding window if it has one). XLA: ``jax.nn.dot_product_attention``;
-    with attention dropout, the same math written out so the probabilities can drop."""
+    with attention dropout or a ``softcap`` (scores ``softcap * tanh(scores / softcap)`` before the mask,
+    Gemma 2's; XLA only, see ``use_attention``), the same math written out."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     segments = mask.segments if isinstance(mask, AttentionMask) else None
     window = mask.window if isinstance(mask, AttentionMask) else None
     mask = mask.dense if isinstance(mask, AttentionMask) else mask
-    fused = kernel.name != "xla" and bias is None and (rngs is None or dropout_rate == 0.0)
+    fused = kernel.name != "xla" and bias is None and softcap is None and (rngs is None or dropout_rate == 0.0)
     if fused and kernel.name == "splash" and _splash_fits(q, k, kernel):
         return splash_attention(q, k, v, segments, scale=scale, causal=causal, window=window, kernel=kernel)
     if fused and kernel.name == "cudnn":  # right-padded rows (use_attention refuses packed ones): key lengths
@@ -278,9 +282,9 @@ def attend(
         )  # fmt: skip
     # XLA:CPU has no float16 x float16 -> float32 dot, which jax.nn.dot_product_attention asks for
     cpu_half = q.dtype == jnp.float16 and jax.default_backend() == "cpu"
-    if (rngs is None or dropout_rate == 0.0) and not cpu_half:
+    if (rngs is None or dropout_rate == 0.0) and not cpu_half and softcap is None:
         return jax.nn.dot_product_attention(q, k, v, bias=bias, mask=mask, scale=scale)
-    return _written_out(q, k, v, "bkhd", mask, bias, scale, dropout_rate, rngs)
+    return _written_out(q, k, v, "bkhd", mask, bias, scale, dropout_rate, rngs, softcap)
 
 
 def take_positions(x: jax.Array, positions: jax.Array) -> jax.Array:
@@ -311,16 +315,22 @@ def attend_at(
 
 
 def attend_cache(
-    q: jax.Array, cache: KVCache, mask: jax.Array | None, *, bias: jax.Array | None = None, scale: float | None = None
+    q: jax.Array,
+    cache: KVCache,
+    mask: jax.Array | None,
+    *,
+    bias: jax.Array | None = None,
+    scale: float | None = None,
+    softcap: float | None = None,
 ) -> jax.Array:
     """``attend`` (without dropout: caches serve inference) over the keys/values of ``cache``, with XLA."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     mask = mask.dense if isinstance(mask, AttentionMask) else mask
     k, v = cache.k.astype(q.dtype), cache.v.astype(q.dtype)
-    return _written_out(q, k, v, "bhkd", mask, bias, scale, 0.0, None)
+    return _written_out(q, k, v, "bhkd", mask, bias, scale, 0.0, None, softcap)
 
 
-def _written_out(q, k, v, kv_layout: str, mask, bias, scale, dropout_rate, rngs) -> jax.Array:
+def _written_out(q, k, v, kv_layout: str, mask, bias, scale, dropout_rate, rngs, softcap=None) -> jax.Array:
     """Attention as plain einsums, float32 scores: queries ``[batch, q_len, heads, dim]``, keys/values in
     ``kv_layout`` (``bkhd``: ``[batch, kv_len, kv_heads, dim]``; ``bhkd``: a cache's). Query heads are grouped
     by the key/value head they read, so grouped-query keys are never repeated in memory."""
@@ -329,6 +339,8 @@ def _written_out(q, k, v, kv_layout: str, mask, bias, scale, dropout_rate, rngs)
     q = q.reshape(batch, q_len, kv_heads, heads // kv_heads, dim)
     logits = jnp.einsum(f"bqhgd,{kv_layout}->bhgqk", q, k, preferred_element_type=jnp.float32) * scale
     logits = logits.reshape(batch, heads, q_len, -1)
+    if softcap is not None:
+        logits = jnp.tanh(logits / softcap) * softcap
     if bias is not None:
         logits = logits + bias.astype(jnp.float32)
     if mask is not None:
@@ -485,6 +497,8 @@ def _why_not(name: str, layers, platform: str, interpret: bool, model) -> str | 
         return f"{label} is not available for {type(model).__name__}; use --attention xla"
     if any(not getattr(layer, "fused_kernels", True) for layer in layers):
         return f"{label} cannot add {type(model).__name__}'s relative position bias; use --attention xla"
+    if any(getattr(layer, "softcap", None) for layer in layers):
+        return f"{label} does not soft-cap attention logits (attn_logit_softcapping); use --attention xla"
     if name == "splash" and platform != "tpu" and not interpret:
         return f"splash attention runs on TPUs (here: {platform}); use --attention auto or xla"
     if name == "cudnn" and platform not in ("gpu", "cuda"):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from collections.abc import Callable
+from typing import Any
 
 from jaxseq.errors import JaxseqError
 
@@ -39,6 +40,8 @@ class Family:
       where positions are relative and have no limit (T5); read through ``position_limit``.
     - ``flops``: ``flops(config, task, rows, seq_len, target_len, training) -> float``, the model FLOPs of one
       step from the config alone (``jaxseq.models.flops``); read through ``model_flops``.
+    - ``scans``: ``scans(config) -> bool``, whether the config's blocks can run as one scan (None: always);
+      ``--scan_layers auto`` unrolls those that cannot (layers of different sliding windows).
     """
 
     model_type: str
@@ -54,6 +57,7 @@ class Family:
     vocab_params: tuple[tuple[str, int], ...] = ()
     positions: str | None = "max_position_embeddings"
     flops: Callable[..., float] | None = None
+    scans: Callable[[Any], bool] | None = None
 
     @property
     def is_encoder_decoder(self) -> bool:

@@ -19,6 +19,7 @@ from jax.sharding import Mesh
 from jaxseq.models.attention import AttentionKernel
 from jaxseq.models.execution import Execution
 from jaxseq.models.hub import abstract_model, from_config, load_pretrained
+from jaxseq.models.registry import family_for
 from jaxseq.train.feeding import Feeder
 from jaxseq.train.lora import LoraConfig
 from jaxseq.train.optim import OptimizerConfig
@@ -45,6 +46,11 @@ class RunSpec:
 
     @property
     def scan_layers(self) -> bool:
+        """``--scan_layers`` (``TrainerConfig.scans``), where auto unrolls a config whose blocks cannot scan
+        (``Family.scans``: Gemma's sliding and full layers)."""
+        if self.trainer.scan_layers == "auto" and self.trainer.scans():
+            scans = family_for(self.config.model_type).scans
+            return scans is None or scans(self.config)
         return self.trainer.scans()
 
     @property

@@ -1,5 +1,6 @@
 """Llama as jaxseq knows it: its classes per task, checkpoint names, partition rules, size and FLOPs; Mistral,
-Qwen2 and Qwen3 (``jaxseq/models/mistral``, ``qwen2``, ``qwen3``) declare themselves with ``llama_family``."""
+Qwen2, Qwen3, Gemma 2 and Gemma 3 (``jaxseq/models/mistral``, ``qwen2``, ``qwen3``, ``gemma2``, ``gemma3_text``)
+declare themselves with ``llama_family``."""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ PARTITION_RULES = (
     (r"(q_proj|k_proj|v_proj|gate_proj|up_proj)/bias$", P("mp")),
     (r"(o_proj|down_proj)/kernel$", P("mp", "fsdp")),
     (r"(o_proj|down_proj)/bias$", P()),
-    (r"(input_layernorm|post_attention_layernorm|q_norm|k_norm|norm)/scale$", P()),
+    (r"(input_layernorm|post_attention_layernorm|(pre|post)_feedforward_layernorm|q_norm|k_norm|norm)/scale$", P()),
     (r"lm_head/kernel$", P("fsdp", "mp")),
     (r"score/kernel$", P("fsdp", None)),
 )
@@ -36,7 +37,8 @@ def model_flops(config, task: str, rows: int, seq_len: int, target_len: int = 0,
     """Per layer: q and o (d x heads x head_dim each), k and v (d x kv_heads x head_dim each: grouped-query
     attention shares them) and the SwiGLU MLP (gate, up: d x I; down: I x d); causal attention of every query
     head over ``seq_len``, a sliding-window layer's over its window (``layer_windows``); then the task head.
-    Qwen3's q/k norms are no matrix products: they count nothing."""
+    Qwen3's q/k norms and Gemma's extra norms, embedding scale and soft-caps are no matrix products: they count
+    nothing (Gemma's GeGLU has SwiGLU's three matrices)."""
     d, dim, inner = config.hidden_size, head_dim(config), config.intermediate_size
     heads, kv_heads, layers = config.num_attention_heads, config.num_key_value_heads, config.num_hidden_layers
     tokens = rows * seq_len
@@ -66,6 +68,7 @@ def llama_family(model_type: str, name: str, base: type, causal_lm: type, classi
         ignore=(r"\.rotary_emb\.inv_freq$",),
         partition_rules=PARTITION_RULES,
         flops=model_flops,
+        scans=lambda config: len(set(layer_windows(config))) == 1,  # one window for all (LlamaModel)
     )
 
 

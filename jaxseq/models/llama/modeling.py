@@ -1,5 +1,6 @@
 """Llama (Touvron et al. 2023) and the families that reuse its architecture with a few switches, Mistral
-(Jiang et al. 2023), Qwen2 (Yang et al. 2024) and Qwen3 (Yang et al. 2025), as Flax NNX modules whose parameter
+(Jiang et al. 2023), Qwen2 (Yang et al. 2024), Qwen3 (Yang et al. 2025), Gemma 2 (Gemma Team 2024) and Gemma 3's
+text decoder (Gemma Team 2025), as Flax NNX modules whose parameter
 paths mirror transformers' PyTorch names (``model/layers/0/self_attn/q_proj/kernel`` is
 ``model.layers.0.self_attn.q_proj.weight``).
 
@@ -10,8 +11,11 @@ num_key_value_heads`` query heads; the KV cache holds the key/value heads only, 
 holds only its window: ``attention.ring_positions``); a SwiGLU MLP
 (``down(silu(gate(x)) * up(x))``); an LM head tied to the token embeddings or not. What differs between the
 families is read from the config as transformers reads it: the biases (``attention_biases``), the
-sliding windows (``layer_windows``) and Qwen3's RMSNorm of each query and key head before the rotation
-(``qk_norms``).
+sliding windows (``layer_windows``), Qwen3's and Gemma 3's RMSNorm of each query and key head before the
+rotation (``qk_norms``), and Gemma's changes (``gemma``): RMSNorm scaled by ``1 + weight`` (``OffsetRMSNorm``),
+embeddings times ``sqrt(hidden_size)``, GeGLU (``hidden_activation``), norms before and after attention and the
+MLP, ``query_pre_attn_scalar``, tanh soft-capping of the attention and final logits, and Gemma 3's rope per
+layer kind (``rope_parameters["sliding_attention"]`` for sliding layers).
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ from jaxseq.models.layers import Linear, Stacked, activation, blocks, normal, pa
 from jaxseq.models.outputs import BaseOutput
 
 ROPE_TYPES = ("default", "linear", "llama3")
+GEMMA = ("gemma2", "gemma3_text")
 
 
 def head_dim(config) -> int:
@@ -63,20 +68,48 @@ def attention_biases(config) -> tuple[bool, bool]:
 
 def qk_norms(config) -> bool:
     """Whether each query and key head is RMS-normalised (over ``head_dim``, own weights ``q_norm``, ``k_norm``)
-    before the rotation: Qwen3's."""
-    return config.model_type == "qwen3"
+    before the rotation: Qwen3's and Gemma 3's."""
+    return config.model_type in ("qwen3", "gemma3_text")
+
+
+def gemma(config) -> bool:
+    """Whether the config is a Gemma decoder's (``GEMMA``): its norms, embedding scale, GeGLU and soft-caps."""
+    return config.model_type in GEMMA
+
+
+class OffsetRMSNorm(nnx.Module):
+    """Gemma's RMSNorm: ``x / rms(x) * (1 + scale)`` in float32 (``scale`` starts at zero), cast back."""
+
+    def __init__(self, dim: int, *, epsilon: float, dtype, param_dtype, rngs: nnx.Rngs):
+        self.scale = nnx.Param(jnp.zeros((dim,), param_dtype))
+        self.epsilon, self.dtype = epsilon, dtype
+
+    def __call__(self, x):
+        x32 = x.astype(jnp.float32)
+        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.epsilon)
+        return (y * (1.0 + self.scale[...].astype(jnp.float32))).astype(x.dtype)
+
+
+def rms_norm(config, dim: int, **kw) -> nnx.Module:
+    """The family's RMSNorm over ``dim`` features: Gemma's ``OffsetRMSNorm``, else ``nnx.RMSNorm``."""
+    return (OffsetRMSNorm if gemma(config) else nnx.RMSNorm)(dim, epsilon=config.rms_norm_eps, **kw)
+
+
+def softcap(x: jax.Array, cap: float | None) -> jax.Array:
+    """``cap * tanh(x / cap)`` (Gemma's logit soft-capping); ``x`` itself without a cap."""
+    return x if cap is None else jnp.tanh(x / cap) * cap
 
 
 def layer_windows(config) -> tuple[int | None, ...]:
     """Each layer's sliding window (None: full causal attention), as transformers applies the config:
-    Mistral slides every layer over ``sliding_window`` (if set); Qwen2 and Qwen3 the layers their ``layer_types`` call
-    ``sliding_attention`` (by default those from ``max_window_layers`` on, and only with
+    Mistral slides every layer over ``sliding_window`` (if set); Qwen2, Qwen3 and Gemma the layers their
+    ``layer_types`` call ``sliding_attention`` (Qwen's by default those from ``max_window_layers`` on, and only with
     ``use_sliding_window``, without which transformers sets ``sliding_window`` to None); Llama none."""
     window = getattr(config, "sliding_window", None)
     layers = config.num_hidden_layers
     if config.model_type == "mistral":
         return (window,) * layers
-    if config.model_type in ("qwen2", "qwen3") and window is not None:
+    if config.model_type in ("qwen2", "qwen3", *GEMMA) and window is not None:
         kinds = list(config.layer_types or ())
         if len(kinds) < layers:
             raise JaxseqError(
@@ -90,11 +123,15 @@ def layer_windows(config) -> tuple[int | None, ...]:
 # --------------------------------------------------------------------------- rotary embeddings
 
 
-def rope_frequencies(config) -> np.ndarray:
+def rope_frequencies(config, window: int | None = None) -> np.ndarray:
     """float32 inverse frequencies ``[head_dim / 2]`` of the rotary embeddings, computed as transformers'
     ``ROPE_INIT_FUNCTIONS`` compute them from ``config.rope_parameters`` (``rope_type``, ``rope_theta``,
-    ``factor``, and llama3's ``low_freq_factor``, ``high_freq_factor``, ``original_max_position_embeddings``)."""
+    ``factor``, and llama3's ``low_freq_factor``, ``high_freq_factor``, ``original_max_position_embeddings``);
+    parameters per layer kind (Gemma 3's) are read for the layers of ``window`` (None: full attention)."""
     params = getattr(config, "rope_parameters", None) or {}
+    kind = "full_attention" if window is None else "sliding_attention"
+    if isinstance(params.get(kind), dict):
+        params = params[kind]
     kind = params.get("rope_type", params.get("type", "default"))
     if kind not in ROPE_TYPES:
         raise JaxseqError(f"rope type {kind!r} is not supported; jaxseq supports {', '.join(ROPE_TYPES)}")
@@ -150,30 +187,33 @@ class LlamaAttention(nnx.Module):
         self.k_proj = Linear(d, kv_heads * dim, use_bias=qkv_bias, **kw)
         self.v_proj = Linear(d, kv_heads * dim, use_bias=qkv_bias, **kw)
         self.o_proj = Linear(heads * dim, d, use_bias=o_bias, **kw)
-        norm = lambda: nnx.RMSNorm(dim, epsilon=config.rms_norm_eps, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        norm = lambda: rms_norm(config, dim, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.q_norm, self.k_norm = (norm(), norm()) if qk_norms(config) else (None, None)
-        self.num_heads, self.num_kv_heads, self.scale = heads, kv_heads, dim**-0.5
+        self.num_heads, self.num_kv_heads = heads, kv_heads
+        self.scale = (getattr(config, "query_pre_attn_scalar", None) or dim) ** -0.5
+        self.softcap = getattr(config, "attn_logit_softcapping", None)  # Gemma 2's: XLA only (use_attention)
         self.window, self.dropout_rate = window, config.attention_dropout
         self.dtype, self.attention = dtype, AttentionKernel()
 
-    def __call__(self, x, masks, rope, *, cache: KVCache | None = None, index=0, rngs=None):
-        """``masks``: the model's masks, one per window; this layer reads its own."""
-        mask = next(m for m in masks if m.window == self.window)
+    def __call__(self, x, masks, ropes, *, cache: KVCache | None = None, index=0, rngs=None):
+        """``masks``, ``ropes``: the model's masks and rotary ``(sin, cos)``, one per window; this layer reads its
+        own."""
+        mask, rope = next((m, r) for m, r in zip(masks, ropes) if m.window == self.window)
         q = split_heads(self.q_proj(x), self.num_heads)
         k, v = (split_heads(proj(x), self.num_kv_heads) for proj in (self.k_proj, self.v_proj))
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         if cache is not None and self.window is not None:
-            y = attend_ring(q, cache, k, v, mask, scale=self.scale)
+            y = attend_ring(q, cache, k, v, mask, scale=self.scale, softcap=self.softcap)
             cache = update_ring(cache, k, v, index)
         elif cache is not None:
             cache = update_kv(cache, k, v, index)
-            y = attend_cache(q, cache, mask, scale=self.scale)
+            y = attend_cache(q, cache, mask, scale=self.scale, softcap=self.softcap)
         else:
             y = attend(
                 q, k, v, mask, scale=self.scale, dropout_rate=self.dropout_rate, rngs=rngs, kernel=self.attention,
-                causal=True,
+                causal=True, softcap=self.softcap,
             )  # fmt: skip
         return self.o_proj(merge_heads(y)), cache
 
@@ -187,26 +227,37 @@ class LlamaMLP(nnx.Module):
         self.gate_proj = Linear(d, inner, **kw)
         self.up_proj = Linear(d, inner, **kw)
         self.down_proj = Linear(inner, d, **kw)
-        self.act = activation(config.hidden_act)
+        self.act = activation(config.hidden_activation if gemma(config) else config.hidden_act)
 
     def __call__(self, x):
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
 
 class LlamaDecoderLayer(nnx.Module):
+    """Pre-norm attention and MLP; Gemma's also normalise each one's output (``post_attention_layernorm`` is
+    then the attention's output norm, ``pre_feedforward_layernorm`` the MLP's input norm)."""
+
     mlp_class = LlamaMLP  # Mixtral's: its sparse MoE block
 
     def __init__(self, config, window: int | None = None, *, dtype, param_dtype, rngs: nnx.Rngs):
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-        self.input_layernorm = nnx.RMSNorm(config.hidden_size, epsilon=config.rms_norm_eps, **kw)
+        self.input_layernorm = rms_norm(config, config.hidden_size, **kw)
         self.self_attn = LlamaAttention(config, window, **kw)
-        self.post_attention_layernorm = nnx.RMSNorm(config.hidden_size, epsilon=config.rms_norm_eps, **kw)
+        self.post_attention_layernorm = rms_norm(config, config.hidden_size, **kw)
+        if gemma(config):
+            self.pre_feedforward_layernorm = rms_norm(config, config.hidden_size, **kw)
+            self.post_feedforward_layernorm = rms_norm(config, config.hidden_size, **kw)
+        else:
+            self.pre_feedforward_layernorm = self.post_feedforward_layernorm = None
         self.mlp = self.mlp_class(config, **kw)
 
-    def __call__(self, x, masks, rope, *, cache=None, index=0, rngs=None):
-        a, cache = self.self_attn(self.input_layernorm(x), masks, rope, cache=cache, index=index, rngs=rngs)
-        x = x + a
-        return x + self.mlp(self.post_attention_layernorm(x)), cache
+    def __call__(self, x, masks, ropes, *, cache=None, index=0, rngs=None):
+        a, cache = self.self_attn(self.input_layernorm(x), masks, ropes, cache=cache, index=index, rngs=rngs)
+        if self.post_feedforward_layernorm is None:
+            x = x + a
+            return x + self.mlp(self.post_attention_layernorm(x)), cache
+        x = x + self.post_attention_layernorm(a)
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x))), cache
 
 
 class LlamaModel(nnx.Module):
@@ -222,7 +273,11 @@ class LlamaModel(nnx.Module):
     def __init__(
         self, config, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs, scan_layers: bool = False
     ):
-        rope_frequencies(config)  # an unsupported rope type stops here, in one line
+        self.windows = layer_windows(config)
+        for window in set(self.windows):
+            rope_frequencies(config, window)  # an unsupported rope type stops here, in one line
+        if getattr(config, "use_bidirectional_attention", False):
+            raise JaxseqError("use_bidirectional_attention (EmbeddingGemma's) is not supported; jaxseq is causal")
         self.config, self.dtype = config, dtype
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.embed_tokens = nnx.Embed(
@@ -231,7 +286,7 @@ class LlamaModel(nnx.Module):
             embedding_init=normal(config.initializer_range),
             **kw,
         )
-        self.windows = layer_windows(config)
+        self.embed_scale = config.hidden_size**0.5 if gemma(config) else None
         if scan_layers and len(set(self.windows)) > 1:
             raise JaxseqError(
                 "scan_layers needs every layer to attend alike, and this config mixes sliding-window and full "
@@ -243,7 +298,7 @@ class LlamaModel(nnx.Module):
             rngs,
             scan=scan_layers,
         )
-        self.norm = nnx.RMSNorm(config.hidden_size, epsilon=config.rms_norm_eps, **kw)
+        self.norm = rms_norm(config, config.hidden_size, **kw)
         self.remat = "none"  # see layers.enable_remat
 
     def __call__(self, input_ids, attention_mask=None, position_ids=None, *, cache=None, rngs=None):
@@ -251,11 +306,13 @@ class LlamaModel(nnx.Module):
         index = 0 if cache is None else cache.index
         if position_ids is None:
             position_ids = (index + jnp.arange(seq, dtype=jnp.int32))[None, :]
-        rope = rotary(position_ids, rope_frequencies(self.config))
-        masks = tuple(self.mask(attention_mask, seq, cache, index, window) for window in dict.fromkeys(self.windows))
-        x, cache = run_blocks(
-            self.layers, self.remat, self.embed_tokens(input_ids), masks, rope, cache=cache, rngs=rngs
-        )
+        windows = tuple(dict.fromkeys(self.windows))
+        ropes = tuple(rotary(position_ids, rope_frequencies(self.config, window)) for window in windows)
+        masks = tuple(self.mask(attention_mask, seq, cache, index, window) for window in windows)
+        x = self.embed_tokens(input_ids)
+        if self.embed_scale is not None:  # Gemma's, in the compute dtype as transformers rounds it
+            x = x * jnp.asarray(self.embed_scale, x.dtype)
+        x, cache = run_blocks(self.layers, self.remat, x, masks, ropes, cache=cache, rngs=rngs)
         return BaseOutput(self.norm(x), cache)
 
     def mask(self, attention_mask, seq: int, cache: Cache | None, index, window: int | None) -> AttentionMask:
@@ -310,10 +367,12 @@ class LlamaForCausalLM(DecoderLM):
 
     def logits(self, h):
         """float32 logits of hidden states ``[..., hidden_size]`` over the padded vocabulary, multiplied in
-        the compute dtype and accumulated in float32."""
+        the compute dtype and accumulated in float32; Gemma's soft-capped (``final_logit_softcapping``)."""
         if self.config.tie_word_embeddings:
-            return tied_logits(h, self.model.embed_tokens.embedding[...], self.model.dtype)
-        return self.lm_head(h)
+            logits = tied_logits(h, self.model.embed_tokens.embedding[...], self.model.dtype)
+        else:
+            logits = self.lm_head(h)
+        return softcap(logits, getattr(self.config, "final_logit_softcapping", None))
 
 
 class LlamaForSequenceClassification(LastTokenClassifier):

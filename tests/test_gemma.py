@@ -1,0 +1,214 @@
+"""Gemma 2 and Gemma 3's text decoder against transformers PyTorch, from perturbed weights: logits on left- and
+right-padded rows longer than the sliding window (sliding and full layers alternating), the base model's hidden
+states, export round trips, the KV cache (a sliding layer's rolling), greedy generation, the classifier, and the
+one-line refusals (soft-capped attention on a fused kernel, scanned mixed layers, EmbeddingGemma's bidirectional
+attention)."""
+
+from types import SimpleNamespace
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from jaxseq.errors import JaxseqError  # noqa: E402
+from jaxseq.generation import generate  # noqa: E402
+from jaxseq.models import from_config, load_pretrained, save_pretrained  # noqa: E402
+from jaxseq.models.attention import use_attention  # noqa: E402
+from jaxseq.models.llama import layer_windows  # noqa: E402
+from tests.reference import max_diff_on, padded_batch, perturb, torch_forward  # noqa: E402
+from tests.test_llama import NEW, PAD, VOCAB, forward, prompts  # noqa: E402
+
+TOL = 1e-4  # relative to max(1, max |logit|) on real positions
+
+CASES = {  # family, config fields beyond the shared tiny ones
+    # layers sliding, full, sliding over 4 positions; both soft-caps; query_pre_attn_scalar apart from head_dim;
+    # untied head
+    "gemma2-softcaps": (
+        "gemma2",
+        dict(
+            query_pre_attn_scalar=24, attn_logit_softcapping=3.0, final_logit_softcapping=8.0, tie_word_embeddings=False
+        ),
+    ),
+    # no soft-caps, tied head (Gemma's default), one key/value head, layer_types full, sliding, sliding
+    "gemma2-mqa-tied": (
+        "gemma2",
+        dict(
+            num_key_value_heads=1,
+            attn_logit_softcapping=None,
+            final_logit_softcapping=None,
+            layer_types=["full_attention", "sliding_attention", "sliding_attention"],
+        ),
+    ),
+}
+# Greedy decoding of a tiny tied Gemma repeats the prompt's last token (the embedding, scaled by sqrt(hidden_size),
+# outweighs the layers in the residual stream and meets itself in the tied head), which would show no wrong step;
+# generation runs the untied cases (the head is one function, ``logits``, which the forward tests check tied).
+GENERATE = ("gemma2-softcaps",)
+CONFIG_CLASSES = {"gemma2": "Gemma2Config", "gemma3_text": "Gemma3TextConfig"}
+LM_CLASSES = {"gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
+CLASSIFIERS = {"gemma2": "Gemma2ForSequenceClassification", "gemma3_text": "Gemma3TextForSequenceClassification"}
+
+
+def tiny_config(case, **kw):
+    family, fields = CASES[case]
+    base = dict(
+        hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, vocab_size=VOCAB, max_position_embeddings=128, pad_token_id=PAD, bos_token_id=1, eos_token_id=2,
+        sliding_window=4, query_pre_attn_scalar=16, initializer_range=0.3, attn_implementation="eager",
+    )  # fmt: skip
+    return getattr(transformers, CONFIG_CLASSES[family])(**{**base, **fields, **kw})
+
+
+def relative_diff(mask, got, want) -> float:
+    """Largest difference on real positions, relative to max(1, max |want| there)."""
+    want = np.asarray(want, np.float32)
+    return max_diff_on(mask, got, want) / max(1.0, max_diff_on(mask, want, np.zeros_like(want)))
+
+
+def batches():
+    """The same rows of 12, 9 and 5 tokens padded on the right and on the left."""
+    return {"right": padded_batch(VOCAB), "left": prompts((12, 9, 5))}
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def case(request, tmp_path_factory):
+    """``(name, perturbed transformers LM, its folder)``."""
+    torch.manual_seed(0)
+    family = CASES[request.param][0]
+    ref = perturb(getattr(transformers, LM_CLASSES[family])(tiny_config(request.param))).eval()
+    path = tmp_path_factory.mktemp(request.param)
+    ref.save_pretrained(path)
+    return request.param, ref, path
+
+
+def test_logits_and_hidden_states_match_pytorch_on_both_paddings(case):
+    """Both layer kinds matter: rows of 12 and 9 tokens run past the window of 4."""
+    name, ref, path = case
+    assert set(layer_windows(tiny_config(name))) == {None, 4}
+    model, base = load_pretrained(path, "causal-lm"), load_pretrained(path, "base")
+    for side, (ids, mask) in batches().items():
+        want = torch_forward(ref, input_ids=ids, attention_mask=mask).logits.numpy()
+        got = forward(model, jnp.asarray(ids), jnp.asarray(mask)).logits
+        assert got.shape == want.shape and relative_diff(mask, got, want) <= TOL, side
+        want = torch_forward(ref.model, input_ids=ids, attention_mask=mask).last_hidden_state.numpy()
+        got = forward(base, jnp.asarray(ids), jnp.asarray(mask)).last_hidden_state
+        assert relative_diff(mask, got, want) <= TOL, side
+
+
+def test_export_loads_in_transformers_with_the_same_logits(case, tmp_path):
+    _, ref, path = case
+    save_pretrained(load_pretrained(path, "causal-lm"), tmp_path)
+    back, info = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path, output_loading_info=True, attn_implementation="eager"
+    )
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    assert type(back) is type(ref)
+    ids, mask = padded_batch(VOCAB)
+    want = torch_forward(ref, input_ids=ids, attention_mask=mask).logits.numpy()
+    assert relative_diff(mask, torch_forward(back, input_ids=ids, attention_mask=mask).logits, want) <= TOL
+
+
+def test_kv_cache_decoding_matches_full_forward(case):
+    """Chunks of 4, 3, 1, 2, 1, 1 tokens through a 16-position cache: the sliding layers keep a rolling cache of
+    their 4 positions (wrapped around twice), the full layers all 16."""
+    name, _, path = case
+    model = load_pretrained(path, "causal-lm")
+    ids, mask = padded_batch(VOCAB)
+    want = forward(model, jnp.asarray(ids), jnp.asarray(mask)).logits
+    width, max_len = ids.shape[1], 16
+    cache_mask = jnp.asarray(np.pad(mask, ((0, 0), (0, max_len - width)), constant_values=1))
+    cache = model.init_cache(len(ids), max_len)
+    lengths = [max_len if window is None else window for window in layer_windows(tiny_config(name))]
+    assert [layer.k.shape[2] for layer in cache.layers] == lengths
+    graphdef, state = nnx.split(model)
+
+    @jax.jit
+    def step(state, ids, cache):
+        return nnx.merge(graphdef, state)(ids, cache_mask, cache=cache)
+
+    logits, start = [], 0
+    for size in (4, 3, 1, 2, 1, 1):
+        out = step(state, jnp.asarray(ids[:, start : start + size]), cache)
+        logits.append(out.logits)
+        cache, start = out.cache, start + size
+    assert relative_diff(mask, jnp.concatenate(logits, axis=1), want) <= TOL
+
+
+@pytest.mark.parametrize("name", GENERATE)
+def test_greedy_generation_matches_pytorch_on_left_padded_prompts(name, tmp_path):
+    """transformers' ``generate()`` and jaxseq's agree token for token over 24 new tokens, far past the window."""
+    torch.manual_seed(0)
+    ref = perturb(getattr(transformers, LM_CLASSES[CASES[name][0]])(tiny_config(name))).eval()
+    ref.save_pretrained(tmp_path)
+    ids, mask = prompts()
+    with torch.no_grad():
+        out = ref.generate(
+            torch.as_tensor(ids).long(), attention_mask=torch.as_tensor(mask).long(), max_new_tokens=NEW,
+            do_sample=False, pad_token_id=PAD, eos_token_id=None,
+        )  # fmt: skip
+    want = out[:, ids.shape[1] :].numpy()
+    assert all(len(set(row)) > 4 for row in want)  # the tokens wander, so a wrong step shows
+    got = generate(load_pretrained(tmp_path, "causal-lm"), ids, mask, max_new_tokens=NEW, pad_token_id=PAD)
+    np.testing.assert_array_equal(np.asarray(got.sequences), want)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_classifier_matches_pytorch_on_both_paddings_and_round_trips(name, tmp_path):
+    """The score of each row's last real token, no soft-cap (transformers' generic classifier)."""
+    torch.manual_seed(0)
+    cls = getattr(transformers, CLASSIFIERS[CASES[name][0]])
+    ref = perturb(cls(tiny_config(name, num_labels=3))).eval()
+    ref.save_pretrained(tmp_path / "ref")
+    model = load_pretrained(tmp_path / "ref", "sequence-classification")
+    save_pretrained(model, tmp_path / "out")
+    back, info = transformers.AutoModelForSequenceClassification.from_pretrained(
+        tmp_path / "out", output_loading_info=True, attn_implementation="eager"
+    )
+    assert type(back) is cls and not info["missing_keys"] and not info["unexpected_keys"]
+    for side, (ids, mask) in batches().items():
+        want = torch_forward(ref, input_ids=ids, attention_mask=mask).logits.numpy()
+        rows = np.ones((len(ids), 1), np.int32)
+        assert relative_diff(rows, forward(model, jnp.asarray(ids), jnp.asarray(mask)), want) <= TOL, side
+        assert relative_diff(rows, torch_forward(back, input_ids=ids, attention_mask=mask).logits, want) <= TOL
+
+
+def test_soft_capped_attention_takes_xla_saying_why_once_and_refuses_a_fused_kernel_by_name():
+    """On a TPU (a mesh's view of its devices) auto says once why it runs XLA; splash or cuDNN named is a one-line
+    error. Without the attention soft-cap auto takes splash."""
+    tpu = SimpleNamespace(devices=np.array([SimpleNamespace(platform="tpu")]))
+    model = from_config(tiny_config("gemma2-softcaps"), "causal-lm", dtype=jnp.bfloat16)
+    said = []
+    assert use_attention(model, "auto", tpu, say=said.append) == "xla"
+    assert said == ["attention: XLA (splash attention does not soft-cap attention logits (attn_logit_softcapping); "
+                    "use --attention xla)"]  # fmt: skip
+    gpu = SimpleNamespace(devices=np.array([SimpleNamespace(platform="gpu")]))
+    for name, mesh in (("splash", tpu), ("cudnn", gpu)):
+        with pytest.raises(JaxseqError, match=r"attention does not soft-cap attention logits"):
+            use_attention(model, name, mesh)
+    assert use_attention(from_config(tiny_config("gemma2-mqa-tied"), "causal-lm"), "auto", tpu) == "splash"
+
+
+def test_scanning_mixed_layers_is_refused_auto_unrolls_them_and_uniform_layers_scan(tmp_path):
+    """--scan_layers true on sliding and full layers stops in one line; auto (scanning under --remat full)
+    unrolls them; layers of one window scan."""
+    from jaxseq.train.objectives import CausalLM
+    from jaxseq.train.optim import OptimizerConfig
+    from jaxseq.train.spec import RunSpec
+    from jaxseq.train.trainer import TrainerConfig
+
+    mixed = tiny_config("gemma2-softcaps")
+    with pytest.raises(JaxseqError, match=r"^scan_layers needs every layer to attend alike"):
+        from_config(mixed, "causal-lm", scan_layers=True)
+    uniform = tiny_config("gemma2-softcaps", layer_types=["sliding_attention"] * 3)
+    assert len(from_config(uniform, "causal-lm", scan_layers=True).model.layers) == 3
+
+    def scans(config, flag):
+        trainer = TrainerConfig(output_dir=str(tmp_path), scan_layers=flag, remat="full")
+        return RunSpec(None, config, "causal-lm", CausalLM(), trainer, OptimizerConfig()).scan_layers
+
+    assert (scans(mixed, "auto"), scans(uniform, "auto"), scans(mixed, "true")) == (False, True, True)
