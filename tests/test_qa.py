@@ -22,8 +22,11 @@ from flax import nnx
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from jaxseq.commands import qa as qa_job  # noqa: E402
 from jaxseq.data.squad import features, postprocess, read_squad, squad_metrics  # noqa: E402
+from jaxseq.errors import JaxseqError  # noqa: E402
 from jaxseq.models import load_pretrained, save_pretrained  # noqa: E402
+from jaxseq.runner import parse_job  # noqa: E402
 from tests.conftest import shared_asset  # noqa: E402
 from tests.reference import padded_batch, perturb, scaled_diff, torch_forward  # noqa: E402
 
@@ -244,6 +247,17 @@ def test_official_evaluation_equals_jaxseqs(tmp_path):
     want = official_v2(SQUAD["data"], predictions)
     assert squad_metrics(examples, predictions, version_2=True) == pytest.approx(want)
     assert 0 < want["f1"] < 100 and want["NoAns_total"] == 2
+
+
+def test_unanswerable_questions_without_the_v2_flag_stop_in_one_line(tmp_path):
+    """v1.1's figures need an answer to every question: a v2.0 file without --version_2_with_negative stops
+    before anything is loaded or written."""
+    (tmp_path / "squad.json").write_text(json.dumps(SQUAD))
+    argv = ["--validation_file", tmp_path / "squad.json", "--do_eval", "--output_dir", tmp_path / "out"]
+    args = parse_job(qa_job.JOB, list(map(str, argv)))
+    with pytest.raises(JaxseqError, match=r"^2 evaluation questions have no answer \(first: r3\).*pass --version_2"):
+        qa_job.prepare(args, False)
+    assert not (tmp_path / "out").exists()
 
 
 def run_jaxseq(*args, timeout=300):

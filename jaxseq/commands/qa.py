@@ -97,7 +97,7 @@ def answer(data: QaDataConfig, examples, windows, output_dir: Path | None, prefi
             files["null_odds"] = null_odds
         for name, value in files.items():
             atomic_write(output_dir / f"{prefix}_{name}.json", json.dumps(value, indent=4) + "\n")
-    answered = data.version_2_with_negative or all(e["answers"]["text"] for e in examples)
+    answered = data.version_2_with_negative or all(e["answers"]["text"] for e in examples)  # a test file may lack them
     return squad_metrics(examples, answers, data.version_2_with_negative) if answered else {}
 
 
@@ -124,6 +124,12 @@ def prepare(args, planning: bool) -> Prepared:
     found = load_splits(data, wanted)
     limits = {"train": data.max_train_samples, "validation": data.max_eval_samples, "test": data.max_predict_samples}
     found = {split: examples[: limits[split]] for split, examples in found.items()}
+    unanswered = [e["id"] for e in found.get("validation", ()) if not e["answers"]["text"]]
+    if unanswered and not data.version_2_with_negative:
+        raise JaxseqError(
+            f"{len(unanswered)} evaluation questions have no answer (first: {unanswered[0]}), as in SQuAD v2.0: "
+            "pass --version_2_with_negative"
+        )
     config, folder, overrides = model_config(source, TASK, weights=not planning)
     seq = sequence_length(data.max_seq_length, config, "max_seq_length", data.max_seq_length)
     tokenizer = load_tokenizer(source.tokenizer_name or folder)
