@@ -19,8 +19,10 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 seqeval_metrics = pytest.importorskip("seqeval.metrics")
 
+from jaxseq.commands import ner  # noqa: E402
 from jaxseq.data.tokens import IGNORE, b_to_i, encode  # noqa: E402
 from jaxseq.models import load_pretrained, save_pretrained  # noqa: E402
+from jaxseq.runner import parse_job  # noqa: E402
 from tests.conftest import shared_asset  # noqa: E402
 from tests.reference import padded_batch, perturb, scaled_diff, torch_forward  # noqa: E402
 
@@ -127,3 +129,35 @@ def test_jaxseq_ner_fine_tunes_minilm_and_its_figures_are_seqevals(tmp_path):
         words = enc.word_ids()
         firsts = [p for p, w in enumerate(words) if w is not None and (p == 0 or words[p - 1] != w)]
         assert [model.config.id2label[ids[p]] for p in firsts] == tags
+
+
+def test_a_datasets_folder_with_int_tags_is_read_with_their_names(tmp_path):
+    """A dataset (here a local folder of parquet files, as the Hub serves them) whose tags are ints with
+    ClassLabel names: the model's labels are those names in that order, and each word's first sub-token holds
+    its int tag."""
+    datasets = pytest.importorskip("datasets")
+    names = ["O", "B-PER", "I-PER", "B-ORG", "I-ORG", "B-LOC", "I-LOC", "B-MISC", "I-MISC"]  # CoNLL-2003's order
+    conll = [json.loads(line) for line in shared_asset("data/ner/conll2003-test.json").read_text().splitlines()[:24]]
+    features = datasets.Features(
+        {
+            "tokens": datasets.Sequence(datasets.Value("string")),
+            "ner_tags": datasets.Sequence(datasets.ClassLabel(names=names)),
+        }
+    )
+    for split, part in (("train", conll[:16]), ("validation", conll[16:])):
+        rows = {
+            "tokens": [e["tokens"] for e in part],
+            "ner_tags": [[names.index(t) for t in e["ner_tags"]] for e in part],
+        }
+        datasets.Dataset.from_dict(rows, features=features).to_parquet(tmp_path / "data" / f"{split}.parquet")
+    argv = ["--model_name_or_path", shared_asset("models/all-MiniLM-L6-v2"), "--dataset_name", tmp_path / "data",
+            "--max_seq_length", 64, "--output_dir", tmp_path / "out"]  # fmt: skip
+    prepared = ner.prepare(parse_job(ner.JOB, list(map(str, argv))), False)
+    assert prepared.config.id2label == dict(enumerate(names))
+    tokenizer = transformers.AutoTokenizer.from_pretrained(shared_asset("models/all-MiniLM-L6-v2"))
+    labels = prepared.evals[""].take(np.arange(8))["labels"]
+    for example, row in zip(conll[16:24], labels):
+        words = tokenizer(example["tokens"], is_split_into_words=True).word_ids()
+        firsts = [p for p, w in enumerate(words) if w is not None and (p == 0 or words[p - 1] != w)]
+        assert row[firsts].tolist() == [names.index(t) for t in example["ner_tags"]]
+        assert (np.delete(row, firsts) == IGNORE).all()
