@@ -120,6 +120,20 @@ def test_gemma2_windows_and_head_dim():
     assert model_flops(config, "causal-lm", ROWS, SEQ) == expected
 
 
+def test_gemma3_q_k_norms_and_windows():
+    """Gemma 3's default layer pattern (five sliding layers, then a full one) over a window of 8; the q/k norms
+    count nothing; the classifier's head is hidden x labels on each row."""
+    config = transformers.Gemma3TextConfig(
+        hidden_size=64, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2, intermediate_size=96,
+        vocab_size=V, head_dim=16, sliding_window=8, num_labels=2,
+    )  # fmt: skip
+    assert config.layer_types == ["sliding_attention"] * 5 + ["full_attention"]
+    windows = 5 * causal_pairs(SEQ, 8) + causal_pairs(SEQ)
+    body = 6 * 6 * llama_layer() * TOKENS + 12 * (4 * 16) * windows * ROWS
+    assert model_flops(config, "causal-lm", ROWS, SEQ) == body + 6 * 64 * V * TOKENS
+    assert model_flops(config, "sequence-classification", ROWS, SEQ) == body + 6 * 64 * 2 * ROWS
+
+
 @pytest.mark.parametrize("gated", [False, True])
 def test_t5(gated):
     d, inner, d_ff, enc, dec = 32, 4 * 8, 64, 2, 3
@@ -195,6 +209,7 @@ def test_opt(projected):
 
 def test_every_family_has_a_count_and_no_other_task():
     families = {"gpt2", "gptj", "opt", "t5", "bert", "roberta", "llama", "mistral", "qwen2", "qwen3", "gemma2"}
+    families |= {"gemma3_text"}
     assert set(FAMILIES) == families
     assert all(family.flops is not None for family in FAMILIES.values())
     with pytest.raises(Exception, match="not available"):

@@ -44,11 +44,31 @@ CASES = {  # family, config fields beyond the shared tiny ones
             layer_types=["full_attention", "sliding_attention", "sliding_attention"],
         ),
     ),
+    # q/k norms; linear rope scaling on the full layer, a local rope base of its own on the sliding ones; the
+    # final soft-cap; untied head
+    "gemma3-ropes": (
+        "gemma3_text",
+        dict(
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            rope_parameters={
+                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 50.0},
+            },
+            final_logit_softcapping=8.0,
+            tie_word_embeddings=False,
+        ),
+    ),
+    # Gemma 3's defaults (rope bases 1e6 global, 1e4 local; no soft-caps); tied head; attn_logit_softcapping set,
+    # which transformers' Gemma 3 never applies (nor does jaxseq: the logits agree only so)
+    "gemma3-tied": (
+        "gemma3_text",
+        dict(layer_types=["full_attention", "sliding_attention", "sliding_attention"], attn_logit_softcapping=3.0),
+    ),
 }
 # Greedy decoding of a tiny tied Gemma repeats the prompt's last token (the embedding, scaled by sqrt(hidden_size),
 # outweighs the layers in the residual stream and meets itself in the tied head), which would show no wrong step;
 # generation runs the untied cases (the head is one function, ``logits``, which the forward tests check tied).
-GENERATE = ("gemma2-softcaps",)
+GENERATE = ("gemma2-softcaps", "gemma3-ropes")
 CONFIG_CLASSES = {"gemma2": "Gemma2Config", "gemma3_text": "Gemma3TextConfig"}
 LM_CLASSES = {"gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
 CLASSIFIERS = {"gemma2": "Gemma2ForSequenceClassification", "gemma3_text": "Gemma3TextForSequenceClassification"}
@@ -212,3 +232,24 @@ def test_scanning_mixed_layers_is_refused_auto_unrolls_them_and_uniform_layers_s
         return RunSpec(None, config, "causal-lm", CausalLM(), trainer, OptimizerConfig()).scan_layers
 
     assert (scans(mixed, "auto"), scans(uniform, "auto"), scans(mixed, "true")) == (False, True, True)
+
+
+def test_gemma3_ropes_per_layer_kind_and_refusals():
+    """The sliding layers turn with the local base, the full ones with the global rope and its scaling, as
+    transformers' Gemma3RotaryEmbedding computes them; a rope type jaxseq lacks and EmbeddingGemma's
+    bidirectional attention stop in one line."""
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RotaryEmbedding
+
+    from jaxseq.models.llama import rope_frequencies
+
+    config = tiny_config("gemma3-ropes")
+    rotary = Gemma3RotaryEmbedding(config)
+    for window, kind in ((None, "full_attention"), (4, "sliding_attention")):
+        want = getattr(rotary, f"{kind}_inv_freq").numpy()
+        np.testing.assert_allclose(rope_frequencies(config, window), want, rtol=2e-7, atol=0)
+    assert not np.allclose(rope_frequencies(config, None), rope_frequencies(config, 4))
+    yarn = {"full_attention": {"rope_type": "yarn", "factor": 2.0, "rope_theta": 1000.0}}
+    with pytest.raises(JaxseqError, match=r"^rope type 'yarn' is not supported; jaxseq supports default, linear"):
+        from_config(tiny_config("gemma3-tied", rope_parameters=yarn), "causal-lm")
+    with pytest.raises(JaxseqError, match=r"^use_bidirectional_attention .* is not supported"):
+        from_config(tiny_config("gemma3-tied", use_bidirectional_attention=True), "causal-lm")

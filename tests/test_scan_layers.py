@@ -86,6 +86,16 @@ def gemma2_config():
     )  # fmt: skip
 
 
+def gemma3_config():
+    """Every layer full (a scan needs one window), q/k norms, linear rope scaling."""
+    return transformers.Gemma3TextConfig(
+        num_hidden_layers=3, hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=8, vocab_size=VOCAB, max_position_embeddings=32, sliding_window=4, query_pre_attn_scalar=12,
+        layer_types=["full_attention"] * 3,
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000.0}},
+    )  # fmt: skip
+
+
 def bert_config():
     return transformers.BertConfig(
         num_hidden_layers=3, hidden_size=32, intermediate_size=48, num_attention_heads=4, vocab_size=VOCAB,
@@ -127,6 +137,7 @@ CONFIGS = {
     "mistral": mistral_config,
     "qwen3": qwen3_config,
     "gemma2": gemma2_config,
+    "gemma3": gemma3_config,
     "opt": opt_config,
     "bert": bert_config,
     "bert-mlm": bert_config,
@@ -148,6 +159,7 @@ STACKS = {
     "mistral": ("model/layers",),
     "qwen3": ("model/layers",),
     "gemma2": ("model/layers",),
+    "gemma3": ("model/layers",),
     "opt": ("model/decoder/layers",),
     "bert": ("bert/encoder/layer",),
     "bert-mlm": ("bert/encoder/layer",),
@@ -295,6 +307,7 @@ def assert_same_grads(got, want):
         ("mistral", "full", False),
         ("qwen3", "dots", False),
         ("gemma2", "full", False),
+        ("gemma3", "dots", False),
         ("opt", "full", False),
         ("bert", "none", False),
         ("bert", "full", True),
@@ -381,7 +394,9 @@ def test_scanned_training_with_dropout_runs(folders):
     assert loss(params, 1) != first and loss(params, 0) == first
 
 
-@pytest.mark.parametrize("family", ["gpt2", "gptj", "llama", "mistral", "qwen3", "gemma2", "opt", "t5", "t5-v1.1"])
+@pytest.mark.parametrize(
+    "family", ["gpt2", "gptj", "llama", "mistral", "qwen3", "gemma2", "gemma3", "opt", "t5", "t5-v1.1"]
+)
 def test_scanned_generation_equals_unrolled(family, folders):
     """Greedy tokens from a stacked KV cache (``[layers, batch, ...]``, carried through the scan; T5's
     cross-attention keys/values stacked too) equal the unrolled model's, with left padding, also on a mesh."""

@@ -112,6 +112,21 @@ def causal_batch(seed=0, lengths=LENGTHS):
     return {"input_ids": ids, "attention_mask": mask}, {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
+def gemma3_config():
+    """q/k norms, linear rope scaling on the full layer and a local base on the sliding one (window 4), final
+    soft-cap, untied head."""
+    return transformers.Gemma3TextConfig(
+        num_hidden_layers=2, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, vocab_size=VOCAB, max_position_embeddings=64, pad_token_id=0, sliding_window=4,
+        query_pre_attn_scalar=24, final_logit_softcapping=8.0, tie_word_embeddings=False,
+        layer_types=["sliding_attention", "full_attention"], attn_implementation="eager",
+        rope_parameters={
+            "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 50.0},
+        },
+    )  # fmt: skip
+
+
 def full_rows(seed=0):
     """``causal_batch`` without padding: transformers' eager Gemma 2 in float64 (the exact reference) gives NaN
     logits on every position of padded rows (transformers 5.23; not in float32);
@@ -157,6 +172,7 @@ CASES = {  # reference constructor, jaxseq task, objective, batch
     "qwen3": (lambda: transformers.Qwen3ForCausalLM(qwen3_config()), "causal-lm", CausalLM, causal_batch),
     "opt": (lambda: transformers.OPTForCausalLM(opt_config()), "causal-lm", CausalLM, causal_batch),
     "gemma2": (lambda: transformers.Gemma2ForCausalLM(gemma2_config()), "causal-lm", CausalLM, full_rows),
+    "gemma3": (lambda: transformers.Gemma3ForCausalLM(gemma3_config()), "causal-lm", CausalLM, full_rows),
     "t5-v1.0": (
         lambda: transformers.T5ForConditionalGeneration(t5_config(gated=False)),
         "seq2seq-lm",
@@ -301,6 +317,7 @@ def assert_steps_match(ours, exact, f32, before):
         ("qwen3", 0.5),
         ("opt", 0.5),
         ("gemma2", 0.5),
+        ("gemma3", 0.5),
         ("t5-v1.0", 1.0),
         ("t5-v1.1", 0.5),
         ("bert-classification", 100.0),

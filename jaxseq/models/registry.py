@@ -6,7 +6,7 @@ jaxseq shows (help, errors, docs) is read from here (``family_names``)."""
 from __future__ import annotations
 
 from jaxseq.errors import JaxseqError
-from jaxseq.models import bert, gemma2, gpt2, gptj, llama, mistral, mixtral, opt, qwen2, qwen3, roberta, t5
+from jaxseq.models import bert, gemma2, gemma3_text, gpt2, gptj, llama, mistral, mixtral, opt, qwen2, qwen3, roberta, t5
 from jaxseq.models.family import Family
 
 FAMILIES: dict[str, Family] = {
@@ -24,6 +24,7 @@ FAMILIES: dict[str, Family] = {
         qwen2.FAMILY,
         qwen3.FAMILY,
         gemma2.FAMILY,
+        gemma3_text.FAMILY,
     )
 }
 TASKS = (

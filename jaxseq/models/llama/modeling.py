@@ -191,7 +191,8 @@ class LlamaAttention(nnx.Module):
         self.q_norm, self.k_norm = (norm(), norm()) if qk_norms(config) else (None, None)
         self.num_heads, self.num_kv_heads = heads, kv_heads
         self.scale = (getattr(config, "query_pre_attn_scalar", None) or dim) ** -0.5
-        self.softcap = getattr(config, "attn_logit_softcapping", None)  # Gemma 2's: XLA only (use_attention)
+        # Gemma 2's: XLA only (use_attention); transformers' Gemma 3 keeps the config field but never applies it
+        self.softcap = getattr(config, "attn_logit_softcapping", None) if config.model_type == "gemma2" else None
         self.window, self.dropout_rate = window, config.attention_dropout
         self.dtype, self.attention = dtype, AttentionKernel()
 
