@@ -14,6 +14,8 @@ from jaxseq import __version__
 COMMANDS = {
     "glue": ("glue", "fine-tune a model on a GLUE task (transformers' run_glue.py flags)"),
     "clm": ("clm", "pretrain or keep training a causal language model (run_clm.py flags)"),
+    "mlm": ("mlm", "pretrain or keep training a masked language model (run_mlm.py flags)"),
+    "t5-mlm": ("t5_mlm", "pretrain T5 by span corruption (run_t5_mlm_flax.py flags)"),
     "chat": ("chat", "fine-tune a causal LM on chats, learning only the assistant's turns"),
     "dpo": ("dpo", "align a causal LM with preference pairs: DPO, IPO, hinge, robust DPO, SimPO, ORPO (as TRL)"),
     "grpo": ("grpo", "train a causal LM on your reward functions with GRPO, sampling in the loop (as TRL)"),
