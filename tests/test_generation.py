@@ -44,6 +44,24 @@ CONFIGS = {
             initializer_range=0.3,
         )
     ),
+    "gemma2": lambda: transformers.Gemma2ForCausalLM(
+        transformers.Gemma2Config(
+            num_hidden_layers=2,
+            hidden_size=64,
+            intermediate_size=96,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            vocab_size=VOCAB,
+            max_position_embeddings=64,
+            sliding_window=4,
+            attn_logit_softcapping=3.0,
+            final_logit_softcapping=8.0,
+            tie_word_embeddings=False,  # tied, a tiny random Gemma repeats its last token (tests/test_gemma.py)
+            attn_implementation="eager",
+            initializer_range=0.3,
+        )
+    ),
     "opt": lambda: transformers.OPTForCausalLM(
         transformers.OPTConfig(
             num_hidden_layers=2,
