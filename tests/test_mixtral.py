@@ -12,6 +12,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from jaxseq import partition  # noqa: E402
+from jaxseq.errors import JaxseqError  # noqa: E402
 from jaxseq.generation import generate  # noqa: E402
 from jaxseq.mesh import make_mesh  # noqa: E402
 from jaxseq.models import load_pretrained, save_pretrained  # noqa: E402
@@ -148,3 +149,17 @@ def test_flops_count_only_the_routed_experts():
     attention = 2 * 2.0 * 2 * 64 * (seq * seq / 2) * rows
     want = 3 * (2.0 * per_token * rows * seq + attention)
     assert family_for("mixtral").model_flops(config, "causal-lm", rows, seq) == pytest.approx(want)
+
+
+def test_lora_of_the_experts_is_refused_in_one_line(saved):
+    """The experts' kernels are read by the grouped matmul, never called: an adapter on them would not train."""
+    from jaxseq.partition import get_partition_rules, match_partition_rules
+    from jaxseq.train.lora import Lora, LoraConfig
+
+    model = load_pretrained(saved[1], "causal-lm")
+    specs = match_partition_rules(get_partition_rules("mixtral"), nnx.state(model))
+    assert Lora(LoraConfig(lora_rank=2), model, specs).targets  # q/v by default
+    for config in (LoraConfig(lora_rank=2, lora_targets=r"w1/kernel$"), LoraConfig(lora_rank=2, quantize="int8")):
+        with pytest.raises(JaxseqError, match="experts") as error:
+            Lora(config, model, specs)
+        assert "\n" not in str(error.value)

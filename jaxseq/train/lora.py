@@ -158,6 +158,12 @@ class Lora:
                 f"--lora_targets {targets!r} matches no dense kernel of the {family.model_type} model "
                 f"(they look like {example!r})"
             )
+        grouped = [path for path, m in dense.items() if getattr(m, "grouped", False)]  # MoE experts' kernels
+        if [p for p in grouped if p in self.targets] or (grouped and config.quantize != "none"):
+            raise JaxseqError(
+                f"LoRA and QLoRA cannot adapt or quantise the {family.model_type} model's experts (their kernels "
+                "are multiplied together in grouped matmuls); target the attention projections, without --quantize"
+            )
         head = config.lora_trainable if config.lora_trainable is not None else getattr(type(model), "task_head", "")
         params = [path for path, _ in nnx.to_flat_state(nnx.state(model, nnx.Param))]
         self.full = [path for path in params if head and re.search(head, _name(path))]

@@ -39,6 +39,8 @@ class Expert(nnx.Module):
         kw = dict(use_bias=False, kernel_init=normal(config.initializer_range), dtype=dtype, param_dtype=param_dtype)
         self.w1, self.w3 = Linear(d, inner, **kw, rngs=rngs), Linear(d, inner, **kw, rngs=rngs)
         self.w2 = Linear(inner, d, **kw, rngs=rngs)
+        for kernel in (self.w1, self.w2, self.w3):
+            kernel.grouped = True  # read by grouped_experts, never called: LoRA refuses them (train.lora)
 
 
 def grouped_experts(experts, act, dtype, x, weights, ids):
