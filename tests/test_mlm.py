@@ -217,7 +217,8 @@ def test_mlm_on_minilm_exports_a_fill_mask_model(minilm, tmp_path):
     result = jaxseq(
         "mlm", "--model_name_or_path", folder, "--train_file", tmp_path / "train.txt",
         "--validation_file", tmp_path / "valid.txt", "--max_seq_length", 32, "--per_device_train_batch_size", 4,
-        "--max_steps", 3, "--learning_rate", 1e-3, "--output_dir", out, "--data_cache_dir", tmp_path / "cache",
+        "--max_steps", 3, "--learning_rate", 1e-3, "--scan_layers", "true", "--output_dir", out,
+        "--data_cache_dir", tmp_path / "cache",
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     assert "of 32 tokens, 0.15 of them masked" in result.stdout

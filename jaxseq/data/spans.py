@@ -13,6 +13,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxseq.data.masking import generator_key
+
 
 def input_and_target_lengths(tokens: int, noise_density: float, mean_noise_span_length: float) -> tuple[int, int]:
     """(input, target) lengths, EOS included, of a block of ``tokens`` raw tokens."""
@@ -68,7 +70,7 @@ class SpanCorruption:
             segment = jnp.cumsum(jnp.pad(cuts, (1, 0)))
             return jnp.bincount(segment, length=spans)
 
-        noise_key, kept_key = jax.random.split(key)
+        noise_key, kept_key = jax.random.split(generator_key(key))
         interleaved = jnp.stack([segment_lengths(kept_key, self.tokens - noise), segment_lengths(noise_key, noise)], 1)
         starts = jnp.cumsum(interleaved.reshape(-1))[:-1]
         span_number = jnp.cumsum(jnp.zeros(self.tokens, jnp.int32).at[starts].set(1))
