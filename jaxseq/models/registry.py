@@ -6,7 +6,22 @@ jaxseq shows (help, errors, docs) is read from here (``family_names``)."""
 from __future__ import annotations
 
 from jaxseq.errors import JaxseqError
-from jaxseq.models import bert, gemma2, gemma3_text, gpt2, gptj, llama, mistral, mixtral, opt, qwen2, qwen3, roberta, t5
+from jaxseq.models import (
+    bert,
+    gemma2,
+    gemma3_text,
+    gpt2,
+    gptj,
+    llama,
+    mistral,
+    mixtral,
+    opt,
+    qwen2,
+    qwen3,
+    qwen3_moe,
+    roberta,
+    t5,
+)
 from jaxseq.models.family import Family
 
 FAMILIES: dict[str, Family] = {
@@ -23,6 +38,7 @@ FAMILIES: dict[str, Family] = {
         mixtral.FAMILY,
         qwen2.FAMILY,
         qwen3.FAMILY,
+        qwen3_moe.FAMILY,
         gemma2.FAMILY,
         gemma3_text.FAMILY,
     )

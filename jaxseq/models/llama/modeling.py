@@ -68,8 +68,8 @@ def attention_biases(config) -> tuple[bool, bool]:
 
 def qk_norms(config) -> bool:
     """Whether each query and key head is RMS-normalised (over ``head_dim``, own weights ``q_norm``, ``k_norm``)
-    before the rotation: Qwen3's and Gemma 3's."""
-    return config.model_type in ("qwen3", "gemma3_text")
+    before the rotation: Qwen3's (and Qwen3-MoE's) and Gemma 3's."""
+    return config.model_type in ("qwen3", "qwen3_moe", "gemma3_text")
 
 
 def gemma(config) -> bool:

@@ -31,32 +31,44 @@ def route(logits: jax.Array, top_k: int, normalise: bool) -> tuple[jax.Array, ja
     return probs, weights, experts
 
 
+MIXTRAL_EXPERT = ("w1", "w3", "w2")
+
+
+def moe_layers(config) -> tuple[bool, ...]:
+    """Which layers are sparse MoE (the rest dense MLPs): Mixtral's all; Qwen3-MoE's every
+    ``decoder_sparse_step``-th not in ``mlp_only_layers``, as transformers builds them."""
+    dense, step = set(getattr(config, "mlp_only_layers", None) or ()), getattr(config, "decoder_sparse_step", 1)
+    return tuple(i not in dense and (i + 1) % step == 0 for i in range(config.num_hidden_layers))
+
+
+"""An expert's gate, up and down projections as Mixtral's checkpoints name them (Qwen3-MoE's: gate_proj, ...)."""
+
+
 class Expert(nnx.Module):
-    """One SwiGLU expert, PyTorch's names: ``w2(silu(w1(x)) * w3(x))``."""
+    """One SwiGLU expert, ``down(silu(gate(x)) * up(x))``, its projections under ``names`` (gate, up, down)."""
 
-    def __init__(self, config, *, dtype, param_dtype, rngs: nnx.Rngs):
-        d, inner = config.hidden_size, config.intermediate_size
+    def __init__(self, config, inner: int, names=MIXTRAL_EXPERT, *, dtype, param_dtype, rngs: nnx.Rngs):
+        d = config.hidden_size
         kw = dict(use_bias=False, kernel_init=normal(config.initializer_range), dtype=dtype, param_dtype=param_dtype)
-        self.w1, self.w3 = Linear(d, inner, **kw, rngs=rngs), Linear(d, inner, **kw, rngs=rngs)
-        self.w2 = Linear(inner, d, **kw, rngs=rngs)
-        for kernel in (self.w1, self.w2, self.w3):
-            kernel.grouped = True  # read by grouped_experts, never called: LoRA refuses them (train.lora)
+        for name, shape in zip(names, ((d, inner), (d, inner), (inner, d))):
+            setattr(self, name, Linear(*shape, **kw, rngs=rngs))
+            getattr(self, name).grouped = True  # read by grouped_experts, never called: LoRA refuses them
 
 
-def grouped_experts(experts, act, dtype, x, weights, ids):
+def grouped_experts(experts, names, act, dtype, x, weights, ids):
     """``x`` ``[tokens, hidden]`` through each token's experts ``ids`` ``[tokens, k]``, summed with ``weights``:
     the token-expert pairs sorted by expert, each expert's rows multiplied by its kernels alone in one grouped
     matmul (``jax.lax.ragged_dot`` over the kernels stacked ``[experts, in, out]``), then weighted and summed back
-    onto their tokens."""
+    onto their tokens. ``names``: the experts' (gate, up, down) projections."""
     tokens, k = ids.shape
     flat = ids.reshape(-1)
     order = jnp.argsort(flat, stable=True)
     rows = order // k
     sizes = jnp.bincount(flat, length=len(experts)).astype(jnp.int32)
-    stack = {n: jnp.stack([getattr(e, n).kernel[...] for e in experts]).astype(dtype) for n in ("w1", "w2", "w3")}
+    gate, up, down = (jnp.stack([getattr(e, n).kernel[...] for e in experts]).astype(dtype) for n in names)
     h = x[rows].astype(dtype)
-    h = act(jax.lax.ragged_dot(h, stack["w1"], sizes)) * jax.lax.ragged_dot(h, stack["w3"], sizes)
-    y = jax.lax.ragged_dot(h, stack["w2"], sizes).astype(jnp.float32) * weights.reshape(-1)[order][:, None]
+    h = act(jax.lax.ragged_dot(h, gate, sizes)) * jax.lax.ragged_dot(h, up, sizes)
+    y = jax.lax.ragged_dot(h, down, sizes).astype(jnp.float32) * weights.reshape(-1)[order][:, None]
     return jnp.zeros((tokens, x.shape[-1]), jnp.float32).at[rows].add(y).astype(x.dtype)
 
 
@@ -65,13 +77,13 @@ class SparseMoeBlock(nnx.Module):
     for the load balancing loss: ``[2, experts]``, each expert's count of top-k picks and its summed
     probability over the real tokens (``key_mask`` not 0; all tokens without one)."""
 
-    def __init__(self, config, *, dtype, param_dtype, rngs: nnx.Rngs):
+    def __init__(self, config, inner: int | None = None, names=MIXTRAL_EXPERT, *, dtype, param_dtype, rngs: nnx.Rngs):
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-        self.gate = Linear(
-            config.hidden_size, config.num_local_experts, use_bias=False, kernel_init=normal(config.initializer_range),
-            **kw,
-        )  # fmt: skip
-        self.experts = nnx.List([Expert(config, **kw) for _ in range(config.num_local_experts)])
+        count, inner = config.num_local_experts, inner or config.intermediate_size
+        init = normal(config.initializer_range)
+        self.gate = Linear(config.hidden_size, count, use_bias=False, kernel_init=init, **kw)
+        self.experts = nnx.List([Expert(config, inner, names, **kw) for _ in range(count)])
+        self.names = names
         self.top_k, self.normalise = config.num_experts_per_tok, getattr(config, "norm_topk_prob", True)
         self.act, self.dtype = activation(config.hidden_act), dtype
 
@@ -82,7 +94,7 @@ class SparseMoeBlock(nnx.Module):
         real = real.astype(jnp.float32)
         picks = jax.nn.one_hot(experts, probs.shape[-1], dtype=jnp.float32).sum(axis=1)
         stats = jnp.stack([real @ picks, real @ probs])
-        y = grouped_experts(self.experts, self.act, self.dtype or x.dtype, flat, weights, experts)
+        y = grouped_experts(self.experts, self.names, self.act, self.dtype or x.dtype, flat, weights, experts)
         return y.reshape(x.shape), stats
 
 
@@ -91,16 +103,23 @@ class MixtralDecoderLayer(LlamaDecoderLayer):
     without one its router statistics (``SparseMoeBlock``)."""
 
     mlp_class = SparseMoeBlock
+    moe_name = "block_sparse_moe"  # Mixtral's checkpoint name of the MoE block (Qwen3-MoE's: mlp)
 
     def __init__(self, config, window: int | None = None, **kw):
         super().__init__(config, window, **kw)
-        self.block_sparse_moe = self.mlp  # transformers' checkpoint name
-        del self.mlp
+        self.num_experts = config.num_local_experts
+        if self.moe_name != "mlp":
+            setattr(self, self.moe_name, self.mlp)
+            del self.mlp
 
     def __call__(self, x, masks, ropes, *, cache=None, index=0, rngs=None):
         a, cache = self.self_attn(self.input_layernorm(x), masks, ropes, cache=cache, index=index, rngs=rngs)
         x = x + a
-        y, stats = self.block_sparse_moe(self.post_attention_layernorm(x), masks[0].segments)
+        moe, h = getattr(self, self.moe_name), self.post_attention_layernorm(x)
+        if isinstance(moe, SparseMoeBlock):
+            y, stats = moe(h, masks[0].segments)
+        else:  # a dense layer: no routing
+            y, stats = moe(h), jnp.zeros((2, self.num_experts), jnp.float32)
         return x + y, stats if cache is None else cache
 
 
