@@ -48,6 +48,16 @@ class PlanConfig:
         "chip, estimated step time and MFU, write OUTPUT_DIR/plan.json; no weights are read, nothing trains; "
         "exits 1 with one line if the run does not fit",
     )
+    plan_search: bool = arg(
+        False,
+        "with --compile_topology: search how to lay this run out on the slice (mesh split, remat, micro-batch "
+        "with accumulation for the same global batch, attention kernel, loss chunks), compile the most "
+        "promising, print them ranked and write the fastest that fits as OUTPUT_DIR/best_plan.yaml (a --config "
+        "for the same command) with its plan.json",
+    )
+    plan_search_compiles: int = arg(
+        6, "with --plan_search: how many layouts to compile (the fastest by the analytic model that it lets through)"
+    )
 
 
 def parse(description: str, sections: tuple[type, ...], argv) -> tuple:

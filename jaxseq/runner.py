@@ -16,6 +16,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxseq import plan_search
 from jaxseq.cli import PlanConfig, RuntimeConfig, finish, parse, start
 from jaxseq.config import save_config
 from jaxseq.distributed import DistributedConfig
@@ -101,12 +102,18 @@ def parse_job(job: Job, argv) -> types.SimpleNamespace:
 def run(job: Job, argv) -> int:
     """Run ``job`` with command-line ``argv``: plan it (``--compile_topology``) or train it."""
     args = parse_job(job, argv)
+    if args.plan.plan_search and not args.plan.compile_topology:
+        raise JaxseqError("--plan_search searches the plans of a TPU slice: add --compile_topology (e.g. v5e-8)")
     if args.plan.compile_topology:
         jax.config.update("jax_platforms", "cpu")  # compiling for the slice needs no accelerator of this machine
         topo = topology(args.plan.compile_topology)
         mesh = make_mesh(args.runtime.mesh or None, devices=topo.devices)
         prepared = job.prepare(args, True)
-        plan(spec_of(job, args, mesh, prepared), prepared, topo)
+        spec = spec_of(job, args, mesh, prepared)
+        if args.plan.plan_search:
+            search_plans(job, argv, args, spec, prepared, topo)
+        else:
+            plan(spec, prepared, topo)
         return 0
     mesh = start(args.runtime, args.distributed)
     prepared = job.prepare(args, False)
@@ -124,8 +131,7 @@ def run(job: Job, argv) -> int:
         spec, model, prepared.train, prepared.evals, predict_sets=prepared.predicts, **speed
     )  # checks any checkpoint already in output_dir before anything is written there
     if jax.process_index() == 0:
-        saved = [section for name, section in vars(args).items() if name not in NOT_SAVED]
-        save_config(trainer.output_dir / "config.yaml", *saved)
+        save_config(trainer.output_dir / "config.yaml", *saved_sections(args).values())
     log = trainer.logger.write
     log(trainer.describe())
     feed = trainer.feed
@@ -178,6 +184,29 @@ def run(job: Job, argv) -> int:
     if speed and jax.process_index() == 0:
         print(" ".join(f"{k}={results[k]:.4g}" for k in ("train_tokens_per_second", "train_mfu") if k in results))
     return 0
+
+
+def saved_sections(args) -> dict:
+    """The sections of a run's config.yaml (and a plan search's best_plan.yaml), by name."""
+    return {name: section for name, section in vars(args).items() if name not in NOT_SAVED}
+
+
+def search_plans(job: Job, argv, args, spec: RunSpec, prepared: Prepared, topo) -> dict:
+    """``--plan_search``: the fastest layout of this run that fits ``topo`` (``jaxseq.plan_search``)."""
+    trainer = args.trainer
+    rows = trainer.per_device_train_batch_size * data_parallel_size(spec.mesh) * trainer.gradient_accumulation_steps
+    sections = saved_sections(args)
+    chunked = any("loss_chunk_tokens" in {f.name for f in dataclasses.fields(s)} for s in sections.values())
+    return plan_search.search(
+        job.prepare.__module__,
+        list(argv),
+        sections,
+        plan_search.shape_of(spec, prepared, rows),
+        topo,
+        Path(trainer.output_dir),
+        chunked=chunked,
+        compiles=args.plan.plan_search_compiles,
+    )
 
 
 def spec_of(job: Job, args, mesh, prepared: Prepared) -> RunSpec:

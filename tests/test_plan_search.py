@@ -1,0 +1,112 @@
+"""``--plan_search``: the layouts of one global batch, pruned by an analytic model, compiled with real libtpu
+(no TPU), ranked, and the fastest that fits written as a ``--config`` that replans to the same plan."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from jaxseq import plan_search
+from jaxseq.plan import topology
+from jaxseq.plan_search import Candidate, Shape, candidates, estimate
+
+ROOT = Path(__file__).resolve().parents[1]
+GPT2_SMALL = Shape(trained=124_000_000, frozen=0, layers=12, width=768, heads=12, vocab=50257, seq_len=1024,
+                   global_rows=64)  # fmt: skip
+
+
+def test_every_layout_keeps_the_global_batch():
+    layouts = candidates(GPT2_SMALL, 8, chunked=True)
+    meshes = {c.mesh for c in layouts}
+    assert {(1, 8, 1), (8, 1, 1), (2, 2, 2), (1, 2, 4)} <= meshes
+    assert not any(mp == 8 for _, _, mp in meshes)  # 12 heads do not split 8 ways
+    for c in layouts:
+        dp, fsdp, mp = c.mesh
+        assert dp * fsdp * mp == 8
+        assert c.micro_batch * c.accumulation * dp * fsdp == 64
+    assert {c.remat for c in layouts} == {"none", "dots", "full"}
+    assert {c.loss_chunk_tokens for c in layouts} == {-1, 0}
+    assert {c.loss_chunk_tokens for c in candidates(GPT2_SMALL, 8, chunked=False)} == {None}
+
+
+def test_the_memory_model_orders_what_each_choice_costs():
+    v5e = topology("v5e-8")
+
+    def memory(**changes):
+        base = dict(mesh=(1, 8, 1), remat="none", micro_batch=8, accumulation=1, attention="auto", loss_chunk_tokens=0)
+        return estimate(Candidate(**{**base, **changes}), GPT2_SMALL, v5e)[0]
+
+    assert memory(remat="full") < memory(remat="dots") < memory()
+    assert memory(micro_batch=2, accumulation=4) < memory()
+    assert memory(mesh=(8, 1, 1)) > memory()  # replicated weights and moments
+    assert memory(loss_chunk_tokens=-1) < memory()
+    assert memory(attention="xla") > memory()  # the written-out scores
+
+
+def test_the_search_flags_are_not_passed_to_candidates():
+    argv = ["--model_type", "gpt2", "--plan_search", "--output_dir", "out", "--plan_search_compiles", "3"]
+    argv += ["--compile_topology", "v5e-8", "--plan_search", "true"]
+    assert plan_search._strip(argv) == ["--model_type", "gpt2", "--compile_topology", "v5e-8"]
+
+
+def test_a_search_without_a_slice_is_one_line(tmp_path):
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "pretrain_clm.py"), "--model_type", "gpt2", "--plan_search",
+         "--output_dir", str(tmp_path)],
+        capture_output=True, text=True, cwd=ROOT, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )  # fmt: skip
+    assert result.returncode == 1 and not list(tmp_path.iterdir())
+    assert result.stderr.strip().splitlines() == [
+        "error: --plan_search searches the plans of a TPU slice: add --compile_topology (e.g. v5e-8)"
+    ]
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("libtpu") is None and os.environ.get("CI") != "true",
+    reason="libtpu is not installed (pip install 'jaxseq[tpu]')",
+)
+def test_search_writes_the_fastest_fitting_layout_and_it_replans_the_same(tmp_path):
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "ALLOW_MULTIPLE_LIBTPU_LOAD": "1", "HF_HUB_OFFLINE": "1"}
+    env.pop("XLA_FLAGS", None)
+    script = [sys.executable, str(ROOT / "scripts" / "pretrain_clm.py")]
+    run = [
+        "--model_type", "gpt2", "--config_overrides", "n_layer=2,n_embd=128,n_head=4,vocab_size=1024,attn_pdrop=0",
+        "--block_size", "256", "--per_device_train_batch_size", "8", "--dtype", "bfloat16",
+        "--compile_topology", "v5e-8",
+    ]  # fmt: skip
+    searched = subprocess.run(
+        [*script, *run, "--plan_search", "--plan_search_compiles", "3", "--output_dir", str(tmp_path / "search")],
+        capture_output=True, text=True, env=env, cwd=ROOT, timeout=900,
+    )  # fmt: skip
+    assert searched.returncode == 0, searched.stderr[-3000:]
+    assert "plan search on v5e-8" in searched.stdout and "fastest that fits:" in searched.stdout
+    table = searched.stdout[searched.stdout.index("rank") :]
+    assert sum(line.lstrip().startswith(("1 ", "2 ", "3 ", "- ")) for line in table.splitlines()) == 3
+    best = yaml.safe_load((tmp_path / "search" / "best_plan.yaml").read_text())
+    trainer, runtime = best["TrainerConfig"], best["RuntimeConfig"]
+    shards = {k: int(v) for k, v in (p.split("=") for p in runtime["mesh"].split(","))}
+    assert (
+        trainer["per_device_train_batch_size"]
+        * trainer["gradient_accumulation_steps"]
+        * shards["dp"]
+        * (shards["fsdp"])
+        == 8 * 8
+    )  # the global batch asked for: 8 rows on each of 8 data-parallel devices
+    assert any(section.get("model_type") == "gpt2" for section in best.values())  # the whole run, not a diff
+    found = json.loads((tmp_path / "search" / "plan.json").read_text())
+    assert found["fits"]
+    # the YAML is a --config for the same command: planned again, it is the same program
+    replanned = subprocess.run(
+        [*script, "--config", str(tmp_path / "search" / "best_plan.yaml"), "--compile_topology", "v5e-8",
+         "--output_dir", str(tmp_path / "again")],
+        capture_output=True, text=True, env=env, cwd=ROOT, timeout=900,
+    )  # fmt: skip
+    assert replanned.returncode == 0, replanned.stderr[-3000:]
+    again = json.loads((tmp_path / "again" / "plan.json").read_text())
+    assert again["fits"] and again["bytes_per_device"] == found["bytes_per_device"]
+    assert again["estimated_step_seconds"] == found["estimated_step_seconds"]
