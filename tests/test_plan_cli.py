@@ -49,6 +49,34 @@ def plan(script: str, output_dir: Path, *args) -> tuple[subprocess.CompletedProc
     return result, json.loads(path.read_text()) if path.is_file() else None
 
 
+BUDGETS = Path(__file__).with_name("plan_budgets.json")
+GROWTH = 1.05  # a plan may need at most 5% more memory or estimated step time than its recorded budget
+
+
+def check_budget(name: str, plan: dict) -> None:
+    """The plan's memory per device and estimated step time against their budgets in tests/plan_budgets.json:
+    a change (or a JAX or libtpu upgrade) that grows either more than 5% fails with the numbers. With
+    JAXSEQ_RECORD_PLAN_BUDGETS=1 the plan's figures are recorded instead (commit the file)."""
+    budgets = json.loads(BUDGETS.read_text()) if BUDGETS.is_file() else {}
+    figures = {
+        "total_bytes": plan["bytes_per_device"]["total"],
+        "estimated_step_seconds": plan["estimated_step_seconds"],
+        "jax": plan["jax_version"],
+        "libtpu": plan["libtpu_version"],
+    }
+    if os.environ.get("JAXSEQ_RECORD_PLAN_BUDGETS") == "1":
+        BUDGETS.write_text(json.dumps({**budgets, name: figures}, indent=2, sort_keys=True) + "\n")
+        return
+    assert name in budgets, f"no budget for plan {name!r}: record it with JAXSEQ_RECORD_PLAN_BUDGETS=1"
+    budget = budgets[name]
+    for key in ("total_bytes", "estimated_step_seconds"):
+        assert figures[key] <= budget[key] * GROWTH, (
+            f"plan {name}: {key} grew from {budget[key]:.6g} (jax {budget['jax']}, libtpu {budget['libtpu']}) to "
+            f"{figures[key]:.6g} (jax {figures['jax']}, libtpu {figures['libtpu']}), "
+            f"{figures[key] / budget[key] - 1:+.1%}: find what grew, or record the new figures if it is meant"
+        )
+
+
 def check_fields(plan: dict, accelerator: str, devices: int) -> None:
     assert set(plan) == FIELDS
     assert plan["accelerator"] == accelerator and plan["devices"] == devices
@@ -103,6 +131,7 @@ def test_clm_plan_on_v5e_8(tmp_path, remat, scan, layers):
     assert plan_["model_flops_per_step"] > 6 * params * 4 * 16 * 256 * 0.5
     assert plan_["estimated_step_seconds"] > 0 and 0 < plan_["estimated_mfu"] <= 1
     assert plan_["compiled_flops_per_device"] > 0 and plan_["compile_seconds"] > 0
+    check_budget(f"clm-gpt2-v5e-8-remat-{remat}-{layers}", plan_)
 
 
 def test_glue_and_seq2seq_plans(tmp_path):
@@ -123,6 +152,7 @@ def test_glue_and_seq2seq_plans(tmp_path):
         assert inputs[name] == {"shape": [rows, 64], "dtype": "int32"}
     assert inputs["pool_index"] == {"shape": [16], "dtype": "int32"}
     assert inputs["labels"] == {"shape": [16], "dtype": "float32"}  # STS-B: a regression
+    check_budget("glue-minilm-stsb-packed-v4-8", plan_)
     result, plan_ = plan(
         "finetune_seq2seq.py", tmp_path / "t5", "--model_type", "t5",
         "--config_overrides", T5_TINY,
@@ -132,6 +162,7 @@ def test_glue_and_seq2seq_plans(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     check_fields(plan_, "v5e-8", 8)
     assert plan_["fits"]
+    check_budget("seq2seq-t5-tiny-adafactor-v5e-8", plan_)
 
 
 def test_a_run_that_cannot_fit_refuses_in_one_line(tmp_path):
