@@ -410,11 +410,17 @@ CASES = {
         trains=True,
     ),
     # ---- finetune_seq2seq.py
-    "seq2seq without a validation file": Case(
+    "seq2seq without a data file": Case(
         "finetune_seq2seq.py",
-        lambda a, t, o: seq2seq_args(a, o, validation_file=None),
+        lambda a, t, o: seq2seq_args(a, o, train_file=None, validation_file=None),
         1,
-        "pass --train_file and --validation_file",
+        "pass --train_file, --validation_file or --do_predict with --test_file",
+    ),
+    "seq2seq predicting without a test file": Case(
+        "finetune_seq2seq.py",
+        lambda a, t, o: seq2seq_args(a, o, extra=["--do_predict"]),
+        1,
+        "--do_predict needs --test_file",
     ),
     "seq2seq file missing its columns": Case(
         "finetune_seq2seq.py",

@@ -143,9 +143,13 @@ def world(tmp_path_factory):
     # enough chats of about 80 tokens to fill one default global batch (32 packed rows of 1024 tokens)
     (root / "chats.jsonl").write_text("".join(json.dumps(chat()) + "\n" for _ in range(480)))
     (root / "chats-dev.jsonl").write_text("".join(json.dumps(chat()) + "\n" for _ in range(16)))
-    for name, n in (("train.jsonl", 64), ("dev.jsonl", 16)):
-        pairs = [" ".join(rng.choice(words, 6)) for _ in range(n)]
-        (root / name).write_text("".join(json.dumps({"source": p, "target": p.split()[0]}) + "\n" for p in pairs))
+    for name, n in (("train.jsonl", 64), ("dev.jsonl", 16), ("test.jsonl", 8)):  # a text and its summary
+        texts = [" ".join(rng.choice(words, 12)) for _ in range(n)]
+        (root / name).write_text("".join(json.dumps({"text": t, "summary": t.split()[0]}) + "\n" for t in texts))
+    for name, n in (("pairs.jsonl", 32), ("pairs-dev.jsonl", 8)):  # preference pairs as strings
+        rows = [{"prompt": " ".join(rng.choice(words, 8)), "chosen": " ".join(rng.choice(words, 4)),
+                 "rejected": " ".join(rng.choice(words, 6))} for _ in range(n)]  # fmt: skip
+        (root / name).write_text("".join(json.dumps(row) + "\n" for row in rows))
     (root / "prompts.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ("Once upon", "To be")))
     (root / "prompts.txt").write_text("translate: a house\nsummarize: the long day\n")
     conll = shared_asset("data/ner/conll2003-test.json").read_text().splitlines()
@@ -208,8 +212,10 @@ def documented_files(root: Path, command: str) -> list[Path]:
         files += [out / "metrics.jsonl", out / "training_curves.png"]
     if job != "glue" or "--do_eval" in flags or trains:
         files.append(out / "eval_results.json")
-    if "--do_predict" in flags:
+    if "--do_predict" in flags and job == "glue":
         files.append(out / f"predict_results_{flags['--task_name']}.txt")
+    if "--do_predict" in flags and job == "seq2seq":
+        files += [out / "generated_predictions.txt", out / "predict_results.json"]
     return files
 
 
