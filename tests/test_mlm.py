@@ -239,10 +239,6 @@ def test_mlm_on_minilm_exports_a_fill_mask_model(minilm, tmp_path):
     assert len(answers) == 5 and all(a["token_str"] and 0 <= a["score"] <= 1 for a in answers)
 
 
-@pytest.mark.skip(
-    reason="known broken (session 15): jaxseq t5-mlm's first train step does not finish on CPU (over 10 minutes "
-    "at 512 and at 64 tokens; the span corruption alone runs in 1 ms), to be fixed before t5-mlm is called done"
-)
 def test_t5_mlm_logs_its_span_lengths_and_trains(tmp_path):
     """`jaxseq t5-mlm` on a tiny T5 with a SentencePiece tokenizer (T5's 100 sentinels): the run logs
     `span corruption: 568 tokens -> 512 input + 114 target` and reports eval_loss and perplexity."""

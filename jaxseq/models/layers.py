@@ -144,6 +144,14 @@ def dropout_prng(platform: str) -> str:
     return "threefry4x32" if platform == "cpu" else "threefry2x32"
 
 
+def split_key(key: jax.Array, num: int = 2) -> jax.Array:
+    """``jax.random.split(key, num)``, the same keys, with ``key`` behind an optimization barrier. A traced
+    key is itself a hash's output (a step's ``fold_in``), and XLA:CPU fuses that hash with Threefry-4x32's
+    split into one concatenate fusion that recomputes each operand per use: a single split ran 8.3 s, and
+    T5's span-corruption step never finished; behind the barrier it takes 0.4 ms."""
+    return jax.random.split(jax.lax.optimization_barrier(key), num)
+
+
 def dropout(x: jax.Array, rate: float, rngs: nnx.Rngs | None) -> jax.Array:
     """Inverted dropout, active only when the caller passes ``rngs`` (training); ``rngs=None`` is eval."""
     if rngs is None or rate == 0.0:
