@@ -189,6 +189,20 @@ def seq2seq_args(a, out, **changes):
     return flags(args, changes)
 
 
+def grpo_args(a, folder, out, **changes):
+    rewards = write(folder / "r.py", "def f(**kw):\n    return []\n")
+    args = {
+        "--model_name_or_path": a["gpt2_config"],
+        "--tokenizer_name": a["gpt2_tokenizer"],
+        "--train_file": write(folder / "prompts.jsonl", '{"prompt": "hi"}\n'),
+        "--reward_funcs": f"{rewards}:f",
+        "--output_dir": out,
+        "--max_steps": 1,
+        "--compilation_cache_dir": "",
+    }
+    return flags(args, changes)
+
+
 def flags(args: dict, changes: dict) -> list[str]:
     """``changes`` use underscores for dashes (``max_steps=...``); None drops a flag; ``extra`` appends raw."""
     extra = changes.pop("extra", [])
@@ -447,6 +461,15 @@ CASES = {
         lambda a, t, o: ["--model_name_or_path", a["minilm"], "--prompt_file", t / "p.txt"],
         1,
         "prompt file",
+    ),
+    # ---- grpo.py
+    "grpo batch not whole groups of completions": Case(
+        "grpo.py",
+        lambda a, t, o: grpo_args(a, t, o, num_generations=4, per_device_train_batch_size=3),
+        1,
+        "--per_device_train_batch_size 3 x 2 device(s) x --gradient_accumulation_steps 1 = 6 completions a step, "
+        "which must be divisible by --num_generations 4 (whole groups, as TRL's generation_batch_size); use e.g. "
+        "--per_device_train_batch_size 4",
     ),
 }
 

@@ -2,7 +2,9 @@
 with and without the KL, the loss, TRL's logged figures and every gradient of one batch of given completions,
 advantages and old/reference log-probs equal TRL's own ``_compute_loss`` (its log-probs from its fused LM head,
 at a temperature); advantages equal TRL's formulas (its ``nanstd``); reward functions get TRL's arguments; the
-sampler compiles once for every step; and ``jaxseq grpo`` as a fresh process raises a verifiable reward."""
+sampler compiles once for every step; the flags mean what TRL's mean (--per_device_train_batch_size counts
+completions, with TRL's divisibility rule; --reward_weights 1.0 0.5 is a list); and ``jaxseq grpo`` as a fresh
+process raises a verifiable reward."""
 
 import collections
 import contextlib
@@ -28,13 +30,15 @@ from trl.trainer.grpo_trainer import GRPOTrainer  # noqa: E402
 from trl.trainer.utils import add_fused_lm_head, nanstd  # noqa: E402
 
 from jaxseq import generation, sharding  # noqa: E402
+from jaxseq.commands import grpo  # noqa: E402
 from jaxseq.commands.grpo import load_reward_funcs, prompt_rows  # noqa: E402
 from jaxseq.errors import JaxseqError  # noqa: E402
 from jaxseq.mesh import make_mesh  # noqa: E402
 from jaxseq.models import load_pretrained  # noqa: E402
+from jaxseq.runner import parse_job  # noqa: E402
 from jaxseq.train.lora import LoraConfig  # noqa: E402
 from jaxseq.train.optim import OptimizerConfig  # noqa: E402
-from jaxseq.train.rl import GRPO, LOSS_TYPES, GRPOConfig, Rollout, group_advantages  # noqa: E402
+from jaxseq.train.rl import GRPO, LOSS_TYPES, GRPOConfig, Rollout, group_advantages, prompts_per_step  # noqa: E402
 from jaxseq.train.step import TrainProgram  # noqa: E402
 from tests.reference import perturb  # noqa: E402
 from tests.test_dpo import assert_gradients_match  # noqa: E402
@@ -281,6 +285,53 @@ def test_bad_grpo_settings_stop_in_one_line(tmp_path):
     (tmp_path / "r.py").write_text("def f(**kw):\n    return []\n")
     with pytest.raises(JaxseqError, match="defines no function g"):
         load_reward_funcs([f"{tmp_path / 'r.py'}:g"])
+    with pytest.raises(JaxseqError, match=r"= 6 completions a step.*--num_generations 4.*batch_size 4$"):
+        prompts_per_step(3, 2, 1, 4)  # 3 per device x 2 devices: not whole groups of 4; 4 per device are
+
+
+@pytest.mark.parametrize(
+    "per_device, accumulate, num_generations", [(8, 1, 8), (4, 2, 8), (6, 1, 3), (3, 1, 4), (2, 3, 4), (16, 1, 2)]
+)
+def test_batch_size_rule_and_prompts_per_step_are_trls(tmp_path, per_device, accumulate, num_generations):
+    """TRL's GRPOConfig on one process: its generation batch (per_device x processes x gradient accumulation
+    completions) must be divisible by num_generations, and holds generation_batch_size / num_generations
+    prompts; jaxseq's rule is the same (and names the batch size that would be)."""
+    try:
+        want = trl.GRPOConfig(
+            output_dir=str(tmp_path), use_cpu=True, report_to=[], per_device_train_batch_size=per_device,
+            gradient_accumulation_steps=accumulate, num_generations=num_generations,
+        )  # fmt: skip
+    except ValueError as e:
+        assert "must be divisible by num_generations" in str(e)
+        with pytest.raises(JaxseqError, match="must be divisible by --num_generations"):
+            prompts_per_step(per_device, 1, accumulate, num_generations)
+    else:
+        assert want.generation_batch_size == per_device * accumulate
+        assert prompts_per_step(per_device, 1, accumulate, num_generations) == want.generation_batch_size // (
+            num_generations
+        )
+
+
+def test_reward_lists_are_trls_nargs_or_repeated_flags(tmp_path):
+    """--reward_weights 1.0 0.5 and --reward_funcs a.py:f b.py:g (TRL's lists, HfArgumentParser's nargs="+"),
+    the repeated flags, a mix, ``=`` and negative weights, and a YAML list, all parse to the same lists."""
+    funcs, weights = ["a.py:f", "b.py:g"], [1.0, -0.5]
+    given = {
+        "TRL's lists": ["--reward_funcs", *funcs, "--reward_weights", "1.0", "-0.5"],
+        "repeated": ["--reward_funcs", funcs[0], "--reward_funcs", funcs[1], "--reward_weights", "1.0",
+                     "--reward_weights", "-0.5"],
+        "mixed, with =": ["--reward_weights=1.0", "-0.5", "--reward_funcs", funcs[0], "--reward_funcs=b.py:g"],
+    }  # fmt: skip
+    (tmp_path / "c.yaml").write_text("reward_funcs: [a.py:f, b.py:g]\nreward_weights: [1.0, -0.5]\n")
+    given["YAML lists"] = ["--config", str(tmp_path / "c.yaml")]
+    for name, flags in given.items():
+        argv = grpo.trl_lists(["--model_name_or_path", "m", *flags, "--num_generations", "4", "--output_dir", "o"])
+        args = parse_job(grpo.JOB, argv)
+        assert (args.grpo.reward_funcs, args.grpo.reward_weights) == (funcs, weights), name
+        assert (args.grpo.num_generations, args.trainer.output_dir) == (4, "o"), name
+    hf = transformers.HfArgumentParser(trl.GRPOConfig)
+    (trl_args,) = hf.parse_args_into_dataclasses(["--output_dir", "o", "--use_cpu", "--reward_weights", "1.0", "-0.5"])
+    assert trl_args.reward_weights == weights  # TRL's own parser reads the same flags
 
 
 REWARD = '''
@@ -323,7 +374,7 @@ def test_jaxseq_grpo_raises_a_verifiable_reward(tmp_path):
     args = [
         "--model_name_or_path", tmp_path / "model", "--train_file", tmp_path / "prompts.jsonl",
         "--reward_funcs", f"{tmp_path / 'rewards.py'}:fraction_of_a", "--num_generations", 8,
-        "--max_completion_length", 8, "--per_device_train_batch_size", 4, "--max_steps", steps,
+        "--max_completion_length", 8, "--per_device_train_batch_size", 32, "--max_steps", steps,
         "--learning_rate", 3e-3, "--lr_scheduler_type", "constant", "--logging_steps", 1,
         "--output_dir", tmp_path / "out", "--report_to", "none", "--save_strategy", "no", "--seed", 0,
     ]  # fmt: skip
@@ -342,6 +393,46 @@ def test_jaxseq_grpo_raises_a_verifiable_reward(tmp_path):
     first, last = rewards[:5].mean(), rewards[-5:].mean()
     assert first < 0.15 and last > 0.4 and last > 3 * first, (rewards.round(3).tolist(), time.perf_counter() - started)
     assert (tmp_path / "out" / "config.json").exists()  # the trained model, a Hugging Face folder
+
+
+RECORD_PROMPTS = """
+import json
+
+def length(prompts, completions, completion_ids, **kwargs):
+    with open({log!r}, "a") as f:
+        f.write(json.dumps(prompts) + "\\n")
+    return [float(len(ids)) for ids in completion_ids]
+"""
+
+
+def test_per_device_batch_counts_completions_as_trls(tmp_path, capsys):
+    """--per_device_train_batch_size counts completions (TRL's): 1 per device on the 8 devices x 2 accumulated
+    micro-batches is 16 completions a step, sampled as 16 / --num_generations 4 = 4 prompts with their 4
+    completions each (one reward call a step), other prompts each step of an epoch; the log and results say so."""
+    vocab = tiny_vocab_folder(tmp_path / "model")
+    assert jax.device_count() == 8 and vocab
+    log = tmp_path / "calls.jsonl"
+    (tmp_path / "rewards.py").write_text(RECORD_PROMPTS.format(log=str(log)))
+    (tmp_path / "prompts.jsonl").write_text("".join(json.dumps({"prompt": f"a b {x}"}) + "\n" for x in LETTERS))
+    args = [
+        "--model_name_or_path", tmp_path / "model", "--train_file", tmp_path / "prompts.jsonl",
+        "--reward_funcs", f"{tmp_path / 'rewards.py'}:length", "--num_generations", 4, "--max_completion_length", 4,
+        "--per_device_train_batch_size", 1, "--gradient_accumulation_steps", 2, "--max_steps", 2,
+        "--logging_steps", 1, "--output_dir", tmp_path / "out", "--report_to", "none", "--save_strategy", "no",
+        "--compilation_cache_dir", "",
+    ]  # fmt: skip
+    assert grpo.main([str(a) for a in args]) == 0
+    calls = [json.loads(line) for line in log.read_text().splitlines()]
+    assert len(calls) == 2, calls  # one sampled batch a step
+    for prompts in calls:
+        assert len(prompts) == 16 and prompts == [p for p in prompts[::4] for _ in range(4)], prompts
+        assert len(set(prompts)) == 4, prompts  # 4 groups of 4 completions: whole groups, 4 prompts
+    assert not set(calls[0]) & set(calls[1])  # an epoch is 16 prompts x 4 completions = 4 steps: no repeats
+    printed = capsys.readouterr().out
+    assert "2 steps of global batch 16 on 8 devices" in printed, printed
+    assert "a step samples 4 prompts x 4 = 16 completions (1 per device)" in printed, printed
+    results = json.loads((tmp_path / "out" / "all_results.json").read_text())
+    assert results["train_samples"] == 16 * 4 and results["epoch"] == 0.5, results  # completions, as TRL's
 
 
 @pytest.mark.parametrize("loss_type", ["dapo", "bnpo"])

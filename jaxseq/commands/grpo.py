@@ -2,7 +2,7 @@
 
     jaxseq grpo --model_name_or_path path/to/sft-model --train_file prompts.jsonl \\
         --reward_funcs rewards.py:correct --num_generations 8 --max_completion_length 256 \\
-        --output_dir out/grpo --learning_rate 1e-6 --max_steps 500
+        --per_device_train_batch_size 32 --output_dir out/grpo --learning_rate 1e-6 --max_steps 500
 
 Prompts come from .jsonl/.json files or a Hub dataset: records with "prompt", a string or a conversation (a
 list of {"role", "content"}, rendered with the tokenizer's chat template or --chat_template, the generation
@@ -12,10 +12,14 @@ trained (jaxseq.generation: the same arrays, one compiled sampler for the whole 
 as keyword lists; completions are strings, or [{"role": "assistant", "content": ...}] for conversations),
 weighs them (--reward_weights), normalises them within each prompt's group into advantages and takes
 --num_iterations updates of the clipped surrogate on them, with a k3 KL to the reference when --beta > 0.
---per_device_train_batch_size counts prompts: a step trains on that many x --num_generations completions
-(TRL's counts completions). Logged every --logging_steps as TRL logs them: reward, reward_std,
-rewards/<func>/mean and /std, frac_reward_zero_std, completions/mean_length (min, max, clipped_ratio,
-terminated lengths), kl (with --beta), entropy, clip_ratio/low_mean, high_mean, region_mean, low_min, high_max.
+--reward_funcs and --reward_weights are lists as TRL's (--reward_weights 1.0 0.5), or repeated flags.
+--per_device_train_batch_size counts completions, as TRL's: a step trains on per_device x data-parallel devices
+x --gradient_accumulation_steps completions (the global batch), sampled together as whole groups of
+--num_generations, global batch / --num_generations prompts (TRL's rule: it must be divisible); an epoch is
+every prompt once (prompts x --num_generations completions, the run's train_samples). Logged every
+--logging_steps as TRL logs them: reward, reward_std, rewards/<func>/mean and /std, frac_reward_zero_std,
+completions/mean_length (min, max, clipped_ratio, terminated lengths), kl (with --beta), entropy,
+clip_ratio/low_mean, high_mean, region_mean, low_min, high_max.
 Writes to --output_dir what every job writes, and the model with its tokenizer as a Hugging Face folder.
 """
 
@@ -34,11 +38,13 @@ from jaxseq.data.chat import use_chat_template
 from jaxseq.data.records import read_records, require_columns
 from jaxseq.data.text import load_hub_dataset
 from jaxseq.errors import JaxseqError
+from jaxseq.mesh import data_parallel_size, make_mesh
 from jaxseq.models.source import ModelSource, check_vocabulary, load_tokenizer, model_config
 from jaxseq.runner import Job, Prepared, run
-from jaxseq.train.rl import GRPO, GRPOConfig, Rollout
+from jaxseq.train.rl import GRPO, GRPOConfig, Rollout, prompts_per_step
 
 TASK = "causal-lm"
+LIST_FLAGS = ("--reward_funcs", "--reward_weights")
 
 
 @dataclasses.dataclass
@@ -120,17 +126,43 @@ def load_reward_funcs(specs: list[str] | None) -> list[tuple[str, object]]:
     return funcs
 
 
+def trl_lists(argv: list[str]) -> list[str]:
+    """TRL's list flags (``--reward_weights 1.0 0.5``, nargs) as jaxseq's repeated ones (``--reward_weights 1.0
+    --reward_weights 0.5``): each bare value after one of them, up to the next flag, is one more of its values
+    (jaxseq takes no positional arguments, so such a value meant nothing else). Repeated flags stay as given."""
+    out, flag = [], None
+    for token in map(str, argv):
+        if token.startswith("-") and not is_number(token):
+            name = token.partition("=")[0]
+            flag = name if name in LIST_FLAGS else None
+        elif flag is not None and out[-1] != flag:
+            out.append(flag)
+        out.append(token)
+    return out
+
+
+def is_number(token: str) -> bool:
+    try:
+        float(token)
+    except ValueError:
+        return False
+    return True
+
+
 def prepare(args, planning: bool) -> Prepared:
     """Prompt rows and the GRPO objective with its rollout."""
-    source, data, grpo = args.source, args.data, args.grpo
-    config, folder, overrides = model_config(source, TASK, weights=not planning)
+    source, data, grpo, trainer = args.source, args.data, args.grpo, args.trainer
     if planning:  # a plan compiles the step of batches it knows; GRPO's are sampled (x --num_generations)
         raise JaxseqError(
             "jaxseq grpo cannot be planned yet: its batches are sampled in the loop; plan the same model and "
-            "--per_device_train_batch_size x --num_generations rows of prompt + completion tokens with jaxseq clm"
+            "--per_device_train_batch_size rows (completions) of prompt + completion tokens with jaxseq clm"
         )
     if jax.process_count() > 1:
         raise JaxseqError("jaxseq grpo runs in one process for now (all its devices, --mesh); start it on one host")
+    devices = data_parallel_size(make_mesh(args.runtime.mesh or None))  # the mesh cli.start made
+    accumulate = trainer.gradient_accumulation_steps
+    step_prompts = prompts_per_step(trainer.per_device_train_batch_size, devices, accumulate, grpo.num_generations)
+    config, folder, overrides = model_config(source, TASK, weights=True)
     funcs = load_reward_funcs(grpo.reward_funcs)
     tokenizer = load_tokenizer(source.tokenizer_name or folder)
     records = load_prompts(data)
@@ -139,27 +171,42 @@ def prepare(args, planning: bool) -> Prepared:
     check_vocabulary(tokenizer, config)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     train = prompt_rows(tokenizer, records, data.max_prompt_length, pad)
+    prompts, width = train["input_ids"].shape
+    if prompts < step_prompts:
+        raise JaxseqError(
+            f"{prompts} prompts do not fill one step's {step_prompts} (--per_device_train_batch_size "
+            f"{trainer.per_device_train_batch_size} x {devices} device(s) x --gradient_accumulation_steps "
+            f"{accumulate} completions / --num_generations {grpo.num_generations}); give more prompts or lower "
+            "--per_device_train_batch_size"
+        )
     eos = config.eos_token_id if isinstance(config.eos_token_id, list) else [config.eos_token_id]
     eos = [tokenizer.eos_token_id, *(e for e in eos if e is not None and e != tokenizer.eos_token_id)]
-    rollout = Rollout(grpo, tokenizer, records, funcs, seed=args.trainer.seed, eos_token_ids=eos)
+    rollout = Rollout(grpo, tokenizer, records, funcs, seed=trainer.seed, eos_token_ids=eos, prompts=train)
     main_process = jax.process_index() == 0
     if main_process:
         print(f"reward functions: {', '.join(name for name, _ in funcs)}")
-    prompts, width = train["input_ids"].shape
     return Prepared(
         config=config,
         objective=GRPO(grpo, rollout),
-        train=train,
+        train=completion_slots(prompts, grpo.num_generations),
         checkpoint=folder if source.model_name_or_path else None,
         overrides=overrides,
         tokenizer=tokenizer,
         seq_len=width + grpo.max_completion_length,
         summary=lambda _: (
             f"{prompts:,} prompts of at most {width} tokens, {grpo.num_generations} completions each of at most "
-            f"{grpo.max_completion_length} tokens; loss {grpo.loss_type}, beta {grpo.beta}, "
-            f"{grpo.num_iterations} update(s) per sampled batch"
+            f"{grpo.max_completion_length} tokens; a step samples {step_prompts} prompts x {grpo.num_generations} "
+            f"= {step_prompts * grpo.num_generations} completions ({trainer.per_device_train_batch_size} per "
+            f"device); loss {grpo.loss_type}, beta {grpo.beta}, {grpo.num_iterations} update(s) per sampled batch"
         ),
     )
+
+
+def completion_slots(prompts: int, num_generations: int) -> dict[str, np.ndarray]:
+    """What the runner's feeder steps through: one row per completion of an epoch (``num_generations`` per
+    prompt), so that its global batch, epochs and sample counts are of completions, as TRL's. A row holds only
+    its prompt's index (``input_ids`` ``[rows, 1]``); the rollout draws each step's prompts itself."""
+    return {"input_ids": np.repeat(np.arange(prompts, dtype=np.int32), num_generations)[:, None]}
 
 
 JOB = Job(__doc__, TASK, {"source": ModelSource, "data": PromptDataConfig, "grpo": GRPOConfig}, prepare)
@@ -167,4 +214,4 @@ JOB = Job(__doc__, TASK, {"source": ModelSource, "data": PromptDataConfig, "grpo
 
 @script
 def main(argv) -> int:
-    return run(JOB, argv)
+    return run(JOB, trl_lists(argv))

@@ -6,14 +6,15 @@ scores them with the user's reward functions. The losses are pure functions of p
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxseq import sharding
 from jaxseq.config import arg
+from jaxseq.data.batches import train_indices
 from jaxseq.errors import JaxseqError
 from jaxseq.generation import generate
 
@@ -121,11 +122,14 @@ def completion_logps(model, batch: Mapping[str, jax.Array], temperature: float =
 class GRPOConfig:
     reward_funcs: list[str] | None = arg(
         None,
-        "a reward function, path/to/file.py:function (repeat the flag for several): called as TRL calls it, "
-        "f(prompts=..., completions=..., completion_ids=..., **other_columns) -> list of floats (None: unscored)",
+        "reward functions, path/to/file.py:function each (several as TRL's list, --reward_funcs a.py:f b.py:g, "
+        "or the flag repeated): called as TRL calls them, f(prompts=..., completions=..., completion_ids=..., "
+        "**other_columns) -> list of floats (None: unscored)",
     )
     reward_weights: list[float] | None = arg(
-        None, "the weight of each --reward_funcs, in order (repeat the flag; default: 1 each)"
+        None,
+        "the weight of each --reward_funcs, in order, as TRL's list (--reward_weights 1.0 0.5, or the flag "
+        "repeated; default: 1 each)",
     )
     num_generations: int = arg(8, "completions sampled per prompt, a group (TRL's default 8)")
     max_completion_length: int = arg(512, "tokens generated per completion at most (TRL's default 512)")
@@ -179,6 +183,24 @@ class GRPOConfig:
                 f"--reward_weights gives {len(self.reward_weights)} weights for {len(funcs)} --reward_funcs; "
                 "give one per function"
             )
+
+
+def prompts_per_step(per_device: int, devices: int, accumulate: int, num_generations: int) -> int:
+    """Prompts sampled for a step, as TRL's: ``--per_device_train_batch_size`` counts completions, a step trains
+    on ``per_device x devices`` (data-parallel) ``x accumulate`` of them (TRL's ``generation_batch_size``, one
+    generation per step), whole groups of ``num_generations`` completions of a prompt: that / num_generations
+    prompts. Not divisible: a one-line error naming the batch size that would be (TRL's ValueError)."""
+    completions = per_device * devices * accumulate
+    if completions % num_generations:
+        step = num_generations // math.gcd(num_generations, devices * accumulate)
+        fit = -(-per_device // step) * step
+        raise JaxseqError(
+            f"--per_device_train_batch_size {per_device} x {devices} device(s) x --gradient_accumulation_steps "
+            f"{accumulate} = {completions} completions a step, which must be divisible by --num_generations "
+            f"{num_generations} (whole groups, as TRL's generation_batch_size); use e.g. "
+            f"--per_device_train_batch_size {fit}"
+        )
+    return completions // num_generations
 
 
 class GRPO:
@@ -249,8 +271,9 @@ RewardFunc = Callable[..., Sequence[float | None]]
 
 class Rollout:
     """Sample ``num_generations`` completions of each prompt of a batch from the current weights, score them with
-    the reward functions and make GRPO's training batch; a batch serves ``num_iterations`` steps. ``prompts``:
-    each row's prompt as the data gave it (string or conversation) and its other columns, by ``prompt_index``."""
+    the reward functions and make GRPO's training batch; a batch serves ``num_iterations`` steps. ``records``:
+    each row's prompt as the data gave it (string or conversation) and its other columns, by ``prompt_index``;
+    ``prompts``: the prompt rows (``input_ids``, ``attention_mask``, ``prompt_index``) each step draws from."""
 
     def __init__(
         self,
@@ -261,8 +284,10 @@ class Rollout:
         *,
         seed: int = 0,
         eos_token_ids: Sequence[int] = (),
+        prompts: Mapping[str, np.ndarray] | None = None,
     ):
         self.config, self.tokenizer, self.records, self.funcs, self.seed = config, tokenizer, records, funcs, seed
+        self.prompts = prompts
         self.weights = np.asarray(config.reward_weights or [1.0] * len(funcs), np.float32)
         self.eos = [int(e) for e in eos_token_ids] or [tokenizer.eos_token_id]
         pad = tokenizer.pad_token_id
@@ -271,18 +296,18 @@ class Rollout:
         self._cached: tuple[int, dict, dict] | None = None
 
     def __call__(self, trainer, batch, step: int):
+        """The batch of step ``step``: the trainer's global batch counts completions (TRL's), and ``batch``, the
+        feeder's completion slots, only paces the run; the step's prompts are drawn here (``step_prompts``)."""
         c = self.config
         sampled = step // c.num_iterations  # steps μk .. μk+μ-1 train on the completions of prompt batch k
         if self._cached is not None and self._cached[0] == sampled:
             return self._cached[1], self._cached[2]  # a reused batch, logged again as TRL averages it in
-        if c.num_iterations > 1:  # the prompts of batch k (the feeder's batches are a function of their index)
-            host = trainer.feed._host_batch(sampled)
-        else:
-            host = sharding.gather(batch)
         accumulate = trainer.config.gradient_accumulation_steps
-        flat = {k: v.reshape(-1, *v.shape[(2 if accumulate > 1 else 1) :]) for k, v in host.items()}
+        count = prompts_per_step(
+            trainer.config.per_device_train_batch_size, trainer.feed.dp, accumulate, c.num_generations
+        )
         model = trainer.program.merged_model(trainer.state.params, trainer.frozen)
-        rows, figures = self.sample(model, flat, seed=self.seed * 1_000_003 + sampled)
+        rows, figures = self.sample(model, self.step_prompts(sampled, count), seed=self.seed * 1_000_003 + sampled)
         if c.num_iterations > 1:  # the old policy's log-probs, before this batch's first update
             if self._logps is None:
                 self._logps = jax.jit(lambda m, b: completion_logps(m, b, c.temperature)[0])
@@ -292,6 +317,12 @@ class Rollout:
         device = trainer.feed.device_batch(rows, stacked=accumulate > 1)
         self._cached = (sampled, device, figures)
         return device, figures
+
+    def step_prompts(self, sampled: int, count: int) -> dict[str, np.ndarray]:
+        """The ``count`` prompt rows of prompt batch ``sampled``: an order that is a function of the seed and the
+        batch's index alone, each prompt once an epoch (as the feeder's batches)."""
+        index = next(train_indices(len(self.prompts["input_ids"]), count, self.seed, sampled))
+        return {name: rows[index] for name, rows in self.prompts.items()}
 
     def sample(self, model, prompts: Mapping[str, np.ndarray], *, seed: int):
         """(GRPO's rows, TRL's rollout figures) for host prompt rows ``input_ids``/``attention_mask`` (left-padded)
