@@ -110,6 +110,21 @@ def test_qwen3_head_dim_and_norms():
     assert model_flops(config, "sequence-classification", ROWS, SEQ) == classifier
 
 
+def test_phi3_fused_projections_and_window():
+    """qkv_proj (hidden x (heads + 2 kv_heads) x head_dim), o_proj, gate_up_proj (hidden x 2 I) and down_proj:
+    Llama's weights fused; every layer under its window of 8; the partial rotation counts nothing."""
+    d, heads, kv_heads, dim, inner = 64, 4, 2, 16, 96
+    config = llama_like(transformers.Phi3Config, sliding_window=8, partial_rotary_factor=0.5, num_labels=2)
+    per_layer = d * (heads + 2 * kv_heads) * dim + heads * dim * d + d * 2 * inner + inner * d
+    body = 6 * 2 * per_layer * TOKENS + 12 * 2 * (heads * dim) * causal_pairs(SEQ, 8) * ROWS
+    assert model_flops(config, "causal-lm", ROWS, SEQ) == body + 6 * d * V * TOKENS
+    assert model_flops(config, "sequence-classification", ROWS, SEQ) == body + 6 * d * 2 * ROWS
+    full = llama_like(transformers.Phi3Config)
+    assert model_flops(full, "causal-lm", ROWS, SEQ) == model_flops(
+        llama_like(transformers.LlamaConfig), "causal-lm", ROWS, SEQ
+    )
+
+
 def test_gemma2_windows_and_head_dim():
     """head_dim 32 apart from hidden / heads; layers sliding over 8 positions and full in turn (layer_types); the
     extra norms, embedding scale and soft-caps count nothing."""
@@ -210,6 +225,7 @@ def test_opt(projected):
 def test_every_family_has_a_count_and_no_other_task():
     families = {"gpt2", "gptj", "opt", "t5", "bert", "roberta", "llama", "mistral", "qwen2", "qwen3", "gemma2"}
     families |= {"gemma3_text", "mixtral", "qwen3_moe"}  # the MoE hand counts: tests/test_mixtral.py, test_qwen3_moe.py
+    families |= {"phi3"}
     assert set(FAMILIES) == families
     assert all(family.flops is not None for family in FAMILIES.values())
     with pytest.raises(Exception, match="not available"):

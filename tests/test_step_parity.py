@@ -97,6 +97,20 @@ def qwen3_config():
     )  # fmt: skip
 
 
+def phi3_config():
+    """Fused qkv_proj and gate_up_proj, rotation over half of each head, every layer sliding over 8 positions,
+    LongRoPE past an original length of 8 (the 16-token batch takes its long factors and attention factor)."""
+    return transformers.Phi3Config(
+        num_hidden_layers=2, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=VOCAB, max_position_embeddings=64, pad_token_id=0, sliding_window=8, partial_rotary_factor=0.5,
+        original_max_position_embeddings=8,
+        rope_parameters={
+            "rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 8,
+            "short_factor": [1.0, 1.5, 2.0, 2.5], "long_factor": [2.0, 4.0, 6.0, 8.0],
+        },
+    )  # fmt: skip
+
+
 def gemma2_config():
     """Tied head, both soft-caps, layers sliding over 4 positions and full in turn."""
     return transformers.Gemma2Config(
@@ -170,6 +184,7 @@ CASES = {  # reference constructor, jaxseq task, objective, batch
     "gptj": (lambda: transformers.GPTJForCausalLM(gptj_config()), "causal-lm", CausalLM, causal_batch),
     "llama": (lambda: transformers.LlamaForCausalLM(llama_config()), "causal-lm", CausalLM, causal_batch),
     "qwen3": (lambda: transformers.Qwen3ForCausalLM(qwen3_config()), "causal-lm", CausalLM, causal_batch),
+    "phi3": (lambda: transformers.Phi3ForCausalLM(phi3_config()), "causal-lm", CausalLM, causal_batch),
     "opt": (lambda: transformers.OPTForCausalLM(opt_config()), "causal-lm", CausalLM, causal_batch),
     "gemma2": (lambda: transformers.Gemma2ForCausalLM(gemma2_config()), "causal-lm", CausalLM, full_rows),
     "gemma3": (lambda: transformers.Gemma3ForCausalLM(gemma3_config()), "causal-lm", CausalLM, full_rows),
@@ -315,6 +330,7 @@ def assert_steps_match(ours, exact, f32, before):
         ("gptj", 0.0),
         ("llama", 0.5),
         ("qwen3", 0.5),
+        ("phi3", 0.5),
         ("opt", 0.5),
         ("gemma2", 0.5),
         ("gemma3", 0.5),
@@ -394,6 +410,7 @@ LORA = {  # jaxseq task, PEFT task type, target modules, fan_in_fan_out (GPT-2's
         False,
     ),
     "qwen3": ("causal-lm", "CAUSAL_LM", ["q_proj", "k_proj", "v_proj", "o_proj"], False),
+    "phi3": ("causal-lm", "CAUSAL_LM", ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"], False),
     "opt": ("causal-lm", "CAUSAL_LM", ["q_proj", "v_proj", "fc1", "project_in"], False),
 }
 

@@ -16,6 +16,7 @@ from jaxseq.models import (
     mistral,
     mixtral,
     opt,
+    phi3,
     qwen2,
     qwen3,
     qwen3_moe,
@@ -41,6 +42,7 @@ FAMILIES: dict[str, Family] = {
         qwen3_moe.FAMILY,
         gemma2.FAMILY,
         gemma3_text.FAMILY,
+        phi3.FAMILY,
     )
 }
 TASKS = (
