@@ -115,8 +115,8 @@ def build_parser(description: str, *sections: type) -> argparse.ArgumentParser:
                 kwargs.update(nargs="?", const=field.metadata["const"])
             if tp is bool:
                 kwargs.update(type=_str2bool, nargs="?", const=True, metavar="BOOL")
-            elif typing.get_origin(tp) is list:  # repeatable flag: --prompt a --prompt b
-                kwargs.update(type=typing.get_args(tp)[0], action="append")
+            elif typing.get_origin(tp) is list:  # --prompt a --prompt b, or a list as TRL's: --reward_weights 1 0.5
+                kwargs.update(type=typing.get_args(tp)[0], action="extend", nargs="+")
             elif "value_aliases" in meta:
                 kwargs["type"] = _Canonical(meta["value_aliases"])
                 kwargs["help"] += f" (also transformers' names: {', '.join(meta['value_aliases'])})"

@@ -320,12 +320,13 @@ def test_reward_lists_are_trls_nargs_or_repeated_flags(tmp_path):
         "TRL's lists": ["--reward_funcs", *funcs, "--reward_weights", "1.0", "-0.5"],
         "repeated": ["--reward_funcs", funcs[0], "--reward_funcs", funcs[1], "--reward_weights", "1.0",
                      "--reward_weights", "-0.5"],
-        "mixed, with =": ["--reward_weights=1.0", "-0.5", "--reward_funcs", funcs[0], "--reward_funcs=b.py:g"],
+        "mixed, with =": ["--reward_weights=1.0", "--reward_weights", "-0.5", "--reward_funcs", funcs[0],
+                          "--reward_funcs=b.py:g"],
     }  # fmt: skip
     (tmp_path / "c.yaml").write_text("reward_funcs: [a.py:f, b.py:g]\nreward_weights: [1.0, -0.5]\n")
     given["YAML lists"] = ["--config", str(tmp_path / "c.yaml")]
     for name, flags in given.items():
-        argv = grpo.trl_lists(["--model_name_or_path", "m", *flags, "--num_generations", "4", "--output_dir", "o"])
+        argv = ["--model_name_or_path", "m", *flags, "--num_generations", "4", "--output_dir", "o"]
         args = parse_job(grpo.JOB, argv)
         assert (args.grpo.reward_funcs, args.grpo.reward_weights) == (funcs, weights), name
         assert (args.grpo.num_generations, args.trainer.output_dir) == (4, "o"), name

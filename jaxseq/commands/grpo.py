@@ -44,7 +44,6 @@ from jaxseq.runner import Job, Prepared, run
 from jaxseq.train.rl import GRPO, GRPOConfig, Rollout, prompts_per_step
 
 TASK = "causal-lm"
-LIST_FLAGS = ("--reward_funcs", "--reward_weights")
 
 
 @dataclasses.dataclass
@@ -126,29 +125,6 @@ def load_reward_funcs(specs: list[str] | None) -> list[tuple[str, object]]:
     return funcs
 
 
-def trl_lists(argv: list[str]) -> list[str]:
-    """TRL's list flags (``--reward_weights 1.0 0.5``, nargs) as jaxseq's repeated ones (``--reward_weights 1.0
-    --reward_weights 0.5``): each bare value after one of them, up to the next flag, is one more of its values
-    (jaxseq takes no positional arguments, so such a value meant nothing else). Repeated flags stay as given."""
-    out, flag = [], None
-    for token in map(str, argv):
-        if token.startswith("-") and not is_number(token):
-            name = token.partition("=")[0]
-            flag = name if name in LIST_FLAGS else None
-        elif flag is not None and out[-1] != flag:
-            out.append(flag)
-        out.append(token)
-    return out
-
-
-def is_number(token: str) -> bool:
-    try:
-        float(token)
-    except ValueError:
-        return False
-    return True
-
-
 def prepare(args, planning: bool) -> Prepared:
     """Prompt rows and the GRPO objective with its rollout."""
     source, data, grpo, trainer = args.source, args.data, args.grpo, args.trainer
@@ -214,4 +190,4 @@ JOB = Job(__doc__, TASK, {"source": ModelSource, "data": PromptDataConfig, "grpo
 
 @script
 def main(argv) -> int:
-    return run(JOB, trl_lists(argv))
+    return run(JOB, argv)
