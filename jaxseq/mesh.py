@@ -1,7 +1,10 @@
-"""The device mesh: always three axes ``("dp", "fsdp", "mp")`` (data, fully-sharded data, model parallel).
+"""The device mesh: always four axes ``("dp", "fsdp", "ep", "mp")`` (data, fully-sharded data, expert and
+model parallel).
 
 ``make_mesh("dp=2,mp=4")`` on 8 devices; missing axes are 1; one axis may be ``-1`` (inferred). Batches are
-split over ``dp`` and ``fsdp`` together (``batch_spec``); parameters over ``fsdp`` and ``mp`` (partition.py).
+split over ``dp``, ``fsdp`` and ``ep`` together (``batch_spec``); parameters over ``fsdp`` and ``mp``
+(partition.py), a mixture of experts' experts over ``ep`` (each device holds its share of the experts and
+computes them for the tokens of its ``ep`` group). ``ep`` is shown only when it is more than 1.
 """
 
 from __future__ import annotations
@@ -16,12 +19,12 @@ from jax.sharding import PartitionSpec as P
 
 from jaxseq.errors import JaxseqError
 
-AXES = ("dp", "fsdp", "mp")
-BATCH_AXES = ("dp", "fsdp")
+AXES = ("dp", "fsdp", "ep", "mp")
+BATCH_AXES = ("dp", "fsdp", "ep")
 
 
 def parse_mesh_spec(spec: str | Mapping[str, int] | None, device_count: int) -> dict[str, int]:
-    """``"dp=2,mp=4"`` or ``{"dp": 2, "mp": 4}`` -> sizes of all three axes, with one ``-1`` inferred."""
+    """``"dp=2,mp=4"`` or ``{"dp": 2, "mp": 4}`` -> sizes of all four axes, with one ``-1`` inferred."""
     if spec is None or spec == "":
         spec = {"dp": -1}
     if isinstance(spec, str):
@@ -56,7 +59,7 @@ def parse_mesh_spec(spec: str | Mapping[str, int] | None, device_count: int) -> 
 
 
 def make_mesh(spec: str | Mapping[str, int] | None = None, devices=None) -> Mesh:
-    """A ``("dp", "fsdp", "mp")`` mesh over ``devices`` (default: all), laid out for the interconnect."""
+    """A ``("dp", "fsdp", "ep", "mp")`` mesh over ``devices`` (default: all), laid out for the interconnect."""
     devices = list(jax.devices() if devices is None else devices)
     sizes = parse_mesh_spec(spec, len(devices))
     shape = tuple(sizes[axis] for axis in AXES)
@@ -69,12 +72,18 @@ def make_mesh(spec: str | Mapping[str, int] | None = None, devices=None) -> Mesh
     return Mesh(grid, AXES)
 
 
-def format_mesh(sizes: Mapping[str, int]) -> str:
-    return ",".join(f"{axis}={sizes[axis]}" for axis in AXES)
+def mesh_sizes(mesh: Mesh | Mapping[str, int]) -> dict[str, int]:
+    """The axis sizes as runs print and record them: ``ep`` only when it is more than 1."""
+    sizes = dict(mesh.shape if isinstance(mesh, Mesh) else mesh)
+    return {axis: sizes.get(axis, 1) for axis in AXES if axis != "ep" or sizes.get(axis, 1) > 1}
+
+
+def format_mesh(sizes: Mesh | Mapping[str, int]) -> str:
+    return ",".join(f"{axis}={n}" for axis, n in mesh_sizes(sizes).items())
 
 
 def batch_spec(ndim: int = 2) -> P:
-    """Leading (batch) dimension split over ``dp`` and ``fsdp``; the rest replicated."""
+    """Leading (batch) dimension split over ``dp``, ``fsdp`` and ``ep``; the rest replicated."""
     return P(BATCH_AXES, *([None] * (ndim - 1)))
 
 
@@ -84,4 +93,4 @@ def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
 
 def data_parallel_size(mesh: Mesh) -> int:
     """How many ways a global batch is split: the batch dimension must be divisible by this."""
-    return mesh.shape["dp"] * mesh.shape["fsdp"]
+    return mesh.shape["dp"] * mesh.shape["fsdp"] * mesh.shape["ep"]

@@ -30,6 +30,7 @@ import numpy as np
 
 from jaxseq.errors import JaxseqError, first_line
 from jaxseq.files import atomic_write
+from jaxseq.mesh import mesh_sizes
 
 GiB = 2**30
 
@@ -712,7 +713,7 @@ def _mesh_of(*trees) -> dict:
     for leaf in jax.tree.leaves(trees):
         mesh = getattr(getattr(leaf, "sharding", None), "mesh", None)
         if mesh is not None and hasattr(mesh, "shape"):
-            return dict(mesh.shape)
+            return mesh_sizes(mesh)
     return {}
 
 

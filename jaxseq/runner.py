@@ -22,7 +22,7 @@ from jaxseq.config import save_config
 from jaxseq.distributed import DistributedConfig
 from jaxseq.errors import JaxseqError
 from jaxseq.hub_push import HubConfig
-from jaxseq.mesh import data_parallel_size, make_mesh
+from jaxseq.mesh import data_parallel_size, make_mesh, mesh_sizes
 from jaxseq.models.registry import model_flops
 from jaxseq.models.source import check
 from jaxseq.plan import compile_plan, format_table, refusal, topology, write_plan
@@ -137,7 +137,7 @@ def run(job: Job, argv) -> int:
     feed = trainer.feed
     line = (
         f"{spec.config.model_type}: {trainer.total_steps} steps of global batch {trainer.global_batch} on "
-        f"{jax.device_count()} devices (mesh {dict(mesh.shape)})"
+        f"{jax.device_count()} devices (mesh {mesh_sizes(mesh)})"
     )
     if speed:
         per_token = speed["flops_per_example"] / prepared.seq_len

@@ -20,6 +20,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxseq.errors import JaxseqError
+from jaxseq.mesh import format_mesh, mesh_sizes
 
 Rules = Sequence[tuple[str, P]]
 STACKED = "stacked"
@@ -120,7 +121,7 @@ def check_divisible(tree, specs, mesh: Mesh) -> None:
     if bad:
         more = f" (and {len(bad) - 3} more)" if len(bad) > 3 else ""
         raise JaxseqError(
-            f"cannot shard on mesh {dict(mesh.shape)}: {'; '.join(bad[:3])}{more} are not divisible by their "
+            f"cannot shard on mesh {format_mesh(mesh)}: {'; '.join(bad[:3])}{more} are not divisible by their "
             "mesh axes; pick a mesh whose axis sizes divide these dimensions"
         )
 
@@ -174,6 +175,6 @@ def describe(tree, specs, mesh: Mesh) -> str:
     lines += ["  ".join(str(c).ljust(w) for c, w in zip(r, widths)) for r in rows]
     lines.append(
         f"{len(rows)} arrays, {total / 2**20:.1f} MiB in all, {per_device / 2**20:.1f} MiB per device on mesh "
-        f"{', '.join(f'{k}={v}' for k, v in mesh.shape.items())}"
+        f"{', '.join(f'{k}={v}' for k, v in mesh_sizes(mesh).items())}"
     )
     return "\n".join(lines)

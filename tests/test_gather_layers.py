@@ -106,7 +106,7 @@ def test_gathers_sit_inside_each_rematerialised_block():
     assert sum(not inside for _, inside in weights) == config.n_layer * per_block  # the forward pass
     assert sum(inside for _, inside in weights) >= config.n_layer * per_block  # the recomputation (and transpose)
     # and each block's input split over the batch axes
-    assert sum(spec == P(("dp", "fsdp"), None, None) for spec, _, _ in found) >= 2 * config.n_layer
+    assert sum(spec == P(("dp", "fsdp", "ep"), None, None) for spec, _, _ in found) >= 2 * config.n_layer
 
 
 def test_weight_gather_is_a_hashable_static_attribute():

@@ -347,6 +347,7 @@ def test_split_key_gives_jax_random_splits_keys_on_a_traced_cpu_key():
 
     base = jax.random.key(7, impl=dropout_prng("cpu"))
     for num in (2, 5):
-        got = jax.jit(lambda step: jax.random.key_data(split_key(jax.random.fold_in(base, step), num)))(3)
+        split = jax.jit(lambda step, num=num: jax.random.key_data(split_key(jax.random.fold_in(base, step), num)))
+        got = split(3)
         want = jax.random.key_data(jax.random.split(jax.random.fold_in(base, 3), num))
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))

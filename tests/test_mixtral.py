@@ -1,6 +1,7 @@
 """Mixtral against transformers PyTorch, every weight perturbed: logits on right- and left-padded rows (unrolled
 and scanned layers), export, greedy generation, the router load balancing loss and the training loss with it,
-one step's gradients, a (dp, fsdp, mp) mesh, and FLOPs that count only the experts each token goes to."""
+one step's gradients, meshes (experts split over ep, or over fsdp and mp), FLOPs that count only the experts
+each token goes to, and a `jaxseq clm --mesh dp=2,ep=4` run whose loss falls."""
 
 import jax.numpy as jnp
 import numpy as np
@@ -16,6 +17,7 @@ from jaxseq.errors import JaxseqError  # noqa: E402
 from jaxseq.generation import generate  # noqa: E402
 from jaxseq.mesh import make_mesh  # noqa: E402
 from jaxseq.models import load_pretrained, save_pretrained  # noqa: E402
+from jaxseq.models.execution import Execution  # noqa: E402
 from jaxseq.models.registry import family_for  # noqa: E402
 from jaxseq.train.objectives import CausalLM  # noqa: E402
 from tests.reference import max_diff_on, padded_batch, perturb, torch_forward  # noqa: E402
@@ -121,24 +123,47 @@ def test_gradients_equal_transformers(saved):
         "w1": torch_layer.experts.gate_up_proj.grad[2, :48].numpy().T,
         "w2": torch_layer.experts.down_proj.grad[2].numpy().T,
     }
-    got = {"gate": layer.gate.kernel[...], "w1": layer.experts[2].w1.kernel[...], "w2": layer.experts[2].w2.kernel[...]}
+    got = {"gate": layer.gate.kernel[...], "w1": layer.experts.w1[...][2], "w2": layer.experts.w2[...][2]}
     for name in want:
         scale = max(1e-8, float(np.abs(want[name]).max()))
         assert float(np.abs(np.asarray(got[name]) - want[name]).max()) / scale <= 1e-4, name
     ref.zero_grad()
 
 
-def test_mesh_gives_the_same_logits(saved):
+@pytest.mark.parametrize("mesh", ["dp=2,fsdp=2,mp=2", "dp=2,ep=4", "fsdp=2,ep=2,mp=2"])
+@pytest.mark.parametrize("scan", [False, True])
+def test_meshes_give_the_same_logits_and_gradients(saved, mesh, scan):
+    """The experts split over ep (each device computes its experts for its ep group's tokens), or over fsdp
+    and mp: the logits, the aux loss and one step's gradients of every weight as on one device."""
     _, path = saved
     ids, mask = padded_batch(VOCAB)
-    want = forward(load_pretrained(path, "causal-lm"), jnp.asarray(ids), jnp.asarray(mask))
-    model = load_pretrained(path, "causal-lm", mesh=make_mesh("dp=2,fsdp=2,mp=2"))
+    batch = {"input_ids": jnp.asarray(ids), "attention_mask": jnp.asarray(mask)}
+
+    def logits_loss_grads(model):
+        grad = nnx.value_and_grad(lambda m: CausalLM(None).loss(m, batch, None))
+        loss, grads = nnx.jit(grad)(model)
+        out = forward(model, batch["input_ids"], batch["attention_mask"])
+        return out, loss, dict(partition.named_leaves(nnx.state(grads, nnx.Param)))
+
+    want, want_loss, want_grads = logits_loss_grads(load_pretrained(path, "causal-lm", scan_layers=scan))
+    devices = make_mesh(mesh)
+    model = load_pretrained(path, "causal-lm", mesh=devices, scan_layers=scan, execution=Execution(mesh=devices))
     specs = {name: x.sharding.spec for name, x in partition.named_leaves(nnx.state(model, nnx.Param))}
-    assert specs["model/layers/0/block_sparse_moe/experts/3/w1/kernel"] == P("fsdp", "mp")
-    assert specs["model/layers/1/block_sparse_moe/experts/0/w2/kernel"] == P("mp", "fsdp")
-    got = forward(model, jnp.asarray(ids), jnp.asarray(mask))
+    layer = "model/layers/stacked" if scan else "model/layers/0"
+    stacked = (None,) * scan
+    assert specs[f"{layer}/block_sparse_moe/experts/w1"] == P(*stacked, "ep", "fsdp", "mp")
+    assert specs[f"{layer}/block_sparse_moe/experts/w2"] == P(*stacked, "ep", "mp", "fsdp")
+    assert (model.model.layers.stacked if scan else model.model.layers[0]).block_sparse_moe.expert_mesh == (
+        devices if "ep" in mesh else None
+    )
+    got, loss, grads = logits_loss_grads(model)
     assert relative_diff(mask, got.logits, want.logits) <= 1e-5
     assert abs(float(got.aux_loss) - float(want.aux_loss)) <= 1e-7
+    assert abs(float(loss) - float(want_loss)) <= 1e-6
+    assert grads.keys() == want_grads.keys()
+    for name, g in grads.items():
+        scale = max(1e-6, float(np.abs(want_grads[name]).max()))
+        assert float(np.abs(np.asarray(g) - np.asarray(want_grads[name])).max()) / scale <= 1e-4, name
 
 
 def test_flops_count_only_the_routed_experts():
@@ -163,3 +188,40 @@ def test_lora_of_the_experts_is_refused_in_one_line(saved):
         with pytest.raises(JaxseqError, match="experts") as error:
             Lora(config, model, specs)
         assert "\n" not in str(error.value)
+
+
+def test_pretraining_with_experts_split_over_ep_lowers_the_loss(tmp_path):
+    """`jaxseq clm --mesh dp=2,ep=4` from a tiny Mixtral config, as a user runs it (the installed command, a
+    fresh process, 8 CPU devices): the experts split over ep, and the training loss falls."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from tests.conftest import shared_asset
+
+    gpt2 = shared_asset("data/tokenizers/gpt2")
+    tokenizer = transformers.GPT2TokenizerFast(vocab=str(gpt2 / "vocab.json"), merges=str(gpt2 / "merges.txt"))
+    tokenizer.save_pretrained(tmp_path / "tokenizer")
+    out = tmp_path / "out"
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    overrides = "hidden_size=64,intermediate_size=64,num_hidden_layers=2,num_attention_heads=4,num_key_value_heads=2"
+    result = subprocess.run(
+        [
+            str(Path(sys.executable).with_name("jaxseq")), "clm", "--model_type", "mixtral",
+            "--config_overrides", f"{overrides},vocab_size=50257,num_local_experts=8,num_experts_per_tok=2",
+            "--tokenizer_name", str(tmp_path / "tokenizer"), "--train_file", str(shared_asset("data/text/botchan.txt")),
+            "--block_size", "64", "--per_device_train_batch_size", "1", "--max_steps", "40", "--learning_rate", "3e-3",
+            "--warmup_steps", "0", "--logging_steps", "1", "--max_eval_samples", "8", "--mesh", "dp=2,ep=4",
+            "--output_dir", str(out), "--compilation_cache_dir", "", "--data_cache_dir", str(tmp_path / "cache"),
+        ],
+        capture_output=True, text=True, timeout=900, env=env,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "mesh {'dp': 2, 'fsdp': 1, 'ep': 4, 'mp': 1}" in result.stdout
+    losses = [
+        r["train/loss"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "train/loss" in r
+    ]
+    assert len(losses) == 40
+    assert np.mean(losses[-5:]) < np.mean(losses[:5]) - 1.0, losses

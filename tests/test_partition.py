@@ -14,7 +14,7 @@ transformers = pytest.importorskip("transformers")
 
 from jaxseq import partition  # noqa: E402
 from jaxseq.errors import JaxseqError  # noqa: E402
-from jaxseq.mesh import batch_sharding, make_mesh, parse_mesh_spec  # noqa: E402
+from jaxseq.mesh import batch_sharding, data_parallel_size, format_mesh, make_mesh, mesh_sizes, parse_mesh_spec  # noqa: E402
 from jaxseq.models import from_config, load_pretrained, save_pretrained  # noqa: E402
 from tests.reference import padded_batch  # noqa: E402
 
@@ -243,10 +243,14 @@ def test_bad_mesh_specs(spec, message):
 
 
 def test_mesh_forms():
-    assert parse_mesh_spec("dp=2,mp=-1", 8) == {"dp": 2, "fsdp": 1, "mp": 4}
-    assert parse_mesh_spec({"fsdp": 8}, 8) == {"dp": 1, "fsdp": 8, "mp": 1}
-    assert parse_mesh_spec(None, 8) == {"dp": 8, "fsdp": 1, "mp": 1}
-    assert dict(make_mesh("fsdp=4,mp=2").shape) == {"dp": 1, "fsdp": 4, "mp": 2}
+    assert parse_mesh_spec("dp=2,mp=-1", 8) == {"dp": 2, "fsdp": 1, "ep": 1, "mp": 4}
+    assert parse_mesh_spec({"fsdp": 8}, 8) == {"dp": 1, "fsdp": 8, "ep": 1, "mp": 1}
+    assert parse_mesh_spec(None, 8) == {"dp": 8, "fsdp": 1, "ep": 1, "mp": 1}
+    assert dict(make_mesh("fsdp=4,mp=2").shape) == {"dp": 1, "fsdp": 4, "ep": 1, "mp": 2}
+    assert dict(make_mesh("dp=2,ep=4").shape) == {"dp": 2, "fsdp": 1, "ep": 4, "mp": 1}
+    assert data_parallel_size(make_mesh("dp=2,ep=2,mp=2")) == 4  # ep splits the batch too
+    assert format_mesh(make_mesh("fsdp=4,mp=2")) == "dp=1,fsdp=4,mp=2"  # ep shown only when used
+    assert mesh_sizes(make_mesh("ep=8")) == {"dp": 1, "fsdp": 1, "ep": 8, "mp": 1}
 
 
 def test_indivisible_dimension_is_reported():

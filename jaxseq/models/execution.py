@@ -20,7 +20,8 @@ from jaxseq.models.registry import family_for
 class Execution:
     """``attention``: a kernel choice of ``attention.ATTENTION_KERNELS`` (``auto`` resolves per backend and
     model); ``remat``: a ``layers.REMAT_POLICIES`` name; ``mesh``: the devices the model runs on (the
-    backend; with fsdp > 1 each block gathers its own weights, ``layers.gather_layers``); ``packed``: batches
+    backend; with fsdp > 1 each block gathers its own weights, ``layers.gather_layers``; with ep > 1 a
+    mixture of experts computes each expert on the devices that hold it); ``packed``: batches
     pack several examples per row."""
 
     attention: str = "xla"
@@ -36,4 +37,8 @@ class Execution:
         gathering = self.mesh is not None and self.mesh.shape["fsdp"] > 1
         rules = family_for(model.config.model_type).partition_rules
         gather_layers(model, self.mesh if gathering else None, rules)
+        experts = self.mesh if self.mesh is not None and self.mesh.shape["ep"] > 1 else None
+        for _, module in nnx.iter_modules(model):
+            if hasattr(module, "expert_mesh"):  # a mixture of experts' block: its experts split over ep
+                module.expert_mesh = experts
         return kernel

@@ -261,12 +261,13 @@ def load_pretrained(
         if any(name not in tensors for name, _ in names.values()):  # a new head (match_names says which)
             continue
         want = flat_abstract[path].get_value()
-        shape = want.shape if None in names else want.shape[1:]
+        index = next(iter(names))  # None, a layer or an expert, or (layer, expert): the stacked axes
+        shape = want.shape[0 if index is None else 1 if isinstance(index, int) else len(index) :]
         layers = [
             _read(tensors, name, transpose, shape, family.vocab_axis(path), config)
             for _, (name, transpose) in sorted(names.items())
         ]
-        array = layers[0] if None in names else np.stack(layers)
+        array = layers[0] if index is None else np.stack(layers).reshape(want.shape)
         values[path] = _put(np.asarray(array, dtype=want.dtype), flat_shardings[path].get_value())
     if new_heads:
         logger.warning("initialised weights that the checkpoint lacks: %s", ", ".join(new_heads))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -447,14 +448,33 @@ def blocks(make, count: int, rngs: nnx.Rngs, *, scan: bool) -> nnx.List | Stacke
     return nnx.List([make(i, rngs) for i in range(count)])
 
 
-def layer_paths(state) -> dict[tuple, tuple[tuple, int | None]]:
+EXPERTS = "experts"
+"""The module name under which a mixture of experts keeps its experts' projections stacked, each one
+``[experts, in, out]`` parameter (``experts/w1``), where checkpoints name them per expert
+(``experts.3.w1.weight``, the unrolled path ``experts/3/w1/kernel``)."""
+
+
+def is_expert_stack(path: tuple) -> bool:
+    """Whether parameter ``path`` is an experts' stacked projection (a parameter directly under ``EXPERTS``)."""
+    return len(path) >= 2 and path[-2] == EXPERTS
+
+
+def layer_paths(state) -> dict[tuple, tuple[tuple, int | tuple | None]]:
     """The one map from the unrolled model's parameter paths (``transformer/h/3/attn/c_attn/kernel``) to where a
-    model of either kind keeps them: ``(path, layer)``, ``layer`` None for a parameter that is not stacked
-    (``Stacked.first_only``'s included). ``state``: the model's parameters (arrays or shapes)."""
+    model of either kind keeps them: ``(path, index)``, ``index`` None for a parameter that is not stacked
+    (``Stacked.first_only``'s included), else its place on the stacked axes: the layer, the expert
+    (``is_expert_stack``), or ``(layer, expert)`` for the experts of scanned blocks. ``state``: the model's
+    parameters (arrays or shapes)."""
     out = {}
     for path, value in nnx.to_flat_state(state):
-        if STACKED in path:
-            out.update({unstacked_path(path, i): (path, i) for i in range(value.get_value().shape[0])})
-        else:
+        shape, experts = value.get_value().shape, is_expert_stack(path)
+        axes = [range(shape[0])] * (STACKED in path) + [range(shape[STACKED in path])] * experts
+        if not axes:
             out[tuple(0 if part == FIRST_ONLY else part for part in path)] = (path, None)
+            continue
+        for index in itertools.product(*axes):
+            unrolled = unstacked_path(path, index[0]) if STACKED in path else path
+            if experts:
+                unrolled = (*unrolled[:-1], index[-1], unrolled[-1], "kernel")
+            out[unrolled] = (path, index[0] if len(index) == 1 else index)
     return out

@@ -19,7 +19,7 @@ from flax import nnx
 
 from jaxseq.errors import JaxseqError, first_line
 from jaxseq.models.family import Family
-from jaxseq.models.layers import Conv1D, layer_paths
+from jaxseq.models.layers import Conv1D, is_expert_stack, layer_paths
 
 _LEAF_TO_TORCH = {"kernel": "weight", "embedding": "weight", "scale": "weight"}
 
@@ -139,13 +139,13 @@ def torch_layout(model: nnx.Module) -> dict[str, tuple[tuple, bool]]:
     for path, (stored, _) in layer_paths(nnx.state(model, nnx.Param)).items():
         *mod, leaf = path
         name = ".".join(map(str, [*mod, _LEAF_TO_TORCH.get(leaf, leaf)]))
-        layout[name] = (path, leaf == "kernel" and stored[:-1] in transposed)
+        layout[name] = (path, (leaf == "kernel" and stored[:-1] in transposed) or is_expert_stack(stored))
     return layout
 
 
-def stored_layout(model: nnx.Module) -> dict[tuple, dict[int | None, tuple[str, bool]]]:
-    """``torch_layout`` by where the model keeps each parameter (``layers.layer_paths``): our path -> {layer (None:
-    not stacked): (PyTorch name, whether the kernel is transposed)}."""
+def stored_layout(model: nnx.Module) -> dict[tuple, dict[int | tuple | None, tuple[str, bool]]]:
+    """``torch_layout`` by where the model keeps each parameter (``layers.layer_paths``): our path -> {index on
+    its stacked axes (None: not stacked): (PyTorch name, whether the kernel is transposed)}."""
     where = layer_paths(nnx.state(model, nnx.Param))
     out = {}
     for name, (path, transposed) in torch_layout(model).items():

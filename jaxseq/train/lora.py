@@ -152,17 +152,22 @@ class Lora:
             for path, m in dense.items()
             if re.search(pattern, _name((*path, "kernel")))
         }
+        experts = [  # a mixture of experts' stacked kernels, by their checkpoint paths (experts/0/w1/kernel)
+            _name((*path, 0, name, "kernel"))
+            for path, m in nnx.iter_modules(model)
+            if getattr(m, "grouped", False)
+            for name in m.names
+        ]
+        if any(re.search(pattern, name) for name in experts) or (experts and config.quantize != "none"):
+            raise JaxseqError(
+                f"LoRA and QLoRA cannot adapt or quantise the {family.model_type} model's experts (their kernels "
+                "are multiplied together in grouped matmuls); target the attention projections, without --quantize"
+            )
         if not self.targets:
             example = _name((*next(iter(dense)), "kernel")) if dense else "none"
             raise JaxseqError(
                 f"--lora_targets {targets!r} matches no dense kernel of the {family.model_type} model "
                 f"(they look like {example!r})"
-            )
-        grouped = [path for path, m in dense.items() if getattr(m, "grouped", False)]  # MoE experts' kernels
-        if [p for p in grouped if p in self.targets] or (grouped and config.quantize != "none"):
-            raise JaxseqError(
-                f"LoRA and QLoRA cannot adapt or quantise the {family.model_type} model's experts (their kernels "
-                "are multiplied together in grouped matmuls); target the attention projections, without --quantize"
             )
         head = config.lora_trainable if config.lora_trainable is not None else getattr(type(model), "task_head", "")
         params = [path for path, _ in nnx.to_flat_state(nnx.state(model, nnx.Param))]

@@ -17,12 +17,12 @@ from jaxseq.models.mixtral.modeling import (
     moe_layers,
 )
 
-# each expert's kernels as the dense MLP's: w1 (gate) and w3 (up) split by output column over mp, w2 (down)
-# by input row; the other dimension over fsdp. The router's small [hidden, experts] kernel over fsdp.
-# (Qwen3-MoE's gate_proj/up_proj/down_proj experts take Llama's MLP rules.)
+# the experts' stacked kernels [experts, in, out] split by expert over ep, and each expert as the dense MLP:
+# gate and up (Mixtral's w1, w3; Qwen3-MoE's gate_proj, up_proj) by output column over mp, down (w2,
+# down_proj) by input row; the other dimension over fsdp. The router's small [hidden, experts] kernel over fsdp.
 MOE_RULES = (
-    (r"experts/\d+/(w1|w3)/kernel$", P("fsdp", "mp")),
-    (r"experts/\d+/w2/kernel$", P("mp", "fsdp")),
+    (r"experts/(w1|w3|gate_proj|up_proj)$", P("ep", "fsdp", "mp")),
+    (r"experts/(w2|down_proj)$", P("ep", "mp", "fsdp")),
     (r"(block_sparse_moe|mlp)/gate/kernel$", P("fsdp", None)),
 )
 

@@ -12,10 +12,14 @@ summed back onto their tokens. With ``output_router_logits`` the model returns t
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
+from jaxseq.mesh import BATCH_AXES
 from jaxseq.models.layers import Linear, activation, normal
 from jaxseq.models.llama.modeling import LlamaDecoderLayer, LlamaForCausalLM, LlamaForSequenceClassification, LlamaModel
 from jaxseq.models.outputs import BaseOutput
@@ -44,32 +48,64 @@ def moe_layers(config) -> tuple[bool, ...]:
 """An expert's gate, up and down projections as Mixtral's checkpoints name them (Qwen3-MoE's: gate_proj, ...)."""
 
 
-class Expert(nnx.Module):
-    """One SwiGLU expert, ``down(silu(gate(x)) * up(x))``, its projections under ``names`` (gate, up, down)."""
+class Experts(nnx.Module):
+    """``count`` SwiGLU experts, ``down(act(gate(x)) * up(x))``, each of the projections ``names`` (gate, up,
+    down) one parameter ``[experts, in, out]`` (``layers.EXPERTS``: checkpoints keep ``experts.N.<name>.weight``
+    per expert), which the grouped matmul reads whole and ``ep`` splits by expert. ``grouped``: LoRA refuses
+    them."""
 
-    def __init__(self, config, inner: int, names=MIXTRAL_EXPERT, *, dtype, param_dtype, rngs: nnx.Rngs):
-        d = config.hidden_size
-        kw = dict(use_bias=False, kernel_init=normal(config.initializer_range), dtype=dtype, param_dtype=param_dtype)
+    grouped = True
+
+    def __init__(self, config, count: int, inner: int, names=MIXTRAL_EXPERT, *, dtype, param_dtype, rngs: nnx.Rngs):
+        d, init = config.hidden_size, normal(config.initializer_range)
         for name, shape in zip(names, ((d, inner), (d, inner), (inner, d))):
-            setattr(self, name, Linear(*shape, **kw, rngs=rngs))
-            getattr(self, name).grouped = True  # read by grouped_experts, never called: LoRA refuses them
+            setattr(self, name, nnx.Param(init(rngs.params(), (count, *shape), param_dtype)))
+        self.names, self.dtype = names, dtype
+
+    def kernels(self, dtype) -> tuple[jax.Array, jax.Array, jax.Array]:
+        return tuple(getattr(self, n)[...].astype(dtype) for n in self.names)
 
 
-def grouped_experts(experts, names, act, dtype, x, weights, ids):
+def grouped_experts(kernels, act, x, weights, ids, first: int = 0):
     """``x`` ``[tokens, hidden]`` through each token's experts ``ids`` ``[tokens, k]``, summed with ``weights``:
     the token-expert pairs sorted by expert, each expert's rows multiplied by its kernels alone in one grouped
-    matmul (``jax.lax.ragged_dot`` over the kernels stacked ``[experts, in, out]``), then weighted and summed back
-    onto their tokens. ``names``: the experts' (gate, up, down) projections."""
+    matmul (``jax.lax.ragged_dot`` over ``kernels``, the (gate, up, down) stacks ``[experts, in, out]``), then
+    weighted and summed back onto their tokens, in float32. ``kernels`` may hold only experts ``first`` to
+    ``first + len``: the pairs of other experts are sorted last, outside every group, and add nothing."""
+    gate, up, down = kernels
     tokens, k = ids.shape
-    flat = ids.reshape(-1)
-    order = jnp.argsort(flat, stable=True)
+    count = gate.shape[0]
+    local = ids.reshape(-1) - first
+    local = jnp.where((local >= 0) & (local < count), local, count)  # count: another device's expert
+    order = jnp.argsort(local, stable=True)
     rows = order // k
-    sizes = jnp.bincount(flat, length=len(experts)).astype(jnp.int32)
-    gate, up, down = (jnp.stack([getattr(e, n).kernel[...] for e in experts]).astype(dtype) for n in names)
-    h = x[rows].astype(dtype)
+    sizes = jnp.bincount(local, length=count + 1)[:count].astype(jnp.int32)
+    h = x[rows].astype(gate.dtype)
     h = act(jax.lax.ragged_dot(h, gate, sizes)) * jax.lax.ragged_dot(h, up, sizes)
-    y = jax.lax.ragged_dot(h, down, sizes).astype(jnp.float32) * weights.reshape(-1)[order][:, None]
-    return jnp.zeros((tokens, x.shape[-1]), jnp.float32).at[rows].add(y).astype(x.dtype)
+    pair_weights = jnp.where(local[order] < count, weights.reshape(-1)[order], 0.0)
+    y = jax.lax.ragged_dot(h, down, sizes).astype(jnp.float32) * pair_weights[:, None]
+    return jnp.zeros((tokens, x.shape[-1]), jnp.float32).at[rows].add(y)
+
+
+def expert_parallel(mesh, kernels, act, x, weights, ids):
+    """``grouped_experts`` with the experts split over the mesh's ``ep`` axis: each device holds
+    ``experts / ep`` of them whole (gathered over fsdp and mp) and its own tokens (the batch axes). The
+    token exchange: each device gathers its ``ep`` group's tokens and their routes, computes its own
+    experts' pairs among them, and the partial outputs are summed and scattered back to the tokens'
+    devices (one all-gather and one reduce-scatter over ``ep``; dropless, whatever the routing). Tokens that
+    do not split evenly over the batch axes are padded."""
+    rows, expert = P(BATCH_AXES, None), P("ep", None, None)
+
+    def local(kernels, x, weights, ids):
+        gathered = [jax.lax.all_gather(a, "ep", tiled=True) for a in (x, weights, ids)]
+        first = jax.lax.axis_index("ep") * kernels[0].shape[0]
+        y = grouped_experts(kernels, act, *gathered, first=first)
+        return jax.lax.psum_scatter(y, "ep", scatter_dimension=0, tiled=True)
+
+    tokens, pad = x.shape[0], -x.shape[0] % math.prod(mesh.shape[a] for a in BATCH_AXES)
+    x, weights, ids = (jnp.pad(a, ((0, pad), (0, 0))) for a in (x, weights, ids))  # padding: weight 0
+    run = jax.shard_map(local, mesh=mesh, in_specs=((expert,) * 3, rows, rows, rows), out_specs=rows)
+    return run(kernels, x, weights, ids)[:tokens]
 
 
 class SparseMoeBlock(nnx.Module):
@@ -82,10 +118,10 @@ class SparseMoeBlock(nnx.Module):
         count, inner = config.num_local_experts, inner or config.intermediate_size
         init = normal(config.initializer_range)
         self.gate = Linear(config.hidden_size, count, use_bias=False, kernel_init=init, **kw)
-        self.experts = nnx.List([Expert(config, inner, names, **kw) for _ in range(count)])
-        self.names = names
+        self.experts = Experts(config, count, inner, names, **kw)
         self.top_k, self.normalise = config.num_experts_per_tok, getattr(config, "norm_topk_prob", True)
         self.act, self.dtype = activation(config.hidden_act), dtype
+        self.expert_mesh = None  # a mesh with ep > 1: the experts split over it (``execution.Execution``)
 
     def __call__(self, x, key_mask=None):
         flat = x.reshape(-1, x.shape[-1])
@@ -94,8 +130,12 @@ class SparseMoeBlock(nnx.Module):
         real = real.astype(jnp.float32)
         picks = jax.nn.one_hot(experts, probs.shape[-1], dtype=jnp.float32).sum(axis=1)
         stats = jnp.stack([real @ picks, real @ probs])
-        y = grouped_experts(self.experts, self.names, self.act, self.dtype or x.dtype, flat, weights, experts)
-        return y.reshape(x.shape), stats
+        kernels = self.experts.kernels(self.dtype or x.dtype)
+        if self.expert_mesh is None:
+            y = grouped_experts(kernels, self.act, flat, weights, experts)
+        else:
+            y = expert_parallel(self.expert_mesh, kernels, self.act, flat, weights, experts)
+        return y.astype(x.dtype).reshape(x.shape), stats
 
 
 class MixtralDecoderLayer(LlamaDecoderLayer):
