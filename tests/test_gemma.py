@@ -253,3 +253,16 @@ def test_gemma3_ropes_per_layer_kind_and_refusals():
         from_config(tiny_config("gemma3-tied", rope_parameters=yarn), "causal-lm")
     with pytest.raises(JaxseqError, match=r"^use_bidirectional_attention .* is not supported"):
         from_config(tiny_config("gemma3-tied", use_bidirectional_attention=True), "causal-lm")
+
+
+@pytest.mark.parametrize("name", ["Gemma2Config", "Gemma3TextConfig"])
+def test_a_depth_override_takes_the_layer_pattern_of_that_depth(name):
+    """`--config_overrides num_hidden_layers=42` on a config whose layer_types were made for its own depth: the
+    pattern transformers makes for a config of 42 layers (a config built with that depth), not a refusal."""
+    from jaxseq.models.hub import apply_overrides
+
+    cls = getattr(transformers, name)
+    got = apply_overrides(cls(), num_hidden_layers=42)
+    assert got.layer_types == cls(num_hidden_layers=42).layer_types and len(got.layer_types) == 42
+    kept = ["full_attention"] * 3
+    assert apply_overrides(cls(num_hidden_layers=3, layer_types=kept), hidden_size=64).layer_types == kept

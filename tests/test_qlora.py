@@ -134,6 +134,40 @@ def test_qlora_step_is_lora_on_the_dequantised_weights(kind, scan):
     assert stored == (weights // 2 + 4 * weights // 64 if kind == "nf4" else weights + 4 * columns)
 
 
+@pytest.mark.parametrize("scan", [False, True], ids=["unrolled", "scanned"])
+def test_qlora_kernels_reach_the_devices_only_quantised_one_layer_at_a_time(tmp_path, scan, monkeypatch):
+    """A QLoRA run's checkpoint kernels stay on the host when loaded (``on_host``) and go to the devices one
+    layer at a time to be quantised there: nothing larger than one layer's kernel is sent, and the frozen tree
+    is bitwise the one quantised from the model on the devices."""
+    from jaxseq.models import load_pretrained
+    from jaxseq.train.lora import quantized_kernels
+
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(llama_config()).save_pretrained(tmp_path)
+    mesh = make_mesh("fsdp=2,mp=2,dp=2")
+    on_device = load_pretrained(tmp_path, "causal-lm", mesh=mesh, scan_layers=scan)
+    lora = LoraConfig(lora_rank=RANK, lora_targets=TARGETS, quantize="nf4")
+    host = set(quantized_kernels(on_device, lora))
+    assert len(host) == 7 * (1 if scan else 2)
+    model = load_pretrained(tmp_path, "causal-lm", mesh=mesh, scan_layers=scan, on_host=host)
+    flat = {path: v.get_value() for path, v in nnx.to_flat_state(nnx.state(model))}
+    assert all(isinstance(v, np.ndarray) == (path[:-1] in host) for path, v in flat.items())
+    sent = []
+    device_put = jax.device_put
+    monkeypatch.setattr(jax, "device_put", lambda x, *a, **k: sent.append(np.shape(x)) or device_put(x, *a, **k))
+    frozen = program(model, mesh, "nf4").freeze(nnx.state(model))
+    monkeypatch.undo()
+    one_layer = max(int(np.prod(flat[(*p, "kernel")].shape[scan:])) for p in host)
+    assert sent and max(int(np.prod(shape)) for shape in sent) <= one_layer
+    want = program(on_device, mesh, "nf4")
+    want = jax.jit(want.lora.freeze, out_shardings=want.frozen_shardings)(nnx.state(on_device))
+    got, want = traverse_util.flatten_dict(frozen), traverse_util.flatten_dict(want)
+    assert got.keys() == want.keys()
+    for key in want:
+        np.testing.assert_array_equal(np.asarray(got[key]), np.asarray(want[key]))
+        assert got[key].sharding.is_equivalent_to(want[key].sharding, want[key].ndim), key
+
+
 def test_clm_qlora_trains_and_its_merged_export_loads_in_transformers(tmp_path):
     """A fresh ``jaxseq clm`` process on one CPU device: a few QLoRA steps, then the merged export's logits
     in transformers equal the run's evaluated model (dequantised weights, adapters folded)."""

@@ -8,6 +8,7 @@ import copy
 import json
 import logging
 import os
+from collections.abc import Collection
 from pathlib import Path
 
 import jax
@@ -144,6 +145,10 @@ def apply_overrides(config, *, num_labels: int | None = None, **overrides):
         if not hasattr(config, key):
             raise JaxseqError(f"{type(config).__name__} has no field {key!r}; check the override's spelling")
         setattr(config, key, value)
+    kinds = getattr(config, "layer_types", None) or []
+    if "num_hidden_layers" in overrides and "layer_types" not in overrides and len(kinds) != config.num_hidden_layers:
+        # the per-layer pattern of the new depth, as the config class makes it for a config of that depth
+        config = type(config)(**{**config.to_dict(), "layer_types": None})
     if num_labels is not None and num_labels != config.num_labels:
         config.num_labels = num_labels
     return config
@@ -231,6 +236,7 @@ def load_pretrained(
     seed: int = 0,
     scan_layers: bool = False,
     execution: Execution | None = None,
+    on_host: Collection[tuple] = (),
     **config_overrides,
 ):
     """Load a Hugging Face checkpoint (local folder or Hub id) as the NNX model for ``task``.
@@ -240,7 +246,8 @@ def load_pretrained(
     the checkpoint lacks (a classifier on a base model) is initialised from ``seed`` and reported.
     ``scan_layers``: the blocks stacked and scanned (``layers.Stacked``); each stacked weight is assembled on
     the host from its layers' tensors (one weight at a time) and each device receives only its slice.
-    ``execution``: how its blocks run (``models.execution``).
+    ``execution``: how its blocks run (``models.execution``). ``on_host``: module paths whose kernels stay
+    on the host, NumPy arrays in the model (QLoRA's, quantised onto the devices one layer at a time).
     """
     if task not in TASKS:
         raise JaxseqError(f"unknown task {task!r}; choose one of {', '.join(TASKS)}")
@@ -268,7 +275,10 @@ def load_pretrained(
             for _, (name, transpose) in sorted(names.items())
         ]
         array = layers[0] if index is None else np.stack(layers).reshape(want.shape)
-        values[path] = _put(np.asarray(array, dtype=want.dtype), flat_shardings[path].get_value())
+        array = np.asarray(array, dtype=want.dtype)
+        values[path] = (
+            array if path[-1] == "kernel" and path[:-1] in on_host else _put(array, flat_shardings[path].get_value())
+        )
     if new_heads:
         logger.warning("initialised weights that the checkpoint lacks: %s", ", ".join(new_heads))
         wanted = [layout[n][0] for n in new_heads]  # a head is never stacked: its path is its own

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import re
 from pathlib import Path
@@ -40,7 +41,7 @@ from jaxseq.models.layers import Conv1D, dropout_with_key, layer_paths, split_ke
 from jaxseq.models.registry import family_for
 from jaxseq.models.weights import resize_vocab, torch_layout
 from jaxseq.sharding import STACKED, gather, match_partition_rules, path_string, unstacked_path
-from jaxseq.train.quantize import QUANTIZE, dequantize, quantize
+from jaxseq.train.quantize import BLOCK, QUANTIZE, dequantize, quantize
 
 EXPORTS = ("merged", "adapter")
 ADAPTER_HELP = (
@@ -119,6 +120,27 @@ def target_pattern(targets: str) -> str:
     return targets
 
 
+def trained_in_full(model: nnx.Module, config: LoraConfig) -> list[tuple]:
+    """The parameter paths LoRA trains in full: ``--lora_trainable``'s, else the task's head."""
+    head = config.lora_trainable if config.lora_trainable is not None else getattr(type(model), "task_head", "")
+    params = [path for path, _ in nnx.to_flat_state(nnx.state(model, nnx.Param))]
+    return [path for path in params if head and re.search(head, _name(path))]
+
+
+def quantized_kernels(model: nnx.Module, config: LoraConfig) -> list[tuple]:
+    """The module paths whose kernels QLoRA keeps quantised (none without ``--quantize``): every dense kernel
+    inside the blocks that is not trained in full."""
+    if config.quantize == "none":
+        return []
+    full = set(trained_in_full(model, config))
+    in_block = lambda path: any(p == STACKED or str(p).isdigit() for p in path)
+    return [
+        path
+        for path, m in nnx.iter_modules(model)
+        if isinstance(m, nnx.Linear) and in_block(path) and (*path, "kernel") not in full
+    ]
+
+
 def _name(path) -> str:
     return "/".join(map(str, path))
 
@@ -169,9 +191,7 @@ class Lora:
                 f"--lora_targets {targets!r} matches no dense kernel of the {family.model_type} model "
                 f"(they look like {example!r})"
             )
-        head = config.lora_trainable if config.lora_trainable is not None else getattr(type(model), "task_head", "")
-        params = [path for path, _ in nnx.to_flat_state(nnx.state(model, nnx.Param))]
-        self.full = [path for path in params if head and re.search(head, _name(path))]
+        self.full = trained_in_full(model, config)
         both = [_name(p) for p in self.full if p[-1] == "kernel" and p[:-1] in self.targets]
         if both:
             raise JaxseqError(
@@ -182,13 +202,8 @@ class Lora:
         self.shapes = {path: v.get_value().shape for path, v in flat_params}
         self.dtypes = {path: v.get_value().dtype for path, v in flat_params}
         flat_specs = {path: v.get_value() for path, v in nnx.to_flat_state(param_specs)}
-        self.kind = config.quantize  # QLoRA: every dense kernel inside the blocks is kept quantised
-        in_block = lambda path: any(p == STACKED or str(p).isdigit() for p in path)
-        self.quantized = [
-            path
-            for path, m in dense.items()
-            if self.kind != "none" and in_block(path) and (*path, "kernel") not in self.full
-        ]
+        self.kind = config.quantize
+        self.quantized = quantized_kernels(model, config)
         odd = [_name(p) for p in self.quantized if self.kind == "nf4" and dense[p].in_features % 64]
         if odd:
             raise JaxseqError(f"--quantize nf4 needs inputs in blocks of 64; {odd[0]}/kernel has other; use int8")
@@ -266,6 +281,21 @@ class Lora:
                 )
             out[path] = array.astype(np.float32)
         return _tree(out)
+
+    def fit_scales(self, mesh) -> None:
+        """nf4 scales (a row per 64 inputs) whose rows do not split over their mesh axes (fewer blocks than
+        fsdp shards, in small models) keep them whole: a sixteenth of their codes' bytes, replicated."""
+        if not self.quantized:
+            return
+        flat = traverse_util.flatten_dict(self.frozen_specs)
+        for path in self.quantized:
+            spec = flat[(*path, "kernel", "scales")]
+            *layers, rows, columns = tuple(spec) + (None,) * (len(self.shapes[(*path, "kernel")]) - len(spec))
+            blocks = self.shapes[(*path, "kernel")][-2] // BLOCK
+            axes = () if rows is None else rows if isinstance(rows, tuple) else (rows,)
+            if blocks % math.prod(mesh.shape[a] for a in axes):
+                flat[(*path, "kernel", "scales")] = P(*layers, None, columns)
+        self.frozen_specs = traverse_util.unflatten_dict(flat)
 
     def freeze(self, params):
         """The frozen tree of the model's state ``params``: itself, or with QLoRA each quantised kernel replaced

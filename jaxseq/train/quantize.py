@@ -10,9 +10,14 @@ dequantised by 16 selects on qwix's NF4 values, elementwise work that fuses into
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 import qwix
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 QUANTIZE = ("none", "int8", "nf4")
 BLOCK = 64  # nf4's block of inputs sharing a scale
@@ -48,3 +53,20 @@ def dequantize(codes: jax.Array, scales: jax.Array, kind: str, dtype) -> jax.Arr
         values = jnp.where(codes == code, table[code], values)
     blocks = values.reshape(scales.shape[0], BLOCK, -1) * scales[:, None]
     return blocks.reshape(-1, codes.shape[-1]).astype(dtype)
+
+
+def quantize_onto(kernel, kind: str, kernel_sharding: NamedSharding, shardings: dict) -> dict[str, jax.Array]:
+    """``quantize(kernel, kind)`` placed on ``shardings`` (``{"codes", "scales"}``). A kernel on the host (a
+    NumPy array, as QLoRA loads them) goes to its devices one layer at a time, each layer quantised there: the
+    devices hold one layer of it in full precision at most, never the whole model."""
+    if isinstance(kernel, np.ndarray) and kernel.ndim > 2:  # a stacked kernel: its layers one by one
+        layer = lambda s: NamedSharding(s.mesh, P(*s.spec[1:]))
+        inner = {name: layer(s) for name, s in shardings.items()}
+        layers = [quantize_onto(k, kind, layer(kernel_sharding), inner) for k in kernel]
+        return {n: jax.jit(_stack, out_shardings=s)(*(q[n] for q in layers)) for n, s in shardings.items()}
+    quantized = jax.jit(functools.partial(quantize, kind=kind), out_shardings=shardings)
+    return quantized(jax.device_put(kernel, kernel_sharding))
+
+
+def _stack(*layers):
+    return jnp.stack(layers)

@@ -21,7 +21,7 @@ from jaxseq.models.execution import Execution
 from jaxseq.models.hub import abstract_model, from_config, load_pretrained
 from jaxseq.models.registry import family_for
 from jaxseq.train.feeding import Feeder
-from jaxseq.train.lora import LoraConfig
+from jaxseq.train.lora import LoraConfig, quantized_kernels
 from jaxseq.train.optim import OptimizerConfig
 from jaxseq.train.step import Task, TrainProgram
 
@@ -77,7 +77,9 @@ class RunSpec:
         fresh one from the config, initialised from the run's seed."""
         common = {"mesh": self.mesh, "seed": self.trainer.seed, **self._building()}
         if checkpoint is not None:
-            return load_pretrained(checkpoint, self.task, **common, **(overrides or {}))
+            # QLoRA's kernels stay on the host until quantised: the devices never hold them in full precision
+            on_host = quantized_kernels(self.abstract_model(), self.lora) if self.lora and self.lora.enabled else ()
+            return load_pretrained(checkpoint, self.task, **common, on_host=set(on_host), **(overrides or {}))
         return from_config(self.config, self.task, **common)
 
     def total_steps(self, steps_per_epoch: int, trains: bool = True) -> int:

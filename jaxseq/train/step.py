@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from flax import nnx
+from flax import nnx, traverse_util
 from jax.sharding import PartitionSpec as P
 
 from jaxseq import sharding
@@ -24,6 +24,7 @@ from jaxseq.train.checkpoint import abstract_like
 from jaxseq.train.lora import Lora, LoraConfig
 from jaxseq.train.optim import OptimizerConfig, ema_update, make_optimizer, needs_value_fn
 from jaxseq.train.precision import LossScale, all_finite, select
+from jaxseq.train.quantize import quantize_onto
 
 
 @jax.tree_util.register_dataclass
@@ -253,6 +254,7 @@ class TrainProgram:
         if self.lora:  # the model's weights (QLoRA: quantised) become a frozen input of the steps; the adapters train
             sharding.check_divisible(params, param_specs, mesh)
             frozen = jax.eval_shape(self.lora.freeze, params)
+            self.lora.fit_scales(mesh)
             sharding.check_divisible(frozen, self.lora.frozen_specs, mesh)
             self.frozen_shardings = sharding.make_shardings(mesh, self.lora.frozen_specs)
             self._param_shardings = sharding.make_shardings(mesh, param_specs)
@@ -316,11 +318,22 @@ class TrainProgram:
         return nnx.merge(self.graphdef, params if self.lora is None else self.lora.merged(params, frozen))
 
     def freeze(self, params):
-        """LoRA's frozen tree of the model's state ``params``, on its shardings (QLoRA: quantised in place)."""
+        """LoRA's frozen tree of the model's state ``params``, on its shardings. QLoRA: each kernel quantised on
+        the devices, one at a time (``quantize_onto``: a kernel on the host, as QLoRA loads them, one layer at a
+        time), so that they never hold the full-precision model."""
         if not self.lora.quantized:
             return sharding.shard(params, self.frozen_shardings)
-        quantize = jax.jit(self.lora.freeze, out_shardings=self.frozen_shardings)
-        return quantize(sharding.shard(params, self._param_shardings))
+        flat = {path: v.get_value() for path, v in nnx.to_flat_state(params)}
+        placed = dict(nnx.to_flat_state(self._param_shardings))
+        frozen_shardings = traverse_util.flatten_dict(self.frozen_shardings)
+        out = {}
+        for path in self.lora.quantized:
+            kernel = (*path, "kernel")
+            parts = {part: frozen_shardings[(*kernel, part)] for part in ("codes", "scales")}
+            quantized = quantize_onto(flat.pop(kernel), self.lora.kind, placed[kernel].get_value(), parts)
+            out.update({(*kernel, part): array for part, array in quantized.items()})
+        out.update({path: jax.device_put(value, frozen_shardings[path]) for path, value in flat.items()})
+        return traverse_util.unflatten_dict(out)
 
     def eval_model(self, params, frozen) -> nnx.Module:
         """The model evaluation runs: ``merged_model``, but with QLoRA the training model without dropout
