@@ -38,6 +38,19 @@ LLAMA3_8B = (
 )
 LLAMA_CHAT = ["--model_type", "llama", "--config_overrides", LLAMA3_8B, "--max_seq_length", 2048]
 LORA_ALL = ["--lora_rank", 16, "--lora_targets", "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"]
+GEMMA2_9B = (
+    "hidden_size=3584,intermediate_size=14336,num_hidden_layers=42,num_attention_heads=16,num_key_value_heads=8,"
+    "head_dim=256,query_pre_attn_scalar=256,sliding_window=4096,vocab_size=256000"
+)
+QWEN3_8B = (
+    "hidden_size=4096,intermediate_size=12288,num_hidden_layers=36,num_attention_heads=32,num_key_value_heads=8,"
+    "head_dim=128,vocab_size=151936,max_position_embeddings=40960"
+)
+MIXTRAL_8X7B = (
+    "hidden_size=4096,intermediate_size=14336,num_hidden_layers=32,num_attention_heads=32,num_key_value_heads=8,"
+    "num_local_experts=8,num_experts_per_tok=2,vocab_size=32000,output_router_logits=true"
+)
+ATTENTION_LORA = ["--lora_rank", 16, "--lora_targets", "q_proj,k_proj,v_proj,o_proj"]
 # model -> (script, flags): AdamW, float32 master weights and optimizer state, bf16 compute, full remat
 MODELS = {
     "gptj-6b": ("pretrain_clm.py", ["--model_type", "gptj", "--block_size", 2048]),
@@ -73,6 +86,29 @@ MODELS = {
     "llama3-8b-lora": ("finetune_chat.py", [*LLAMA_CHAT, *LORA_ALL]),
     # QLoRA: the blocks' frozen kernels in nf4 (scanned layers, as --scan_layers auto under --remat full), one chip
     "llama3-8b-qlora": ("finetune_chat.py", [*LLAMA_CHAT, *LORA_ALL, "--quantize", "nf4"]),
+    # the families of #35 at their published sizes, chat fine-tuning at 2048 tokens: every weight where it fits,
+    # LoRA r16 on all projections where not; Mixtral-8x7B LoRA on the attention (experts cannot be adapted)
+    # with its experts split over ep
+    "gemma2-9b": (
+        "finetune_chat.py",
+        ["--model_type", "gemma2", "--config_overrides", GEMMA2_9B, "--max_seq_length", 2048],
+    ),
+    "gemma2-9b-lora": (
+        "finetune_chat.py",
+        ["--model_type", "gemma2", "--config_overrides", GEMMA2_9B, "--max_seq_length", 2048, *LORA_ALL],
+    ),
+    "qwen3-8b": (
+        "finetune_chat.py",
+        ["--model_type", "qwen3", "--config_overrides", QWEN3_8B, "--max_seq_length", 2048],
+    ),
+    "qwen3-8b-lora": (
+        "finetune_chat.py",
+        ["--model_type", "qwen3", "--config_overrides", QWEN3_8B, "--max_seq_length", 2048, *LORA_ALL],
+    ),
+    "mixtral-8x7b-lora": (
+        "finetune_chat.py",
+        ["--model_type", "mixtral", "--config_overrides", MIXTRAL_8X7B, "--max_seq_length", 2048, *ATTENTION_LORA],
+    ),
     # the attention kernel side by side (every row above runs --attention auto: splash on TPU where it applies)
     "gpt2-small-splash": (
         "pretrain_clm.py",
@@ -112,6 +148,8 @@ KERNEL_ROWS = ("gpt2-small-splash", "gpt2-small-xla", "gptj-6b-xla", "gptj-6b-8k
 # Cloud TPU slice -> mesh: every chip one fsdp shard (a v4-8 is 4 chips of 32 GiB). Each model has a v5e-8 and a
 # v4-8 row, and the v5e slices that bracket its smallest fit (Cloud has no v5e-2: v5e-1, v5e-4, v5e-8, ...).
 MESH = {"v5e-1": "fsdp=1", "v5e-4": "fsdp=4", "v5e-8": "fsdp=8", "v4-8": "fsdp=4", "v5p-8": "fsdp=4"}
+# Mixtral's experts split over ep (2 of its 8 experts a chip), the rest replicated
+MODEL_MESH = {"mixtral-8x7b-lora": {"v5p-8": "ep=4"}}
 SLICES = {
     "gptj-6b": ["v5e-8", "v5e-4", "v4-8"],
     "gpt2-xl": ["v5e-8", "v5e-4", "v5e-1", "v4-8"],
@@ -121,6 +159,11 @@ SLICES = {
     "llama3-8b": ["v5e-8", "v5p-8"],
     "llama3-8b-lora": ["v5e-8", "v5p-8"],
     "llama3-8b-qlora": ["v5e-1"],
+    "gemma2-9b": ["v5e-8"],
+    "gemma2-9b-lora": ["v5e-8"],
+    "qwen3-8b": ["v5e-8"],
+    "qwen3-8b-lora": ["v5e-8"],
+    "mixtral-8x7b-lora": ["v5p-8"],
     "gpt2-small-splash": ["v5e-8"],
     "gpt2-small-xla": ["v5e-8"],
     "gptj-6b-xla": ["v5e-8"],
@@ -129,14 +172,15 @@ SLICES = {
 }
 SLICES.update({f"{model}-scan": SLICES[model] for model in SCANNED})
 ROWS = {  # name -> (script, flags)
-    f"{model}/{slice_}": (script, [*flags, "--mesh", MESH[slice_]])
+    f"{model}/{slice_}": (script, [*flags, "--mesh", MODEL_MESH.get(model, MESH)[slice_]])
     for model, (script, flags) in MODELS.items()
     for slice_ in SLICES[model]
 }
 BATCH = {
     "gptj-6b": 1, "gpt2-xl": 4, "gpt2-xl-dropout": 4, "bert-large": 8, "t5-v1_1-xl": 2, "gpt2-small-splash": 8,
     "gpt2-small-xla": 8, "gptj-6b-xla": 1, "gptj-6b-8k-splash": 1, "gptj-6b-8k-xla": 1, "llama3-8b": 1,
-    "llama3-8b-lora": 1, "llama3-8b-qlora": 1,
+    "llama3-8b-lora": 1, "llama3-8b-qlora": 1, "gemma2-9b": 1, "gemma2-9b-lora": 1, "qwen3-8b": 1,
+    "qwen3-8b-lora": 1, "mixtral-8x7b-lora": 1,
 }  # fmt: skip
 BATCH.update({f"{model}-scan": BATCH[model] for model in SCANNED})
 
@@ -174,6 +218,11 @@ NAMES = {
     "llama3-8b": "Llama-3-8B shape, chat, all weights",
     "llama3-8b-lora": "Llama-3-8B shape, chat, LoRA r16 on all projections",
     "llama3-8b-qlora": "Llama-3-8B shape, chat, QLoRA (nf4) r16 on all projections",
+    "gemma2-9b": "Gemma-2-9B shape, chat, all weights",
+    "gemma2-9b-lora": "Gemma-2-9B shape, chat, LoRA r16 on all projections",
+    "qwen3-8b": "Qwen3-8B shape, chat, all weights",
+    "qwen3-8b-lora": "Qwen3-8B shape, chat, LoRA r16 on all projections",
+    "mixtral-8x7b-lora": "Mixtral-8x7B shape, chat, LoRA r16 on attention, experts on ep",
     "gpt2-small-splash": "GPT-2 small, no dropout, --attention splash",
     "gpt2-small-xla": "GPT-2 small, no dropout, --attention xla",
     "gptj-6b-xla": "GPT-J-6B, --attention xla",
@@ -227,12 +276,14 @@ def _cells(row: dict) -> list[str]:
 
 
 def _smallest(model: str, rows: list[dict]) -> str:
-    """The smallest v5e slice of ``rows`` that fits, and what the next smaller one planned needs."""
-    plans = sorted((r["plan"] for r in rows if r["plan"] and r["name"].startswith(f"{model}/v5e-")), key=_chips)
+    """The smallest v5e slice of ``rows`` that fits (a model planned on no v5e slice: its smallest slice), and
+    what the next smaller one planned needs."""
+    ours = [r["plan"] for r in rows if r["plan"] and r["name"].startswith(f"{model}/")]
+    plans = sorted([p for p in ours if p["accelerator"].startswith("v5e-")] or ours, key=_chips)
     fits = [plan for plan in plans if plan["fits"]]
     if not fits:
         planned = ", ".join(plan["accelerator"] for plan in plans)
-        return f"- {NAMES.get(model, model)}: fits none of the v5e slices planned ({planned})"
+        return f"- {NAMES.get(model, model)}: fits none of the slices planned ({planned})"
     best, below = fits[0], [plan for plan in plans if _chips(plan) < _chips(fits[0])]
     line = f"- {NAMES.get(model, model)}: **{best['accelerator']}**, {_gib(best['bytes_per_device']['total'])} per chip"
     if below:
