@@ -183,6 +183,20 @@ def test_no_family_list_is_written_by_hand():
     assert not found, found
 
 
+def test_readme_family_lists_name_every_family():
+    """A README sentence that lists the families (six or more of them) names every family that has a
+    causal-lm model: a family added to the registry is added to README's prose too."""
+    from jaxseq.models.registry import FAMILIES
+
+    names = [f.name for f in FAMILIES.values()]
+    causal = {f.name for f in FAMILIES.values() if "causal-lm" in f.tasks}
+    named = lambda line: {n for n in names if re.search(rf"(?<![\w-]){re.escape(n)}(?![\w-])", line)}
+    lists = [line for line in (ROOT / "README.md").read_text().splitlines() if len(named(line)) >= 6]
+    assert len(lists) >= 4
+    stale = [line[:100] for line in lists if not causal <= named(line)]
+    assert not stale, f"README family lists missing {sorted(causal - set.intersection(*map(named, lists)))}: {stale}"
+
+
 def test_readme_task_table_is_the_registrys():
     from jaxseq.models.registry import task_table
 
