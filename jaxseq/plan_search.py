@@ -1,10 +1,10 @@
-"""``--plan_search``: which run to launch on a TPU slice. It enumerates how the same run could be laid out
-(the mesh split into dp/fsdp/mp, the remat policy, the micro-batch with gradient accumulation for the same
-global batch, the attention kernel, the causal LM's loss chunks), prunes them with an analytic model of
-memory and step time, compiles the most promising with the real TPU compiler (each a plan of the run in its
-own process, several at once where the host has cores), ranks them by the compiled plan's estimated step
-time, and writes the fastest that fits as a YAML ``--config`` for the same command
-(``OUTPUT_DIR/best_plan.yaml``) with its ``plan.json``.
+"""``--plan_search``: which run to launch on a TPU slice. It enumerates how the same run could be laid out (the mesh
+split into dp/fsdp/mp, and ep for a mixture of experts, the remat policy, the micro-batch with gradient accumulation
+for the same global batch, the attention kernel, the causal LM's loss chunks), prunes them with an analytic model of
+memory and step time, compiles the most promising with the real TPU compiler (each a plan of the run in its own
+process, several at once where the host has cores), ranks them by the compiled plan's estimated step time, and
+writes the fastest that fits as a YAML ``--config`` for the same command (``OUTPUT_DIR/best_plan.yaml``) with its
+``plan.json``.
 
 The analytic model only orders and prunes; every figure in the ranked table of a compiled candidate is the
 compiler's (memory) or the compiled program's roofline (time)."""
@@ -23,11 +23,12 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import jax
 from flax import nnx
 
 from jaxseq.config import save_config
 from jaxseq.errors import JaxseqError
+from jaxseq.mesh import format_mesh
+from jaxseq.models.layers import EXPERTS
 from jaxseq.plan import GiB, Topology
 from jaxseq.train.objectives import DEFAULT_CHUNK_TOKENS
 
@@ -47,10 +48,12 @@ class Candidate:
     accumulation: int
     attention: str
     loss_chunk_tokens: int | None = None
+    ep: int = 1  # a mixture of experts' experts split this many ways (the batch too, as dp)
 
     @property
     def mesh_spec(self) -> str:
-        return ",".join(f"{axis}={n}" for axis, n in zip(("dp", "fsdp", "mp"), self.mesh))
+        sizes = dict(zip(("dp", "fsdp", "mp"), self.mesh), ep=self.ep)
+        return format_mesh(sizes)
 
     def flags(self) -> list[str]:
         flags = ["--mesh", self.mesh_spec, "--remat", self.remat, "--attention", self.attention]
@@ -81,23 +84,31 @@ class Shape:
     vocab: int
     seq_len: int
     global_rows: int
+    expert_params: int = 0  # of the parameters above, the experts' (split over ep)
+    experts: int = 0
+    experts_per_token: int = 0
 
 
 def candidates(shape: Shape, devices: int, *, chunked: bool) -> list[Candidate]:
     """Every layout of ``devices`` chips for ``shape``'s global batch: mp a power of two dividing the heads
-    (at most 8), the data shards split all-fsdp, all-dp or half and half, micro-batches the powers of two
-    dividing each shard's rows."""
+    (at most 8), the data shards split all-fsdp, all-dp or half and half (with experts, also ep: a power of
+    two dividing them and the shards, the rest split so), micro-batches the powers of two dividing each
+    shard's rows."""
     out = []
     for mp in (m for m in (1, 2, 4, 8) if devices % m == 0 and shape.heads % m == 0):
         shards = devices // mp
         if shape.global_rows % shards:
             continue
         rows = shape.global_rows // shards
-        splits = {(1, shards), (shards, 1)} | ({(2, shards // 2)} if shards >= 4 else set())
+        eps = [e for e in (1, 2, 4, 8) if shards % e == 0 and (e == 1 or (shape.experts and shape.experts % e == 0))]
+        splits = set()
+        for ep in eps:
+            rest = shards // ep
+            splits |= {(1, rest, ep), (rest, 1, ep)} | ({(2, rest // 2, ep)} if rest >= 4 else set())
         micros = [m for m in (1, 2, 4, 8, 16, 32, 64, 128) if m <= rows and rows % m == 0]
-        for (dp, fsdp), remat, micro, attention in _product(sorted(splits), REMATS, micros, ("auto", "xla")):
+        for (dp, fsdp, ep), remat, micro, attention in _product(sorted(splits), REMATS, micros, ("auto", "xla")):
             for chunk in (-1, 0) if chunked else (None,):
-                out.append(Candidate((dp, fsdp, mp), remat, micro, rows // micro, attention, chunk))
+                out.append(Candidate((dp, fsdp, mp), remat, micro, rows // micro, attention, chunk, ep))
     return out
 
 
@@ -119,9 +130,10 @@ def estimate(c: Candidate, shape: Shape, topo: Topology) -> tuple[float, float]:
     with full remat), plus fsdp's gathers per micro-step, mp's all-reduces per layer and dp's gradient
     all-reduce over ICI."""
     dp, fsdp, mp = c.mesh
-    chip = topo.chip
+    ep, chip = c.ep, topo.chip
     weights = shape.trained * 12 + shape.frozen * 4 + shape.trained * 4
-    state = weights / (fsdp * mp)
+    experts = weights * shape.expert_params / (shape.trained + shape.frozen)  # their share, split over ep too
+    state = (weights - experts) / (fsdp * mp) + experts / (fsdp * mp * ep)
     tokens = c.micro_batch * shape.seq_len
     width, layers = shape.width, shape.layers
     attention_scores = 0 if c.attention == "auto" else 5 * shape.heads * shape.seq_len / mp
@@ -131,21 +143,25 @@ def estimate(c: Candidate, shape: Shape, topo: Topology) -> tuple[float, float]:
     logits = (tokens if not c.loss_chunk_tokens else min(tokens, DEFAULT_CHUNK_TOKENS)) * shape.vocab * 4 / mp
     memory = state + kept + working + logits
     params = shape.trained + shape.frozen
+    routed = shape.expert_params * (1 - shape.experts_per_token / shape.experts) if shape.experts else 0
     forward_backward = 8 if c.remat == "full" else (7 if c.remat == "dots" else 6)
-    devices = dp * fsdp * mp
+    devices = dp * fsdp * ep * mp
     step_tokens = shape.global_rows * shape.seq_len
-    compute = forward_backward * params * step_tokens / (devices * chip.peak_flops)
+    compute = forward_backward * (params - routed) * step_tokens / (devices * chip.peak_flops)  # active weights
     ici = chip.ici_bandwidth / 2
-    gathers = 3 * params * 2 * (fsdp - 1) / fsdp / mp * c.accumulation if fsdp > 1 else 0
+    gathers = 3 * params * 2 * (fsdp - 1) / fsdp / mp / ep * c.accumulation if fsdp > 1 else 0
     reductions = 4 * layers * tokens * width * 2 * (mp - 1) / mp * c.accumulation if mp > 1 else 0
-    gradients = 2 * shape.trained * 4 / (fsdp * mp) if dp > 1 else 0
-    return memory, compute + (gathers + reductions + gradients) / ici
+    exchange = 4 * layers * tokens * ep * width * 2 * (ep - 1) / ep * c.accumulation  # experts' tokens
+    gradients = 2 * shape.trained * 4 / (fsdp * mp) if dp * ep > 1 else 0
+    return memory, compute + (gathers + reductions + exchange + gradients) / ici
 
 
 def shape_of(spec, prepared, global_rows: int) -> Shape:
     """The analytic model's view of a run (its abstract model's parameter count, config sizes)."""
     model = spec.abstract_model()
-    count = sum(math.prod(x.shape) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    flat = list(nnx.to_flat_state(nnx.state(model, nnx.Param)))
+    count = sum(math.prod(v.get_value().shape) for _, v in flat)
+    experts = sum(math.prod(v.get_value().shape) for path, v in flat if EXPERTS in path)
     config = spec.config
     lora = spec.lora is not None and spec.lora.enabled
     layers = config.num_hidden_layers + getattr(config, "num_decoder_layers", 0) * (config.model_type == "t5")
@@ -158,6 +174,9 @@ def shape_of(spec, prepared, global_rows: int) -> Shape:
         vocab=config.vocab_size,
         seq_len=prepared.seq_len + prepared.target_len,
         global_rows=global_rows,
+        expert_params=experts,
+        experts=getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None) or 0,
+        experts_per_token=getattr(config, "num_experts_per_tok", 0) or 0,
     )
 
 

@@ -1,6 +1,7 @@
 """``--plan_search``: the layouts of one global batch, pruned by an analytic model, compiled with real libtpu
 (no TPU), ranked, and the fastest that fits written as a ``--config`` that replans to the same plan."""
 
+import dataclasses
 import importlib.util
 import json
 import os
@@ -110,3 +111,24 @@ def test_search_writes_the_fastest_fitting_layout_and_it_replans_the_same(tmp_pa
     again = json.loads((tmp_path / "again" / "plan.json").read_text())
     assert again["fits"] and again["bytes_per_device"] == found["bytes_per_device"]
     assert again["estimated_step_seconds"] == found["estimated_step_seconds"]
+
+
+def test_experts_add_ep_layouts_that_split_them():
+    """A mixture of experts (8 experts, top 2): layouts with ep dividing the experts and the data shards, whose
+    batch is split over ep too; ep holds less of the experts per chip and counts only the routed experts'
+    FLOPs. A dense model gets no ep layout."""
+    moe = dataclasses.replace(GPT2_SMALL, trained=1_000_000_000, expert_params=900_000_000, experts=8,
+                              experts_per_token=2)  # fmt: skip
+    layouts = candidates(moe, 8, chunked=False)
+    assert {c.ep for c in layouts} == {1, 2, 4, 8}
+    for c in layouts:
+        dp, fsdp, mp = c.mesh
+        assert dp * fsdp * c.ep * mp == 8 and c.micro_batch * c.accumulation * dp * fsdp * c.ep == 64
+    assert Candidate((2, 1, 1), "full", 8, 1, "auto", None, ep=4).mesh_spec == "dp=2,fsdp=1,ep=4,mp=1"
+    assert {c.ep for c in candidates(GPT2_SMALL, 8, chunked=False)} == {1}
+    v5e = topology("v5e-8")
+    memory = lambda ep, dp: estimate(Candidate((dp, 1, 1), "full", 8, 1, "auto", None, ep=ep), moe, v5e)[0]
+    assert memory(ep=8, dp=1) < memory(ep=1, dp=8)  # the experts split 8 ways, not replicated
+    dense = dataclasses.replace(moe, expert_params=0, experts=0, experts_per_token=0)
+    c = Candidate((1, 8, 1), "full", 8, 1, "auto", None)
+    assert estimate(c, moe, v5e)[1] < estimate(c, dense, v5e)[1]  # a token meets 2 of 8 experts
