@@ -34,6 +34,10 @@ CASES = {
         transformers.RobertaConfig(**TINY, max_position_embeddings=34, pad_token_id=1, type_vocab_size=1),
         transformers.RobertaForTokenClassification,
     ),
+    "gpt2": (
+        transformers.GPT2Config(vocab_size=99, n_embd=64, n_layer=2, n_head=4, n_positions=32),
+        transformers.GPT2ForTokenClassification,
+    ),
 }
 
 
@@ -161,3 +165,37 @@ def test_a_datasets_folder_with_int_tags_is_read_with_their_names(tmp_path):
         firsts = [p for p, w in enumerate(words) if w is not None and (p == 0 or words[p - 1] != w)]
         assert row[firsts].tolist() == [names.index(t) for t in example["ner_tags"]]
         assert (np.delete(row, firsts) == IGNORE).all()
+
+
+@pytest.mark.slow
+def test_jaxseq_ner_fine_tunes_a_gpt2_decoder_that_transformers_loads(tmp_path):
+    """A GPT-style decoder tags words too (run_ner's GPT-2: its BPE with a prefix space before each word, padded
+    with EOS): the exported folder loads as GPT2ForTokenClassification and tags each word's first sub-token as
+    predictions.txt says."""
+    gpt2 = shared_asset("data/tokenizers/gpt2")
+    tokenizer = transformers.GPT2TokenizerFast(vocab=str(gpt2 / "vocab.json"), merges=str(gpt2 / "merges.txt"))
+    tokenizer.save_pretrained(tmp_path / "gpt2")
+    config = transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=128)
+    transformers.GPT2LMHeadModel(config).save_pretrained(tmp_path / "gpt2")
+    conll = shared_asset("data/ner/conll2003-test.json").read_text().splitlines()
+    (tmp_path / "train.json").write_text("\n".join(conll[:32]) + "\n")
+    out = tmp_path / "out"
+    done = run_jaxseq(
+        "ner", "--model_name_or_path", tmp_path / "gpt2", "--train_file", tmp_path / "train.json",
+        "--validation_file", tmp_path / "train.json", "--test_file", tmp_path / "train.json", "--do_train",
+        "--do_eval", "--do_predict", "--max_seq_length", 64, "--max_steps", 8, "--output_dir", out,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    gold = [json.loads(line) for line in conll[:32]]
+    predicted = [line.split() for line in (out / "predictions.txt").read_text().splitlines()]
+    assert [len(p) for p in predicted] == [len(g["tokens"]) for g in gold]
+    tokenizer = transformers.AutoTokenizer.from_pretrained(out, add_prefix_space=True)
+    model = transformers.AutoModelForTokenClassification.from_pretrained(out).eval()
+    assert type(model).__name__ == "GPT2ForTokenClassification"
+    for example, tags in zip(gold, predicted):
+        enc = tokenizer(example["tokens"], is_split_into_words=True, return_tensors="pt")
+        with torch.no_grad():
+            ids = model(**enc).logits[0].argmax(-1).tolist()
+        words = enc.word_ids()
+        firsts = [p for p, w in enumerate(words) if w is not None and (p == 0 or words[p - 1] != w)]
+        assert [model.config.id2label[ids[p]] for p in firsts] == tags

@@ -28,7 +28,14 @@ from jaxseq.errors import JaxseqError
 from jaxseq.files import atomic_write
 from jaxseq.models.hub import apply_overrides
 from jaxseq.models.registry import model_class
-from jaxseq.models.source import ModelSource, check_vocabulary, load_tokenizer, model_config, sequence_length
+from jaxseq.models.source import (
+    ModelSource,
+    check_vocabulary,
+    load_tokenizer,
+    model_config,
+    pad_with_eos,
+    sequence_length,
+)
 from jaxseq.runner import Job, Prepared, run
 from jaxseq.train.objectives import SequenceClassification
 
@@ -143,8 +150,7 @@ def prepare(args, planning: bool) -> Prepared:
         )
     tokenizer = load_tokenizer(source.tokenizer_name or folder, fast=False)
     check_vocabulary(tokenizer, config)
-    if tokenizer.pad_token is None:  # GPT-2 style: pad with EOS, and classify at the last real token
-        tokenizer.pad_token = tokenizer.eos_token
+    pad_with_eos(tokenizer)  # GPT-2 style: classify at the last real token
     if getattr(config, "pad_token_id", None) is None:
         overrides["pad_token_id"] = tokenizer.pad_token_id
     if not task.is_regression:

@@ -32,7 +32,14 @@ from jaxseq.errors import JaxseqError
 from jaxseq.files import atomic_write
 from jaxseq.metrics import seqeval
 from jaxseq.models.hub import apply_overrides
-from jaxseq.models.source import ModelSource, check_vocabulary, load_tokenizer, model_config, sequence_length
+from jaxseq.models.source import (
+    ModelSource,
+    check_vocabulary,
+    load_tokenizer,
+    model_config,
+    pad_with_eos,
+    sequence_length,
+)
 from jaxseq.runner import Job, Prepared, run
 from jaxseq.train.objectives import TokenClassification
 
@@ -161,6 +168,7 @@ def prepare(args, planning: bool) -> Prepared:
     tokenizer = load_tokenizer(source.tokenizer_name or folder)
     if config.model_type in ("roberta", "gpt2") and not getattr(tokenizer, "add_prefix_space", False):
         tokenizer = type(tokenizer).from_pretrained(source.tokenizer_name or folder, add_prefix_space=True)
+    pad_with_eos(tokenizer)
     check_vocabulary(tokenizer, config)
     tokenize = functools.partial(
         encode,

@@ -47,9 +47,12 @@ def attention(
 def head(config, task: str, hidden: int, *, rows: int, tokens: int, training: bool = True) -> float:
     """A decoder's task head: the projection onto the vocabulary at every token (``causal-lm``, tied to the
     embeddings or not: the product is the same) or a classifier over ``num_labels`` at one token per row
-    (``sequence-classification``, the last token's); the bare model (``base``) has none."""
+    (``sequence-classification``, the last token's) or at every token (``token-classification``); the bare
+    model (``base``) has none."""
     if task == "causal-lm":
         return dense(hidden * config.vocab_size, tokens, training=training)
     if task == "sequence-classification":
         return dense(hidden * config.num_labels, rows, training=training)
+    if task == "token-classification":
+        return dense(hidden * config.num_labels, tokens, training=training)
     return 0.0

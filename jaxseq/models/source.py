@@ -107,6 +107,14 @@ def load_tokenizer(name: str | Path | None, *, fast: bool = True):
     return tokenizer
 
 
+def pad_with_eos(tokenizer):
+    """``tokenizer`` with EOS as its pad token when it has none (GPT-2's): padding is masked out, so which token
+    pads does not change any number."""
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
 def check_vocabulary(tokenizer, config) -> None:
     """Stop in one line when ``tokenizer`` has more tokens than the model's vocabulary."""
     if len(tokenizer) > config.vocab_size:

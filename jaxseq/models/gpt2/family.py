@@ -6,7 +6,12 @@ from jax.sharding import PartitionSpec as P
 
 from jaxseq.models import flops
 from jaxseq.models.family import Family
-from jaxseq.models.gpt2.modeling import GPT2ForSequenceClassification, GPT2LMHeadModel, GPT2Model
+from jaxseq.models.gpt2.modeling import (
+    GPT2ForSequenceClassification,
+    GPT2ForTokenClassification,
+    GPT2LMHeadModel,
+    GPT2Model,
+)
 
 
 def model_flops(config, task: str, rows: int, seq_len: int, target_len: int = 0, training: bool = True) -> float:
@@ -28,9 +33,10 @@ FAMILY = Family(
         "base": GPT2Model,
         "causal-lm": GPT2LMHeadModel,
         "sequence-classification": GPT2ForSequenceClassification,
+        "token-classification": GPT2ForTokenClassification,
     },
     base_prefix="transformer",
-    heads=(r"^lm_head\.", r"^score\."),
+    heads=(r"^lm_head\.", r"^score\.", r"^classifier\."),
     lora_targets=r"/c_attn/kernel$",
     vocab_params=((r"wte/embedding$", 0), (r"lm_head/kernel$", 1)),
     aliases={"lm_head.weight": "transformer.wte.weight"},
@@ -46,7 +52,8 @@ FAMILY = Family(
         (r"c_proj/bias$", P()),
         (r"(ln_\d|ln_f)/(scale|bias)$", P()),
         (r"lm_head/kernel$", P("fsdp", "mp")),
-        (r"score/kernel$", P("fsdp", None)),
+        (r"(score|classifier)/kernel$", P("fsdp", None)),
+        (r"classifier/bias$", P()),
     ),
     positions="n_positions",
     flops=model_flops,

@@ -243,3 +243,27 @@ class LastTokenClassifier(nnx.Module):
 class GPT2ForSequenceClassification(LastTokenClassifier):
     hf_architecture = "GPT2ForSequenceClassification"
     base = GPT2Model
+
+
+class GPT2ForTokenClassification(nnx.Module):
+    """GPT-2 scoring every token: logits ``[batch, seq, num_labels]`` (named entities), as transformers': the
+    hidden states through dropout (``classifier_dropout``, else ``hidden_dropout``, else 0.1) and
+    ``classifier`` (with a bias)."""
+
+    hf_architecture = "GPT2ForTokenClassification"
+    task_head = r"^classifier/"
+
+    def __init__(
+        self, config, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs, scan_layers: bool = False
+    ):
+        self.config = config
+        kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.transformer = GPT2Model(config, scan_layers=scan_layers, **kw)
+        init = normal(config.initializer_range)
+        self.classifier = Linear(config.hidden_size, config.num_labels, kernel_init=init, **kw)
+        rates = (getattr(config, "classifier_dropout", None), getattr(config, "hidden_dropout", None), 0.1)
+        self.classifier_dropout = next(rate for rate in rates if rate is not None)
+
+    def __call__(self, input_ids, attention_mask=None, position_ids=None, *, rngs=None):
+        h = self.transformer(input_ids, attention_mask, position_ids, rngs=rngs).last_hidden_state
+        return self.classifier(dropout(h, self.classifier_dropout, rngs)).astype(jnp.float32)
