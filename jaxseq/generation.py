@@ -404,6 +404,13 @@ def _check(model, ids, mask, max_new_tokens, do_sample, temperature, top_k, top_
     if ids.shape[0] == 0 or not lengths.all():
         empty = [int(i) for i in np.flatnonzero(lengths == 0)]
         raise JaxseqError(f"prompt row(s) {empty or 'all'} have no tokens; every prompt needs at least one")
+    switch = getattr(model, "rope_switch", None)  # longrope: cached keys would keep their short-factor rotation
+    if switch is not None and lengths.min() <= switch and lengths.max() + max_new_tokens >= switch + 2:
+        raise JaxseqError(
+            f"generation would cross this model's longrope switch at {switch} positions (short to long factors), "
+            "where transformers re-encodes the whole sequence and jaxseq does not; keep prompt + max_new_tokens "
+            f"within {switch + 1} tokens, or give prompts longer than {switch}"
+        )
     limit = position_limit(model.config)
     if not hasattr(model, "encode") and limit and lengths.max() + max_new_tokens > limit:
         raise JaxseqError(

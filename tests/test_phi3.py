@@ -242,3 +242,18 @@ def test_unsupported_rope_type_is_a_one_line_error(kind):
     with pytest.raises(JaxseqError, match=rf"^rope_scaling type '{kind}' is not supported for phi3; ") as err:
         from_config(config, "causal-lm")
     assert "\n" not in str(err.value)
+
+
+def test_generation_across_the_longrope_switch_is_refused_in_one_line(tmp_path):
+    """Prompts shorter than original_max_position_embeddings (8) that generation would carry past it: refused
+    (transformers re-encodes the prefix with the long factors there); within it, or from past it, generated."""
+    torch.manual_seed(0)
+    ref = perturb(transformers.Phi3ForCausalLM(tiny_config("phi3-longrope-tied"))).eval()
+    ref.save_pretrained(tmp_path)
+    model = load_pretrained(tmp_path, "causal-lm")
+    ids = np.full((1, 6), 5, np.int32)
+    with pytest.raises(JaxseqError, match="longrope switch at 8 positions") as error:
+        generate(model, ids, max_new_tokens=4, pad_token_id=PAD)
+    assert "\n" not in str(error.value)
+    assert generate(model, ids, max_new_tokens=3, pad_token_id=PAD).sequences.shape == (1, 3)  # 6 + 3 = 9: no
+    assert generate(model, np.full((1, 10), 5, np.int32), max_new_tokens=4, pad_token_id=PAD).sequences.shape[1] == 4

@@ -16,8 +16,9 @@ What differs from Llama (``jaxseq.models.llama``):
   attention factor ``sqrt(1 + ln(factor) / ln(original_max_position_embeddings))`` (``factor``:
   ``max_position_embeddings / original_max_position_embeddings`` unless given). With a KV cache, keys keep the
   rotation of the pass that cached them: decoding past ``original_max_position_embeddings`` from a shorter
-  prompt rotates the new positions with the long factors and leaves the cached ones as they were, where
-  transformers' ``generate`` recomputes the whole prefix once at the crossing;
+  prompt would rotate the new positions with the long factors and leave the cached ones as they were, where
+  transformers' ``generate`` recomputes the whole prefix once at the crossing, so ``generate`` refuses it in
+  one line (``rope_switch``);
 - a ``sliding_window``, if set, on every layer (as Mistral's);
 - dropout ``resid_pdrop`` on the attention's and the MLP's outputs in training.
 """
@@ -245,6 +246,12 @@ class Phi3Model(LlamaModel):
 class Phi3ForCausalLM(LlamaForCausalLM):
     hf_architecture = "Phi3ForCausalLM"
     base = Phi3Model
+
+    @property
+    def rope_switch(self) -> int | None:
+        """The length past which longrope rotates with its long factors (None without longrope), which
+        ``generation.generate`` does not cross from a shorter sequence (the cached keys keep their rotation)."""
+        return rope_frequencies(self.config)[2]
 
 
 class Phi3ForSequenceClassification(LlamaForSequenceClassification):
