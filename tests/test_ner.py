@@ -89,6 +89,21 @@ def run_jaxseq(*args, timeout=300):
     return subprocess.run([str(JAXSEQ), *map(str, args)], capture_output=True, text=True, timeout=timeout, env=env)
 
 
+def assert_export_tags_as_predicted(out, gold, predicted, architecture, **tokenizer_flags):
+    """The exported folder loads in transformers as ``architecture`` and tags each word's first sub-token as
+    ``predictions.txt`` says."""
+    tokenizer = transformers.AutoTokenizer.from_pretrained(out, **tokenizer_flags)
+    model = transformers.AutoModelForTokenClassification.from_pretrained(out).eval()
+    assert type(model).__name__ == architecture
+    for example, tags in zip(gold, predicted):
+        enc = tokenizer(example["tokens"], is_split_into_words=True, return_tensors="pt")
+        with torch.no_grad():
+            ids = model(**enc).logits[0].argmax(-1).tolist()
+        words = enc.word_ids()
+        firsts = [p for p, w in enumerate(words) if w is not None and (p == 0 or words[p - 1] != w)]
+        assert [model.config.id2label[ids[p]] for p in firsts] == tags
+
+
 @pytest.mark.slow
 def test_jaxseq_ner_fine_tunes_minilm_and_its_figures_are_seqevals(tmp_path):
     """Train on 32 CoNLL-2003 sentences for 4 epochs, evaluate and predict them: eval_* and predict_* are seqeval's
@@ -123,16 +138,7 @@ def test_jaxseq_ner_fine_tunes_minilm_and_its_figures_are_seqevals(tmp_path):
         assert evaluated[f"eval_{name}"] == pytest.approx(value, abs=1e-9)
         assert predict[f"predict_{name}"] == pytest.approx(value, abs=1e-9)
 
-    tokenizer = transformers.AutoTokenizer.from_pretrained(out)
-    model = transformers.AutoModelForTokenClassification.from_pretrained(out).eval()
-    assert type(model).__name__ == "BertForTokenClassification"
-    for example, tags in zip(gold, predicted):
-        enc = tokenizer(example["tokens"], is_split_into_words=True, return_tensors="pt")
-        with torch.no_grad():
-            ids = model(**enc).logits[0].argmax(-1).tolist()
-        words = enc.word_ids()
-        firsts = [p for p, w in enumerate(words) if w is not None and (p == 0 or words[p - 1] != w)]
-        assert [model.config.id2label[ids[p]] for p in firsts] == tags
+    assert_export_tags_as_predicted(out, gold, predicted, "BertForTokenClassification")
 
 
 def test_a_datasets_folder_with_int_tags_is_read_with_their_names(tmp_path):
@@ -189,13 +195,4 @@ def test_jaxseq_ner_fine_tunes_a_gpt2_decoder_that_transformers_loads(tmp_path):
     gold = [json.loads(line) for line in conll[:32]]
     predicted = [line.split() for line in (out / "predictions.txt").read_text().splitlines()]
     assert [len(p) for p in predicted] == [len(g["tokens"]) for g in gold]
-    tokenizer = transformers.AutoTokenizer.from_pretrained(out, add_prefix_space=True)
-    model = transformers.AutoModelForTokenClassification.from_pretrained(out).eval()
-    assert type(model).__name__ == "GPT2ForTokenClassification"
-    for example, tags in zip(gold, predicted):
-        enc = tokenizer(example["tokens"], is_split_into_words=True, return_tensors="pt")
-        with torch.no_grad():
-            ids = model(**enc).logits[0].argmax(-1).tolist()
-        words = enc.word_ids()
-        firsts = [p for p, w in enumerate(words) if w is not None and (p == 0 or words[p - 1] != w)]
-        assert [model.config.id2label[ids[p]] for p in firsts] == tags
+    assert_export_tags_as_predicted(out, gold, predicted, "GPT2ForTokenClassification", add_prefix_space=True)
