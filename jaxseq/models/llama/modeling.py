@@ -102,12 +102,12 @@ def softcap(x: jax.Array, cap: float | None) -> jax.Array:
 
 def layer_windows(config) -> tuple[int | None, ...]:
     """Each layer's sliding window (None: full causal attention), as transformers applies the config:
-    Mistral slides every layer over ``sliding_window`` (if set); Qwen2, Qwen3 and Gemma the layers their
+    Mistral and Phi-3 slide every layer over ``sliding_window`` (if set); Qwen2, Qwen3 and Gemma the layers their
     ``layer_types`` call ``sliding_attention`` (Qwen's by default those from ``max_window_layers`` on, and only with
     ``use_sliding_window``, without which transformers sets ``sliding_window`` to None); Llama none."""
     window = getattr(config, "sliding_window", None)
     layers = config.num_hidden_layers
-    if config.model_type == "mistral":
+    if config.model_type in ("mistral", "phi3"):
         return (window,) * layers
     if config.model_type in ("qwen2", "qwen3", *GEMMA) and window is not None:
         kinds = list(config.layer_types or ())
@@ -275,11 +275,11 @@ class LlamaModel(nnx.Module):
         self, config, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs, scan_layers: bool = False
     ):
         self.windows = layer_windows(config)
+        self.config, self.dtype = config, dtype
         for window in set(self.windows):
-            rope_frequencies(config, window)  # an unsupported rope type stops here, in one line
+            self.rope_frequencies(window)  # an unsupported rope type stops here, in one line
         if getattr(config, "use_bidirectional_attention", False):
             raise JaxseqError("use_bidirectional_attention (EmbeddingGemma's) is not supported; jaxseq is causal")
-        self.config, self.dtype = config, dtype
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.embed_tokens = nnx.Embed(
             padded_vocab_size(config.vocab_size),
@@ -308,13 +308,22 @@ class LlamaModel(nnx.Module):
         if position_ids is None:
             position_ids = (index + jnp.arange(seq, dtype=jnp.int32))[None, :]
         windows = tuple(dict.fromkeys(self.windows))
-        ropes = tuple(rotary(position_ids, rope_frequencies(self.config, window)) for window in windows)
+        ropes = tuple(self.rope(position_ids, window) for window in windows)
         masks = tuple(self.mask(attention_mask, seq, cache, index, window) for window in windows)
         x = self.embed_tokens(input_ids)
         if self.embed_scale is not None:  # Gemma's, in the compute dtype as transformers rounds it
             x = x * jnp.asarray(self.embed_scale, x.dtype)
         x, cache = run_blocks(self.layers, self.remat, x, masks, ropes, cache=cache, rngs=rngs)
         return BaseOutput(self.norm(x), cache)
+
+    def rope_frequencies(self, window: int | None):
+        """The rotary frequencies of the layers that attend over ``window`` (a family with its own rope
+        overrides this and ``rope``)."""
+        return rope_frequencies(self.config, window)
+
+    def rope(self, position_ids, window: int | None) -> tuple[jax.Array, jax.Array]:
+        """``(sin, cos)`` of ``position_ids`` for the layers that attend over ``window``."""
+        return rotary(position_ids, self.rope_frequencies(window))
 
     def mask(self, attention_mask, seq: int, cache: Cache | None, index, window: int | None) -> AttentionMask:
         """The causal mask of the layers that attend over ``window``: over this call's positions, the cache's

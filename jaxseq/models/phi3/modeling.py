@@ -38,12 +38,11 @@ from jaxseq.models.attention import (
     attend_cache,
     attend_ring,
     merge_heads,
-    run_blocks,
     split_heads,
     update_kv,
     update_ring,
 )
-from jaxseq.models.layers import Linear, activation, blocks, dropout, normal, padded_vocab_size
+from jaxseq.models.layers import Linear, activation, dropout, normal
 from jaxseq.models.llama.modeling import (
     LlamaAttention,
     LlamaDecoderLayer,
@@ -56,7 +55,6 @@ from jaxseq.models.llama.modeling import (
     rms_norm,
     rotary,
 )
-from jaxseq.models.outputs import BaseOutput
 
 ROPE_TYPES = ("default", "longrope")
 
@@ -201,46 +199,17 @@ class Phi3DecoderLayer(LlamaDecoderLayer):
 
 
 class Phi3Model(LlamaModel):
-    """Llama's decoder stack (its masks and KV cache) of Phi-3's layers, every one sliding over
-    ``sliding_window`` if the config sets one, with Phi-3's rotary embeddings."""
+    """Llama's decoder stack (its masks, KV cache and windows: every layer sliding over ``sliding_window`` if
+    the config sets one) of Phi-3's layers, with Phi-3's rotary embeddings."""
 
     hf_architecture = "Phi3Model"
     layer_class = Phi3DecoderLayer
 
-    def __init__(
-        self, config, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs, scan_layers: bool = False
-    ):
-        rope_frequencies(config)  # an unsupported rope type stops here, in one line
-        self.config, self.dtype = config, dtype
-        self.windows = (getattr(config, "sliding_window", None),) * config.num_hidden_layers
-        kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-        self.embed_tokens = nnx.Embed(
-            padded_vocab_size(config.vocab_size),
-            config.hidden_size,
-            embedding_init=normal(config.initializer_range),
-            **kw,
-        )
-        self.embed_scale = None
-        self.layers = blocks(
-            lambda i, rngs: self.layer_class(config, self.windows[i], dtype=dtype, param_dtype=param_dtype, rngs=rngs),
-            config.num_hidden_layers,
-            rngs,
-            scan=scan_layers,
-        )
-        self.norm = rms_norm(config, config.hidden_size, **kw)
-        self.remat = "none"  # see layers.enable_remat
+    def rope_frequencies(self, window):
+        return rope_frequencies(self.config)
 
-    def __call__(self, input_ids, attention_mask=None, position_ids=None, *, cache=None, rngs=None):
-        seq = input_ids.shape[1]
-        index = 0 if cache is None else cache.index
-        if position_ids is None:
-            position_ids = (index + jnp.arange(seq, dtype=jnp.int32))[None, :]
-        masks = (self.mask(attention_mask, seq, cache, index, self.windows[0]),)
-        ropes = (rotary_embedding(self.config, position_ids),)
-        x, cache = run_blocks(
-            self.layers, self.remat, self.embed_tokens(input_ids), masks, ropes, cache=cache, rngs=rngs
-        )
-        return BaseOutput(self.norm(x), cache)
+    def rope(self, position_ids, window):
+        return rotary_embedding(self.config, position_ids)
 
 
 class Phi3ForCausalLM(LlamaForCausalLM):
