@@ -1,5 +1,6 @@
 """Phi-3 as jaxseq knows it: Llama's family (checkpoint names, heads, vocabulary, position limit) under Phi-3's
-classes, with the fused projections' partition rules, LoRA targets and sliding-window FLOPs."""
+classes, with the fused projections' partition rules and LoRA targets; Llama's FLOP count (the fused kernels hold
+Llama's q, k, v, gate and up weights; its windows are ``layer_windows``'s)."""
 
 from __future__ import annotations
 
@@ -7,10 +8,7 @@ import dataclasses
 
 from jax.sharding import PartitionSpec as P
 
-from jaxseq.models import flops
 from jaxseq.models.llama.family import PARTITION_RULES, llama_family
-from jaxseq.models.llama.family import model_flops as llama_flops
-from jaxseq.models.llama.modeling import head_dim
 from jaxseq.models.phi3.modeling import Phi3ForCausalLM, Phi3ForSequenceClassification, Phi3Model
 
 # The fused kernels over fsdp only. qkv_proj's columns are q heads | k heads | v heads and gate_up_proj's are
@@ -24,19 +22,9 @@ PARTITION_RULES = (
 )
 
 
-def model_flops(config, task: str, rows: int, seq_len: int, target_len: int = 0, training: bool = True) -> float:
-    """Llama's count (the fused kernels hold Llama's q, k, v, gate and up weights, ``d x (heads + 2 kv_heads)
-    x head_dim`` and ``d x 2 I``), with every layer's causal attention over ``sliding_window`` if set."""
-    window, layers = getattr(config, "sliding_window", None), config.num_hidden_layers
-    width = config.num_attention_heads * head_dim(config)
-    causal = lambda w: flops.attention(1, width, seq_len, seq_len, rows=rows, causal=True, window=w, training=training)
-    return llama_flops(config, task, rows, seq_len, target_len, training) + layers * (causal(window) - causal(None))
-
-
 FAMILY = dataclasses.replace(
     llama_family("phi3", "Phi-3", Phi3Model, Phi3ForCausalLM, Phi3ForSequenceClassification),
     partition_rules=PARTITION_RULES,
     lora_targets=r"/(qkv_proj|o_proj|gate_up_proj|down_proj)/kernel$",
-    flops=model_flops,
     scans=None,  # every layer attends over the same window
 )
