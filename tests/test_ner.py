@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -20,9 +21,11 @@ transformers = pytest.importorskip("transformers")
 seqeval_metrics = pytest.importorskip("seqeval.metrics")
 
 from jaxseq.commands import ner  # noqa: E402
+from jaxseq.data import packing  # noqa: E402
 from jaxseq.data.tokens import IGNORE, b_to_i, encode  # noqa: E402
 from jaxseq.models import load_pretrained, save_pretrained  # noqa: E402
 from jaxseq.runner import parse_job  # noqa: E402
+from jaxseq.train.objectives import TokenClassification  # noqa: E402
 from tests.conftest import shared_asset  # noqa: E402
 from tests.reference import padded_batch, perturb, scaled_diff, torch_forward  # noqa: E402
 
@@ -59,6 +62,41 @@ def test_token_classifier_matches_transformers_and_round_trips(family, tmp_path)
     back, info = torch_cls.from_pretrained(tmp_path / "out", output_loading_info=True)
     assert not any(info.values())
     assert scaled_diff(mask, torch_forward(back, input_ids=ids, attention_mask=mask).logits.numpy(), want) < 1e-5
+
+
+@pytest.mark.parametrize("family", ["bert", "gpt2"])
+def test_packed_sentences_keep_each_tokens_tag_and_give_the_unpacked_loss_and_gradients(family, tmp_path):
+    """Packing for tagging (``packing.TOKENS``): every real token lands beside its own label, padding is
+    never scored, and the loss and every gradient of the packed batch are the unpacked batch's."""
+    config, torch_cls = CASES[family]
+    config.num_labels = 5
+    perturb(torch_cls(config)).save_pretrained(tmp_path)
+    model = load_pretrained(tmp_path, "token-classification")
+    lengths = (12, 3, 9, 5, 7, 4, 10, 2)
+    ids, mask = padded_batch(config.vocab_size, lengths, pad_id=config.pad_token_id or 0, low=3)
+    rng = np.random.RandomState(1)
+    labels = np.where(rng.rand(*ids.shape) < 0.6, rng.randint(0, 5, ids.shape), IGNORE).astype(np.int32)
+    labels[mask == 0] = IGNORE
+    batch = {"input_ids": ids, "attention_mask": mask, "labels": labels}
+    rows = packing.rows_needed([batch])
+    packed = packing.pack(batch, rows + 1, packing.TOKENS)  # a spare row: all padding
+    assert rows < len(lengths) and "pool_index" not in packed
+    assert packed["labels"].shape == packed["input_ids"].shape == (rows + 1, ids.shape[1])
+    real = packed["attention_mask"] > 0
+    assert (packed["labels"][~real] == IGNORE).all()
+    pairs = lambda ids, tags, keep: sorted(zip(ids[keep].tolist(), tags[keep].tolist()))
+    assert pairs(packed["input_ids"], packed["labels"], real) == pairs(ids, labels, mask > 0)
+    objective = TokenClassification([f"T{i}" for i in range(5)])
+    graphdef, params = nnx.split(model)
+
+    def loss(p, b):
+        return objective.loss(nnx.merge(graphdef, p), {k: jnp.asarray(v) for k, v in b.items()}, None)
+
+    want, want_grads = jax.value_and_grad(loss)(params, batch)
+    got, got_grads = jax.value_and_grad(loss)(params, packed)
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
 
 
 def test_labels_go_on_first_sub_tokens_or_all_with_b_turned_to_i():
@@ -139,6 +177,33 @@ def test_jaxseq_ner_fine_tunes_minilm_and_its_figures_are_seqevals(tmp_path):
         assert predict[f"predict_{name}"] == pytest.approx(value, abs=1e-9)
 
     assert_export_tags_as_predicted(out, gold, predicted, "BertForTokenClassification")
+
+
+@pytest.mark.slow
+def test_packed_training_of_jaxseq_ner_follows_one_sentence_a_row(tmp_path):
+    """The same `jaxseq ner` run (dropout off: packed rows draw other dropout masks), packed by default and with
+    --no_pack_sequences: the same loss at every step and the same evaluation, from fewer rows."""
+    conll = shared_asset("data/ner/conll2003-test.json").read_text().splitlines()
+    (tmp_path / "train.json").write_text("\n".join(conll[:40]) + "\n")
+    runs = {}
+    for name, extra in (("packed", ()), ("rows", ("--no_pack_sequences",))):
+        out = tmp_path / name
+        done = run_jaxseq(
+            "ner", "--model_name_or_path", shared_asset("models/all-MiniLM-L6-v2"),
+            "--train_file", tmp_path / "train.json", "--validation_file", tmp_path / "train.json",
+            "--max_seq_length", 64, "--max_steps", 4, "--per_device_train_batch_size", 8, "--logging_steps", 1,
+            "--learning_rate", 3e-4, "--config_overrides", "hidden_dropout_prob=0,attention_probs_dropout_prob=0",
+            "--output_dir", out, *extra,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr[-3000:]
+        records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        losses = [r["train/loss"] for r in records if "train/loss" in r]
+        runs[name] = losses, json.loads((out / "eval_results.json").read_text()), done.stdout
+    assert len(runs["packed"][0]) == 4
+    np.testing.assert_allclose(runs["packed"][0], runs["rows"][0], rtol=1e-5)
+    for key, value in runs["rows"][1].items():
+        assert runs["packed"][1][key] == pytest.approx(value, rel=1e-5, abs=1e-7), key
+    assert "packing 8 examples into" in runs["packed"][2] and "packing" not in runs["rows"][2]
 
 
 def test_a_datasets_folder_with_int_tags_is_read_with_their_names(tmp_path):

@@ -24,6 +24,7 @@ import numpy as np
 
 from jaxseq.cli import script
 from jaxseq.config import Stages, arg
+from jaxseq.data.packing import TOKENS
 from jaxseq.data.records import read_records
 from jaxseq.data.rows import EncodedRows
 from jaxseq.data.text import load_hub_dataset
@@ -65,6 +66,12 @@ class NerDataConfig(Stages):
     )
     label_all_tokens: bool = arg(
         False, "tag every sub-token of a word (a B- tag becomes its I- tag after the first), not only the first"
+    )
+    pack_sequences: bool = arg(
+        True,
+        "in training, pack several sentences into each row of --max_seq_length, every token keeping its tag (same "
+        "math per sentence, much less padding); evaluation and prediction cut their batches to a few lengths "
+        "instead; --no_pack_sequences: one sentence per row",
     )
     return_entity_level_metrics: bool = arg(
         False, "also report precision, recall, F1 and count of each entity type (eval_PER_f1, ...)"
@@ -191,6 +198,7 @@ def prepare(args, planning: bool) -> Prepared:
         checkpoint=folder if source.model_name_or_path else None,
         overrides=overrides,
         tokenizer=tokenizer,
+        pack=TOKENS if data.pack_sequences else None,
         seq_len=seq,
         summary=lambda _: (
             f"{len(labels)} tags ({', '.join(labels)}); "

@@ -8,6 +8,8 @@ from collections.abc import Iterator
 
 import numpy as np
 
+IGNORE = -100  # the label of a position no loss reads (transformers' ignore index)
+
 
 def epoch_order(n: int, seed: int, epoch: int) -> np.ndarray:
     """The shuffled order of ``n`` examples in ``epoch``: a pure function of (seed, epoch)."""

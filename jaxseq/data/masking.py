@@ -11,8 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-IGNORE = -100
-"""The label of a token that is not predicted (transformers' ``-100``)."""
+from jaxseq.data.batches import IGNORE
 
 
 def maskable(ids: jax.Array, special_ids: Sequence[int], attention_mask: jax.Array | None = None) -> jax.Array:

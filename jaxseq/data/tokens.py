@@ -9,11 +9,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from jaxseq.data.batches import IGNORE
 from jaxseq.data.records import read_records, require_columns
 from jaxseq.errors import JaxseqError
-
-IGNORE = -100
-"""The label of a position that is not scored (special tokens, padding, later sub-tokens of a word)."""
 
 
 def read_examples(path, text_column: str, label_column: str | None, tags_required: bool = True) -> list[dict]:

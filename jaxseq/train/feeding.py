@@ -30,7 +30,8 @@ from jaxseq.mesh import batch_spec, data_parallel_size
 
 class Feeder:
     """The training and evaluation batches of one run on ``mesh``. ``pack``: pack short examples into shared
-    rows (``jaxseq.data.packing``), pooling each example's ``"first"`` or ``"last"`` token; the row counts are
+    rows (``jaxseq.data.packing``), pooling each example's ``"first"`` or ``"last"`` token, or each token
+    labelled (``packing.TOKENS``: training only, as predictions are read per example row); the row counts are
     sized once for the whole run (``size_packing``): a few static shapes, one compiled program each. Unpacked
     evaluation sorts the examples by length and cuts each batch to one of a few widths (``length_buckets``,
     multiples of ``bucket_multiple``): one compiled program per width. ``train_data=None``: evaluation and
@@ -82,6 +83,8 @@ class Feeder:
             return
         if self.train_data is not None:
             self._size_train_packing(total_steps)
+        if self.pack == packing.TOKENS:
+            return
         self.eval_packed_rows = {
             name: self._rows_for(
                 data.take(index[self._eval_mine]) for index, _ in eval_indices(len(data), self.eval_batch)
@@ -243,19 +246,17 @@ def abstract_batch(
     }
 
 
-ROW_ARRAYS = (*packing.TOKEN_ARRAYS, "attention_mask", "position_ids")
-"""The arrays of a packed batch with an entry per row (the others, labels and ``pool_index``, have one per example)."""
-
-
 def with_rows(batch: Mapping[str, jax.Array], rows: int) -> dict[str, jax.ShapeDtypeStruct]:
     """The shapes, dtypes and shardings of ``batch``, a packed training batch as ``Feeder.batches`` yields it,
-    with ``rows`` rows (per micro-batch) instead."""
-    axis = batch["input_ids"].ndim - 2  # 1 when micro-batches are stacked
+    with ``rows`` rows (per micro-batch) instead: the arrays of a row per token (shaped as ``input_ids``) take
+    the new count; those of a row per example (sequence labels, ``pool_index``) stay."""
+    ids = batch["input_ids"].shape
+    axis = len(ids) - 2  # 1 when micro-batches are stacked
 
-    def shape(name, array):
-        return (*array.shape[:axis], rows, *array.shape[axis + 1 :]) if name in ROW_ARRAYS else array.shape
+    def shape(array):
+        return (*ids[:axis], rows, *ids[axis + 1 :]) if array.shape == ids else array.shape
 
-    return {name: jax.ShapeDtypeStruct(shape(name, a), a.dtype, sharding=a.sharding) for name, a in batch.items()}
+    return {name: jax.ShapeDtypeStruct(shape(a), a.dtype, sharding=a.sharding) for name, a in batch.items()}
 
 
 def local_rows(sharding: NamedSharding, shape: tuple[int, ...]) -> slice:
