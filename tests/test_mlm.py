@@ -23,6 +23,7 @@ torch = pytest.importorskip("torch")
 from jaxseq.data.masking import IGNORE, mask_examples  # noqa: E402
 from jaxseq.data.spans import SpanCorruption, compute_input_and_target_lengths  # noqa: E402
 from jaxseq.models import load_pretrained  # noqa: E402
+from jaxseq.train import pretraining  # noqa: E402
 from jaxseq.train.pretraining import MaskedLM  # noqa: E402
 
 ENV = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1", "HF_HUB_OFFLINE": "1",
@@ -88,9 +89,14 @@ def test_masking_rates_match_data_collator(minilm):
     assert (np.abs(ours - p) <= tolerance).all(), (ours, p)
 
 
-def test_masked_lm_loss_equals_bert_for_masked_lm(tmp_path):
+@pytest.mark.parametrize("capacity", ["masked", "overflow"])
+def test_masked_lm_loss_equals_bert_for_masked_lm(tmp_path, capacity, monkeypatch):
     """The loss of one masked batch (padding, special tokens, perturbed weights) equals BertForMaskedLM's with
-    the same inputs and labels, for a training batch masked in the loss and an evaluation batch masked once."""
+    the same inputs and labels, for a training batch masked in the loss and an evaluation batch masked once;
+    the head scoring only the masked positions, or (``overflow``: more masked tokens than its capacity) every
+    position. Its gradients are those of the head over every position."""
+    if capacity == "overflow":
+        monkeypatch.setattr(pretraining, "masked_capacity", lambda tokens, probability: 8)
     config = transformers.BertConfig(
         vocab_size=120, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
         max_position_embeddings=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
@@ -114,6 +120,22 @@ def test_masked_lm_loss_equals_bert_for_masked_lm(tmp_path):
     assert abs(float(objective.loss(model, evaluated, None)) - float(want.loss)) <= 1e-5 * float(want.loss)
     outputs = jax.tree.map(np.asarray, objective.predict(model, evaluated))
     assert abs(objective.metrics(outputs)["loss"] - float(want.loss)) <= 1e-5 * float(want.loss)
+    assert pretraining.masked_capacity(ids.size, 0.3) < ids.size  # the head sees some positions only
+    graphdef, params = nnx.split(model)
+
+    class EveryPosition:  # the model without hidden_states/logits: the loss takes its logits everywhere
+        def __init__(self, model):
+            self.model, self.config = model, model.config
+
+        def __call__(self, *args, **kwargs):
+            return self.model(*args, **kwargs)
+
+    def grads(wrap):
+        loss = lambda p: objective.loss(wrap(nnx.merge(graphdef, p)), batch, nnx.Rngs(dropout=key))
+        return jax.tree.leaves(jax.grad(loss)(params))
+
+    for got, expected in zip(grads(lambda m: m), grads(EveryPosition)):
+        np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-7)
 
 
 # --------------------------------------------------------------------------- span corruption

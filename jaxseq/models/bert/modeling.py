@@ -340,7 +340,14 @@ class BertForMaskedLM(nnx.Module):
         self.cls = BertOnlyMLMHead(config, **kw)
 
     def __call__(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None, *, rngs=None):
-        h = self.bert(input_ids, attention_mask, token_type_ids, position_ids, rngs=rngs).last_hidden_state
+        return self.logits(self.hidden_states(input_ids, attention_mask, token_type_ids, position_ids, rngs=rngs))
+
+    def hidden_states(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None, *, rngs=None):
+        """The encoder's last hidden states ``[batch, seq, hidden]``, before the head."""
+        return self.bert(input_ids, attention_mask, token_type_ids, position_ids, rngs=rngs).last_hidden_state
+
+    def logits(self, h):
+        """The head's float32 vocabulary logits of hidden states ``h`` (``[..., hidden]``: any positions)."""
         head = self.cls.predictions
         return vocabulary_logits(head.transform(h), self.bert.embeddings, head, self.config)
 
