@@ -45,7 +45,7 @@ class MaskedLM(TokenLoss):
         if not hasattr(model, "hidden_states"):
             logits = model(inputs, batch.get("attention_mask"), rngs=rngs)
             return cross_entropy(logits, jnp.maximum(labels, 0)) * weights, weights
-        h = model.hidden_states(inputs, batch.get("attention_mask"), rngs=rngs)
+        h = model.hidden_states(inputs, batch.get("attention_mask"), rngs=rngs).last_hidden_state
         return masked_losses(model.logits, h, labels, masked_capacity(labels.size, self.probability)), weights
 
     def _weights(self, batch) -> jax.Array:

@@ -121,11 +121,12 @@ class RobertaForMaskedLM(nnx.Module):
         self.lm_head = RobertaLMHead(config, **kw)
 
     def __call__(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None, *, rngs=None):
-        return self.logits(self.hidden_states(input_ids, attention_mask, token_type_ids, position_ids, rngs=rngs))
+        out = self.hidden_states(input_ids, attention_mask, token_type_ids, position_ids, rngs=rngs)
+        return self.logits(out.last_hidden_state)
 
     def hidden_states(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None, *, rngs=None):
-        """The encoder's last hidden states ``[batch, seq, hidden]``, before the head."""
-        return self.roberta(input_ids, attention_mask, token_type_ids, position_ids, rngs=rngs).last_hidden_state
+        """The encoder's output (``last_hidden_state`` ``[batch, seq, hidden]``), before the head."""
+        return self.roberta(input_ids, attention_mask, token_type_ids, position_ids, rngs=rngs)
 
     def logits(self, h):
         """The head's float32 vocabulary logits of hidden states ``h`` (``[..., hidden]``: any positions)."""
