@@ -14,8 +14,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from flax import nnx
 
@@ -23,10 +25,12 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from jaxseq.commands import qa as qa_job  # noqa: E402
+from jaxseq.data import packing  # noqa: E402
 from jaxseq.data.squad import features, postprocess, read_squad, squad_metrics  # noqa: E402
 from jaxseq.errors import JaxseqError  # noqa: E402
 from jaxseq.models import load_pretrained, save_pretrained  # noqa: E402
 from jaxseq.runner import parse_job  # noqa: E402
+from jaxseq.train.objectives import SpanExtraction  # noqa: E402
 from tests.conftest import shared_asset  # noqa: E402
 from tests.reference import padded_batch, perturb, scaled_diff, torch_forward  # noqa: E402
 
@@ -197,6 +201,55 @@ def test_qa_model_matches_transformers_and_round_trips(family, tmp_path):
     assert not any(info.values())
     again = torch_forward(back, input_ids=ids, attention_mask=mask)
     assert scaled_diff(mask, again.start_logits.numpy(), out.start_logits.numpy()) < 1e-5
+
+
+@pytest.mark.parametrize("family", list(CASES))
+def test_packed_windows_are_scored_over_their_own_tokens(family, tmp_path):
+    """Windows packed several to a row (as `jaxseq qa` trains): each window's loss is the cross-entropy of
+    transformers' start and end logits of that window alone, over its own tokens (its padding left out); the
+    gradients are those of that loss on one window a row."""
+    config, torch_cls = CASES[family]
+    ref = perturb(torch_cls(config)).eval()
+    ref.save_pretrained(tmp_path)
+    model = load_pretrained(tmp_path, "question-answering")
+    pad = config.pad_token_id or 0
+    lengths = (12, 5, 9, 4, 7, 3)
+    ids, mask = padded_batch(config.vocab_size, lengths, pad_id=pad, low=pad + 2)
+    rng = np.random.RandomState(2)
+    starts = np.array([rng.randint(0, n) for n in lengths], np.int32)
+    ends = np.array([rng.randint(s, n) for s, n in zip(starts, lengths)], np.int32)
+    starts[1] = ends[1] = 0  # no answer: the window's [CLS]
+    batch = {"input_ids": ids, "attention_mask": mask, "start_positions": starts, "end_positions": ends}
+    if family == "bert":  # question, then context
+        batch["token_type_ids"] = ((np.arange(ids.shape[1]) >= 2) & (mask > 0)).astype(np.int32)
+    packed = packing.pack(batch, packing.rows_needed([batch]), "first")
+    assert len(packed["input_ids"]) < len(lengths)
+    out = torch_forward(ref, **{k: v for k, v in batch.items() if not k.endswith("_positions")})
+    padding = torch.as_tensor(mask == 0)
+    want = [
+        torch.nn.functional.cross_entropy(logits.masked_fill(padding, -torch.inf), torch.as_tensor(p).long())
+        for logits, p in ((out.start_logits, starts), (out.end_logits, ends))
+    ]
+    objective = SpanExtraction(lambda logits: {}, ())
+    graphdef, params = nnx.split(model)
+
+    def loss(p, b):
+        return objective.loss(nnx.merge(graphdef, p), {k: jnp.asarray(v) for k, v in b.items()}, None)
+
+    got, got_grads = jax.value_and_grad(loss)(params, packed)
+    np.testing.assert_allclose(float(got), float(sum(want)) / 2, rtol=1e-5)
+
+    def unpacked_loss(p):  # one window a row, its padding left out of the softmax
+        start, end = nnx.merge(graphdef, p)(
+            **{k: jnp.asarray(v) for k, v in batch.items() if not k.endswith("_positions")}
+        )
+        own = lambda x: jnp.where(jnp.asarray(mask) > 0, x, -jnp.inf)
+        ce = optax.softmax_cross_entropy_with_integer_labels
+        return ((ce(own(start), starts) + ce(own(end), ends)) / 2).mean()
+
+    for a, b in zip(jax.tree.leaves(got_grads), jax.tree.leaves(jax.grad(unpacked_loss)(params))):
+        assert np.isfinite(a).all()
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
 
 
 def test_answer_in_a_later_window_is_found_through_the_offsets():

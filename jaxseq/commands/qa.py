@@ -57,6 +57,12 @@ class QaDataConfig(Stages):
     null_score_diff_threshold: float = arg(
         0.0, "v2: answer nothing when the null score beats the best span's by more than this"
     )
+    pack_sequences: bool = arg(
+        True,
+        "in training, pack several windows into each row of --max_seq_length (attention and positions restart "
+        "in each; each window's start and end are scored over its own tokens); evaluation and prediction cut "
+        "their batches to a few lengths instead; --no_pack_sequences: one window per row",
+    )
     max_train_samples: int | None = arg(None, "use only the first N training questions")
     max_eval_samples: int | None = arg(None, "use only the first N evaluation questions")
     max_predict_samples: int | None = arg(None, "answer only the first N test questions")
@@ -155,6 +161,7 @@ def prepare(args, planning: bool) -> Prepared:
         checkpoint=folder if source.model_name_or_path else None,
         overrides=overrides,
         tokenizer=tokenizer,
+        pack="first" if data.pack_sequences else None,
         seq_len=seq,
         summary=lambda _: " / ".join(f"{len(found[s])} {s} questions ({len(rows[s])} windows)" for s in found),
         write_predictions=(

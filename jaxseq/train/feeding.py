@@ -30,9 +30,10 @@ from jaxseq.mesh import batch_spec, data_parallel_size
 
 class Feeder:
     """The training and evaluation batches of one run on ``mesh``. ``pack``: pack short examples into shared
-    rows (``jaxseq.data.packing``), pooling each example's ``"first"`` or ``"last"`` token, or each token
-    labelled (``packing.TOKENS``: training only, as predictions are read per example row); the row counts are
-    sized once for the whole run (``size_packing``): a few static shapes, one compiled program each. Unpacked
+    rows (``jaxseq.data.packing``), pointing at each example's ``"first"`` or ``"last"`` token, or each token
+    labelled (``packing.TOKENS``); ``pack_eval``: evaluation and prediction too (an objective whose outputs are
+    one per example; per-token outputs are read an example a row). The row counts are sized once for the whole
+    run (``size_packing``): a few static shapes, one compiled program each. Unpacked
     evaluation sorts the examples by length and cuts each batch to one of a few widths (``length_buckets``,
     multiples of ``bucket_multiple``): one compiled program per width. ``train_data=None``: evaluation and
     prediction only."""
@@ -48,9 +49,11 @@ class Feeder:
         gradient_accumulation_steps: int,
         seed: int,
         pack: str | None = None,
+        pack_eval: bool = True,
         bucket_multiple: int = 8,
     ):
         self.mesh, self.seed, self.pack, self.bucket_multiple = mesh, seed, pack, bucket_multiple
+        self.pack_eval = pack_eval
         self.train_data = None if train_data is None else as_rows(train_data)
         self.eval_sets = {name: as_rows(data) for name, data in eval_sets.items()}
         self.accumulate = gradient_accumulation_steps
@@ -83,7 +86,7 @@ class Feeder:
             return
         if self.train_data is not None:
             self._size_train_packing(total_steps)
-        if self.pack == packing.TOKENS:
+        if not self.pack_eval:
             return
         self.eval_packed_rows = {
             name: self._rows_for(

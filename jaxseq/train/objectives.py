@@ -32,6 +32,8 @@ class ClassificationTask(Protocol):
 class SequenceClassification:
     """Cross-entropy over classes, or mean squared error when the task is a regression (STS-B)."""
 
+    packed_outputs = True  # its outputs are one per example (pool_index): evaluation packs too
+
     def __init__(self, task: ClassificationTask):
         self.task = task
 
@@ -150,7 +152,9 @@ class SpanExtraction:
     """Extractive question answering: the mean of the start and end cross-entropies of each window (its
     ``start_positions`` and ``end_positions``, the [CLS] token where it holds no answer), as transformers'
     ``BertForQuestionAnswering``. ``predict`` gives each window's ``[seq, 2]`` start and end logits;
-    ``metrics`` the eval loss and ``score(logits)``: the job's figures over the answers those logits give."""
+    ``metrics`` the eval loss and ``score(logits)``: the job's figures over the answers those logits give.
+    Windows packed several to a row (training: ``pool_index`` at each one's first token) are each scored
+    over their own tokens, positions counted from their first."""
 
     def __init__(self, score, metric_names: tuple[str, ...]):
         self.score, self.metric_names = score, ("loss", *metric_names)
@@ -158,8 +162,13 @@ class SpanExtraction:
     def _losses(self, model, batch, rngs=None):
         extra = {k: batch[k] for k in ("token_type_ids", "position_ids") if k in batch}
         start, end = model(batch["input_ids"], batch["attention_mask"], **extra, rngs=rngs)
+        starts, ends = batch["start_positions"], batch["end_positions"]
+        if "pool_index" in batch:
+            (start, end), starts, ends = _own_windows(
+                (start, end), batch["attention_mask"], batch["pool_index"], starts, ends
+            )
         ce = optax.softmax_cross_entropy_with_integer_labels
-        losses = (ce(start, batch["start_positions"]) + ce(end, batch["end_positions"])) / 2
+        losses = (ce(start, starts) + ce(end, ends)) / 2
         return losses, jnp.stack([start, end], axis=-1)
 
     def loss(self, model, batch: Mapping[str, jax.Array], rngs) -> jax.Array:
@@ -171,6 +180,15 @@ class SpanExtraction:
 
     def metrics(self, outputs: dict[str, np.ndarray]) -> dict[str, float]:
         return {"loss": float(outputs["loss"].mean()), **self.score(outputs["prediction"])}
+
+
+def _own_windows(logits, segments, pool_index, *positions):
+    """Each packed window's ``[seq]`` logits (of each array of ``logits``, ``[rows, seq]``): its row's, with
+    every position outside its own tokens at -inf (so a softmax is over its tokens alone; an unpacked row's
+    also counts its padding, as transformers' does), and ``positions`` counted from its row's start."""
+    row, first = jnp.divmod(pool_index, segments.shape[-1])
+    own = segments[row] == segments[row, first][:, None]
+    return tuple(jnp.where(own, x[row], -jnp.inf) for x in logits), *(first + p for p in positions)
 
 
 AUTO_CHUNK = -1

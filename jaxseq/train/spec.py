@@ -103,6 +103,7 @@ class RunSpec:
             gradient_accumulation_steps=config.gradient_accumulation_steps,
             seed=config.seed,
             pack=self.pack,
+            pack_eval=getattr(self.objective, "packed_outputs", False),
             bucket_multiple=128 if attention == "splash" else 8,
         )
 
