@@ -69,8 +69,6 @@ def start(runtime: RuntimeConfig, distributed: DistributedConfig | None = None):
     """Join a multi-host run if asked (before anything touches devices), turn on the compilation cache,
     and return the device mesh."""
     skip_absent_tpu()
-    if computes_on_cpu():
-        reuse_freed_host_memory()
     if distributed is not None:
         initialize(distributed)
     setup_compilation_cache(runtime.compilation_cache_dir)
@@ -124,37 +122,6 @@ def _has_tpu() -> bool:
 
 def _has_cuda_gpu() -> bool:
     return "0x10de" in _pci_vendors() and any(importlib.util.find_spec(f"jax_cuda{v}_plugin") for v in (12, 13))
-
-
-def computes_on_cpu() -> bool:
-    """Whether JAX will run this process's programs on the CPU, decided without starting a backend."""
-    platforms = jax.config.jax_platforms or os.environ.get("JAX_PLATFORMS", "")
-    if platforms:
-        return platforms.split(",")[0].strip() == "cpu"
-    return not (_has_tpu() or _has_cuda_gpu())
-
-
-# glibc's mallopt parameters
-_M_TRIM_THRESHOLD, _M_MMAP_MAX, _M_ARENA_MAX = -1, -4, -8
-
-
-def reuse_freed_host_memory() -> bool:
-    """XLA:CPU allocates a step's temporaries (hundreds of MB for a BERT step) anew at every step, from an
-    XLA thread. glibc serves such a block from a fresh mmap, since a thread's own arena cannot hold it, and
-    the kernel zero-fills every page of it again at each step (MiniLM-shape BERT step on 2 cores: 0.81 ->
-    0.73 s, 150k page faults a step). One arena, no mmap and no trimming: the freed block is reused.
-    Call before JAX starts its CPU backend (threads created earlier keep their arenas). False where the C
-    library has no mallopt (not glibc)."""
-    import ctypes
-
-    try:
-        mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
-    except (OSError, TypeError):  # no C library to load by that name (Windows)
-        mallopt = None
-    if mallopt is None:
-        return False
-    settings = ((_M_ARENA_MAX, 1), (_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, 2**31 - 1))
-    return all(mallopt(param, value) == 1 for param, value in settings)
 
 
 def default_cache_dir() -> Path:

@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
+import platform
 import sys
+from pathlib import Path
 
 from jaxseq import __version__
 
@@ -41,8 +44,36 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+HUGE_PAGES = "glibc.malloc.hugetlb=1"
+"""glibc's tunable: back the blocks malloc maps with transparent huge pages (``madvise``)."""
+THP_SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+def use_huge_pages() -> None:
+    """Re-execute this process (``os.execve``: the same process id, its command line as it was) with
+    ``GLIBC_TUNABLES`` asking glibc for transparent huge pages, which it reads only at process start. XLA:CPU
+    allocates a step's temporaries anew at every step and frees them after; glibc maps each such block
+    fresh, and the kernel faults in and zeroes it page by page: a 512 MiB temporary takes 533 ms a step
+    in 4 KB pages (133k faults), 346 ms in huge pages (574), and is given back when freed. Only on Linux
+    with glibc and huge pages not turned off, and once (the tunable is then set)."""
+    tunables = os.environ.get("GLIBC_TUNABLES", "")
+    if HUGE_PAGES.split("=")[0] in tunables or platform.libc_ver()[0] != "glibc":
+        return
+    try:
+        if "[never]" in THP_SETTING.read_text():
+            return
+    except OSError:  # no such setting: a kernel without transparent huge pages
+        return
+    env = {**os.environ, "GLIBC_TUNABLES": ":".join(filter(None, (tunables, HUGE_PAGES)))}
+    sys.stdout.flush(), sys.stderr.flush()
+    os.execve(sys.executable, sys.orig_argv, env)
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Run ``jaxseq JOB ARGS...``; returns the job's exit code."""
+    """Run ``jaxseq JOB ARGS...``; returns the job's exit code. As the process's command (no ``argv``
+    given), first in huge pages (``use_huge_pages``)."""
+    if argv is None:
+        use_huge_pages()
     argv = sys.argv[1:] if argv is None else list(argv)
     if not argv or argv[0] not in COMMANDS:  # --help, --version, nothing, or a misspelt job: argparse answers
         parser().parse_args(argv[:1] or ["--help"])
