@@ -200,11 +200,7 @@ class LlamaAttention(nnx.Module):
         """``masks``, ``ropes``: the model's masks and rotary ``(sin, cos)``, one per window; this layer reads its
         own."""
         mask, rope = next((m, r) for m, r in zip(masks, ropes) if m.window == self.window)
-        q = split_heads(self.q_proj(x), self.num_heads)
-        k, v = (split_heads(proj(x), self.num_kv_heads) for proj in (self.k_proj, self.v_proj))
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        q, k, v = self.heads(x, rope)
         if cache is not None and self.window is not None:
             y = attend_ring(q, cache, k, v, mask, scale=self.scale, softcap=self.softcap)
             cache = update_ring(cache, k, v, index)
@@ -217,6 +213,14 @@ class LlamaAttention(nnx.Module):
                 causal=True, softcap=self.softcap,
             )  # fmt: skip
         return self.o_proj(merge_heads(y)), cache
+
+    def heads(self, x, rope):
+        """The queries and keys (rotated by ``rope``) and the values of ``x``, split into heads."""
+        q = split_heads(self.q_proj(x), self.num_heads)
+        k, v = (split_heads(proj(x), self.num_kv_heads) for proj in (self.k_proj, self.v_proj))
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return apply_rotary(q, *rope), apply_rotary(k, *rope), v
 
 
 class LlamaMLP(nnx.Module):

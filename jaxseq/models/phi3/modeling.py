@@ -34,13 +34,7 @@ from flax import nnx
 from jaxseq.errors import JaxseqError
 from jaxseq.models.attention import (
     AttentionKernel,
-    attend,
-    attend_cache,
-    attend_ring,
-    merge_heads,
     split_heads,
-    update_kv,
-    update_ring,
 )
 from jaxseq.models.layers import Linear, activation, dropout, normal
 from jaxseq.models.llama.modeling import (
@@ -138,23 +132,11 @@ class Phi3Attention(LlamaAttention):
         self.window, self.dropout_rate = window, config.attention_dropout
         self.dtype, self.attention = dtype, AttentionKernel()
 
-    def __call__(self, x, masks, ropes, *, cache=None, index=0, rngs=None):
-        mask, rope = next((m, r) for m, r in zip(masks, ropes) if m.window == self.window)
+    def heads(self, x, rope):
+        """The queries and keys (their first dimensions rotated) and the values, from the fused projection."""
         q, k, v = jnp.split(self.qkv_proj(x), self.splits, axis=-1)
         q, k, v = split_heads(q, self.num_heads), split_heads(k, self.num_kv_heads), split_heads(v, self.num_kv_heads)
-        q, k = apply_partial_rotary(q, *rope), apply_partial_rotary(k, *rope)
-        if cache is not None and self.window is not None:
-            y = attend_ring(q, cache, k, v, mask, scale=self.scale)
-            cache = update_ring(cache, k, v, index)
-        elif cache is not None:
-            cache = update_kv(cache, k, v, index)
-            y = attend_cache(q, cache, mask, scale=self.scale)
-        else:
-            y = attend(
-                q, k, v, mask, scale=self.scale, dropout_rate=self.dropout_rate, rngs=rngs, kernel=self.attention,
-                causal=True,
-            )  # fmt: skip
-        return self.o_proj(merge_heads(y)), cache
+        return apply_partial_rotary(q, *rope), apply_partial_rotary(k, *rope), v
 
 
 class Phi3MLP(LlamaMLP):
