@@ -65,7 +65,8 @@ def use_huge_pages() -> None:
     except OSError:  # no such setting: a kernel without transparent huge pages
         return
     env = {**os.environ, "GLIBC_TUNABLES": ":".join(filter(None, (tunables, HUGE_PAGES)))}
-    sys.stdout.flush(), sys.stderr.flush()
+    sys.stdout.flush()
+    sys.stderr.flush()
     os.execve(sys.executable, sys.orig_argv, env)
 
 

@@ -95,18 +95,22 @@ def pack(batch: Mapping[str, np.ndarray], rows: int, pool: str = "first", first_
     assignment = first_fit_decreasing(lengths, seq)
     if len(assignment) > rows:
         raise ValueError(f"{n} examples need {len(assignment)} packed rows, more than the {rows} allowed")
-    columns = [name for name in (*TOKEN_ARRAYS, *(("labels",) if pool == TOKENS else ())) if name in batch]
+    columns = {
+        name: np.asarray(batch[name])
+        for name in (*TOKEN_ARRAYS, *(("labels",) if pool == TOKENS else ()))
+        if name in batch
+    }
     out = {name: np.zeros((rows, seq), np.int32) for name in (*columns, "attention_mask", "position_ids")}
     if pool == TOKENS:
-        out["labels"] = np.full((rows, seq), IGNORE, np.asarray(batch["labels"]).dtype)
+        out["labels"] = np.full((rows, seq), IGNORE, columns["labels"].dtype)
     pool_index = np.zeros(n, np.int32)
     for r, members in enumerate(assignment):
         start = 0
         for segment, i in enumerate(members, 1):
             length = lengths[i]
             span = slice(start, start + length)
-            for name in columns:
-                out[name][r, span] = np.asarray(batch[name])[i][real[i]]
+            for name, values in columns.items():
+                out[name][r, span] = values[i][real[i]]
             out["attention_mask"][r, span] = segment
             out["position_ids"][r, span] = np.arange(length)
             pool_index[i] = (first_row + r) * seq + start + (length - 1 if pool == "last" else 0)
