@@ -63,6 +63,10 @@ def perplexity(mean_loss: float) -> float:
     return float(math.exp(min(mean_loss, 700.0)))
 
 
+SEQEVAL_IMPORTS = ("seqeval.metrics",)
+"""What ``seqeval`` imports on first use (scikit-learn with it: about 1.3 s on 2 cores)."""
+
+
 def seqeval(references: list[list[str]], predictions: list[list[str]], entity_level: bool = False) -> dict[str, float]:
     """Entity-level ``precision``, ``recall``, ``f1`` (micro averages over entities, seqeval's default scheme)
     and token ``accuracy`` of tag sequences, as run_ner.py computes them through ``evaluate``'s seqeval;
@@ -88,6 +92,8 @@ def seqeval(references: list[list[str]], predictions: list[list[str]], entity_le
 
 
 ROUGE_KEYS = ("rouge1", "rouge2", "rougeL", "rougeLsum")
+ROUGE_IMPORTS = ("rouge_score.rouge_scorer", "nltk.tokenize.punkt")
+"""What ``rouge`` imports on first use."""
 
 
 def summary_sentences(text: str) -> str:

@@ -149,3 +149,29 @@ def test_a_runs_saved_config_loads_back(tmp_path):
     save_config(tmp_path / "config.yaml", *vars(sections).values())
     again = parse_job(glue.JOB, ["--config", str(tmp_path / "config.yaml")])
     assert again == sections
+
+
+def test_the_command_ends_as_python_would_less_the_teardown(tmp_path):
+    """exit_now: the exit code is the job's, a non-daemon thread still running finishes, the atexit handlers
+    run and the streams are flushed; the objects are left to the operating system."""
+    script = f"""
+import atexit, threading, time
+from pathlib import Path
+from jaxseq.commands import exit_now
+out = Path({str(tmp_path)!r})
+def late():
+    time.sleep(0.5)
+    (out / "thread").write_text("done")
+threading.Thread(target=late).start()
+atexit.register(lambda: (out / "atexit").write_text("ran"))
+class Teardown:
+    def __del__(self):
+        (out / "teardown").write_text("ran")
+kept = Teardown()
+print("unflushed", end="")
+exit_now(3)
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 3 and done.stdout == "unflushed", done.stderr
+    assert (tmp_path / "thread").read_text() == "done" and (tmp_path / "atexit").read_text() == "ran"
+    assert not (tmp_path / "teardown").exists()  # no teardown: a module's objects are never destroyed

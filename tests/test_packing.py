@@ -94,13 +94,8 @@ def test_packed_training_follows_unpacked_on_a_mesh(tmp_path, tokenizer, sst2, m
     monkeypatch.setattr(packing, "COMPILE_STEPS", 0)  # a row count per need, even in a run of 4 steps
     # dropout off: packed rows draw different dropout masks; two micro-batches each packed on their own
     kw = dict(per_device_train_batch_size=4, gradient_accumulation_steps=2, max_steps=4, dropout=0.0)
-    plain = make_trainer(tmp_path / "plain", tokenizer, sst2, "dp=2,mp=4", **kw)
-    packed = make_trainer(tmp_path / "packed", tokenizer, sst2, "dp=2,mp=4", pack="last", **kw)
-    rows = [batch["input_ids"].shape[1] for batch, _ in zip(packed.feed.batches(), range(4))]  # [2, rows, seq]
-    assert len(set(rows)) > 1 and set(rows) <= set(packed.feed.row_buckets)  # steps packed into two row counts
-    assert all(r % 2 == 0 and r < plain.feed.micro_batch for r in rows)
-    # the compilations: the train step's later row counts compile in the background, once each, and so does
-    # the eval step of the evaluation at the end
+    # the compilations: the train step's first row count compiles in the background while the trainer is made,
+    # the later ones while it trains, once each, and so does the eval step of the evaluation at the end
     compiled, evals = [], []
 
     def count(event, seconds, fun_name="", **_):
@@ -111,11 +106,16 @@ def test_packed_training_follows_unpacked_on_a_mesh(tmp_path, tokenizer, sst2, m
 
     jax.monitoring.register_event_duration_secs_listener(count)
     try:
+        packed = make_trainer(tmp_path / "packed", tokenizer, sst2, "dp=2,mp=4", pack="last", **kw)
+        rows = [batch["input_ids"].shape[1] for batch, _ in zip(packed.feed.batches(), range(4))]  # [2, rows, seq]
         packed_losses = train_losses(packed)
     finally:
         jax.monitoring.unregister_event_duration_listener(count)
-    assert len(compiled) == len(set(rows)) and compiled[0] == threading.main_thread().name
-    assert all(name.startswith("jaxseq-compile") for name in compiled[1:])
+    plain = make_trainer(tmp_path / "plain", tokenizer, sst2, "dp=2,mp=4", **kw)
+    assert len(set(rows)) > 1 and set(rows) <= set(packed.feed.row_buckets)  # steps packed into two row counts
+    assert all(r % 2 == 0 and r < plain.feed.micro_batch for r in rows)
+    assert len(compiled) == len(set(rows)), compiled
+    assert all(name.startswith("jaxseq-compile") for name in compiled), compiled
     assert len(evals) == 1 and evals[0].startswith("jaxseq-compile"), evals
     np.testing.assert_allclose(packed_losses, train_losses(plain), atol=1e-5)
     a, b = plain.logger.records[-1], packed.logger.records[-1]
@@ -123,6 +123,39 @@ def test_packed_training_follows_unpacked_on_a_mesh(tmp_path, tokenizer, sst2, m
     for key in a:
         if key.startswith("eval/"):
             np.testing.assert_allclose(b[key], a[key], atol=1e-5)
+
+
+def test_every_eval_width_compiles_in_the_background_while_training(
+    tmp_path,
+    tokenizer,  # noqa: F811 (fixture)
+    sst2,  # noqa: F811 (fixture)
+    monkeypatch,
+):
+    """Length-bucketed evaluation: the eval step of each width compiles on the background thread while the
+    run trains (Feeder.eval_shapes: each batch shape once, in order of first use), none when it evaluates."""
+    monkeypatch.setattr(batches, "BUCKET_BATCHES", 1)  # a program per width
+    trainer = make_trainer(tmp_path, tokenizer, sst2, "dp=2,mp=4", max_steps=4)
+    used = [b["input_ids"].shape for b, _, _ in trainer.feed.eval_batches("")]
+    shapes = trainer.feed.eval_shapes("")
+    assert [s["input_ids"].shape for s in shapes] == list(dict.fromkeys(used)) and len(shapes) > 1
+    first = next(trainer.feed.eval_batches(""))[0]
+    assert {k: (a.shape, a.dtype, a.sharding) for k, a in first.items()} == {
+        k: (a.shape, a.dtype, a.sharding) for k, a in shapes[0].items()
+    }
+    evals = []
+
+    def count(event, seconds, fun_name="", **_):
+        if event == "/jax/core/compile/backend_compile_duration" and "eval_step" in fun_name:
+            evals.append(threading.current_thread().name)
+
+    jax.monitoring.register_event_duration_secs_listener(count)
+    try:
+        trainer.train()
+    finally:
+        jax.monitoring.unregister_event_duration_listener(count)
+        trainer.close()
+    assert len(evals) == len(shapes) and all(name.startswith("jaxseq-compile") for name in evals), evals
+    assert trainer.program.eval_step._cache_size() == len(shapes)  # the run's calls found them compiled
 
 
 def test_packed_and_bucketed_evaluation_and_prediction_equal_unpacked_rows_in_input_order(

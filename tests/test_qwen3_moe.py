@@ -75,10 +75,20 @@ def test_export_and_greedy_generation(saved, tmp_path):
     np.testing.assert_array_equal(np.asarray(got.sequences), want)
 
 
-def test_mixed_layers_do_not_scan_and_flops_count_routed_experts(saved):
+def test_mixed_layers_do_not_scan_and_flops_count_routed_experts(saved, tmp_path):
+    from jaxseq.train.optim import OptimizerConfig
+    from jaxseq.train.spec import RunSpec
+    from jaxseq.train.trainer import TrainerConfig
+
     with pytest.raises(JaxseqError, match="scan_layers") as error:
         load_pretrained(saved[1], "causal-lm", scan_layers=True)
     assert "\n" not in str(error.value)
+
+    def scans(config):  # --scan_layers auto under --remat full: the run's layout
+        trainer = TrainerConfig(output_dir=str(tmp_path), scan_layers="auto", remat="full")
+        return RunSpec(None, config, "causal-lm", CausalLM(), trainer, OptimizerConfig()).scan_layers
+
+    assert (scans(tiny_config()), scans(tiny_config(mlp_only_layers=[]))) == (False, True)
     rows, seq = 2, 16
     attention = 2 * 2.0 * 64 * (seq * seq / 2) * rows  # one layer's QK^T and AV, causal half
     moe = 64 * 4 + 2 * 3 * 64 * 32  # router and 2 of 4 experts

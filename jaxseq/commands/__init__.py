@@ -5,10 +5,12 @@ imported only when it runs, so ``jaxseq --help`` answers at once."""
 from __future__ import annotations
 
 import argparse
+import atexit
 import importlib
 import os
 import platform
 import sys
+import threading
 from pathlib import Path
 
 from jaxseq import __version__
@@ -70,10 +72,26 @@ def use_huge_pages() -> None:
     os.execve(sys.executable, sys.orig_argv, env)
 
 
+def exit_now(code: int) -> None:
+    """End the process as Python would, less the interpreter's teardown: the non-daemon threads are joined
+    (``threading``'s own shutdown), the ``atexit`` handlers run (trackers, logging), the standard streams
+    are flushed, then ``os._exit``. A job has closed its files, checkpoints and trackers by the time it
+    returns; the teardown only destroys objects (XLA's executables, JAX's caches, modules): about a second
+    of a ``jaxseq ner`` run's 1.35 s from its return to its exit, on two cores."""
+    shutdown = getattr(threading, "_shutdown", None)  # what the interpreter calls first at exit
+    if shutdown is not None:
+        shutdown()
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run ``jaxseq JOB ARGS...``; returns the job's exit code. As the process's command (no ``argv``
-    given), first in huge pages (``use_huge_pages``)."""
-    if argv is None:
+    given), first in huge pages (``use_huge_pages``), and ended by ``exit_now`` once the job returns."""
+    command = argv is None
+    if command:
         use_huge_pages()
     argv = sys.argv[1:] if argv is None else list(argv)
     if not argv or argv[0] not in COMMANDS:  # --help, --version, nothing, or a misspelt job: argparse answers
@@ -81,4 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     job = argv[0]
     module = importlib.import_module(f"jaxseq.commands.{COMMANDS[job][0]}")
     sys.argv[0] = f"jaxseq {job}"  # the program name argparse shows in the job's usage and errors
-    return module.main(argv[1:])
+    code = module.main(argv[1:]) or 0
+    if command:
+        exit_now(code)
+    return code

@@ -76,6 +76,7 @@ class Feeder:
         self.row_buckets: list[int] = []  # every row count micro-batches are packed into
         self._step_rows = np.zeros(0, np.int64)  # the row count of each step's micro-batches
         self.eval_packed_rows: dict[str, int | None] = dict.fromkeys(self.eval_sets)
+        self._eval_layouts: dict[str, tuple] = {}  # _eval_layout's, per eval set
 
     def size_packing(self, total_steps: int) -> None:
         """Packed rows of each step's micro-batches (one of a few counts, ``packing.row_buckets`` of what the
@@ -88,6 +89,7 @@ class Feeder:
             self._size_train_packing(total_steps)
         if not self.pack_eval:
             return
+        self._eval_layouts.clear()  # worked out for unpacked sets
         self.eval_packed_rows = {
             name: self._rows_for(
                 data.take(index[self._eval_mine]) for index, _ in eval_indices(len(data), self.eval_batch)
@@ -178,27 +180,59 @@ class Feeder:
         """``(batch, index, valid)`` over every example of eval set ``name``: ``index`` is the example of each
         row of the batch (the last batch is padded with repeats) and ``valid`` marks the real rows. Packed:
         in input order. Unpacked with padding masks: sorted by length, each batch cut to its bucket's width."""
+        batches, _ = self._eval_layout(name)
+        for b, (index, valid) in enumerate(batches):
+            yield self.device_batch(self._eval_host_batch(name, b)), index, valid
+
+    def eval_shapes(self, name: str) -> list[dict[str, jax.ShapeDtypeStruct]]:
+        """The shapes, dtypes and shardings of eval set ``name``'s batches, each distinct one once, in order of
+        first use: what the eval step is compiled for (one program each)."""
+        batches, widths = self._eval_layout(name)
+        firsts: dict[tuple, int] = {}
+        for b in range(len(batches)):
+            firsts.setdefault(tuple(widths[b].items()) if widths else (), b)
+        return [
+            {
+                k: jax.ShapeDtypeStruct(shape, v.dtype, sharding=batch_sharding(self.mesh, v.ndim))
+                for k, (shape, v) in self._global(self._eval_host_batch(name, b), False).items()
+            }
+            for b in firsts.values()
+        ]
+
+    def _eval_layout(self, name: str) -> tuple[list[tuple[np.ndarray, np.ndarray]], list[dict[str, int]] | None]:
+        """The eval batches of set ``name`` as ``(index, valid)``, and each one's widths when length-bucketed.
+        Worked out once per set."""
+        if name in self._eval_layouts:
+            return self._eval_layouts[name]
         data = self.eval_sets[name]
         packed_rows = self.eval_packed_rows[name]
         masks = [] if packed_rows or not len(data) else [m for m in MASKED_ARRAYS if m in data.take(np.arange(1))]
         if not masks:
-            for index, valid in eval_indices(len(data), self.eval_batch):
-                yield self.device_batch(self._local(data, index[self._eval_mine], packed_rows)), index, valid
-            return
-        # every process sorts every example (tokenizing the whole set), so all agree on the batches' shapes
-        full = data.take(np.arange(len(data)))
-        row_ends = np.stack([ends(full[m]) for m in masks], axis=1)
-        batches = list(bucketed_eval_indices(row_ends, self.eval_batch))
-        widths = {
-            m: bucket_widths(
-                [row_ends[index, i].max() for index, _ in batches],
-                length_buckets(full[m].shape[1], self.bucket_multiple),
-            )
-            for i, m in enumerate(masks)
-        }
-        for b, (index, valid) in enumerate(batches):
-            local = trim(data.take(index[self._eval_mine]), {m: int(w[b]) for m, w in widths.items()})
-            yield self.device_batch(local), index, valid
+            layout = list(eval_indices(len(data), self.eval_batch)), None
+        else:
+            # every process sorts every example (tokenizing the whole set), so all agree on the batches' shapes
+            full = data.take(np.arange(len(data)))
+            row_ends = np.stack([ends(full[m]) for m in masks], axis=1)
+            batches = list(bucketed_eval_indices(row_ends, self.eval_batch))
+            widths = {
+                m: bucket_widths(
+                    [row_ends[index, i].max() for index, _ in batches],
+                    length_buckets(full[m].shape[1], self.bucket_multiple),
+                )
+                for i, m in enumerate(masks)
+            }
+            layout = batches, [{m: int(w[b]) for m, w in widths.items()} for b in range(len(batches))]
+        self._eval_layouts[name] = layout
+        return layout
+
+    def _eval_host_batch(self, name: str, b: int) -> dict[str, np.ndarray]:
+        """This process's arrays of eval batch ``b`` of set ``name``."""
+        batches, widths = self._eval_layout(name)
+        mine = batches[b][0][self._eval_mine]
+        data = self.eval_sets[name]
+        if widths is None:
+            return self._local(data, mine, self.eval_packed_rows[name])
+        return trim(data.take(mine), widths[b])
 
     def _local(self, data: Rows, index: np.ndarray, packed_rows: int | None) -> dict[str, np.ndarray]:
         """This process's examples ``index`` of one batch; if ``packed_rows`` is given, each data-parallel

@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import importlib
 import math
 import os
 import signal
 import threading
 import time
 from collections.abc import Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from pathlib import Path
 
 import jax
@@ -30,7 +31,7 @@ from jaxseq.models.attention import ATTENTION_KERNELS
 from jaxseq.models.layers import REMAT_POLICIES
 from jaxseq.train.checkpoint import Checkpointer
 from jaxseq.train.feeding import with_rows
-from jaxseq.train.logs import Finished, RunLogger
+from jaxseq.train.logs import PLOT_IMPORTS, Finished, RunLogger
 from jaxseq.train.spec import RunSpec, attention_kernel
 from jaxseq.train.step import Task, TrainState
 from jaxseq.train.throughput import Throughput
@@ -215,6 +216,19 @@ class Trainer:
         self.graphdef, self.lora = program.graphdef, program.lora
         self.ema_decay, self.eval_with_ema = program.ema_decay, program.eval_with_ema
         self.skips_nonfinite = program.loss_scale is not None  # else a NaN/inf loss or gradient stops the run
+        self.checkpointer = Checkpointer(
+            self.output_dir / "checkpoints",
+            keep_last=config.save_total_limit,
+            best_metric=config.metric_for_best_model and f"eval/{config.metric_for_best_model}",
+            greater_is_better=config.greater_is_better,
+        )
+        self._check_best_metric(self.task)
+        self._check_resume_source()  # before the logger writes anything into output_dir
+        self.lock = RunLock(self.output_dir)
+        if jax.process_index() == 0:
+            self.lock.acquire()
+        # the first train step compiles from here on, while the state is made and the logs opened
+        self._compiling: dict[int | tuple, Future] = self._compile_first_step()
         params = nnx.state(model)
         self.frozen = None
         if self.lora:
@@ -227,18 +241,6 @@ class Trainer:
         self.state = program.init_state(params)
         self._train_step = lambda state, batch: program.step(state, self.frozen, batch)
         self._eval_step = program.eval_step
-        self._compiling: dict[int | tuple[str, str], Future] = {}  # compiling in the background (_compile_ahead)
-        self.checkpointer = Checkpointer(
-            self.output_dir / "checkpoints",
-            keep_last=config.save_total_limit,
-            best_metric=config.metric_for_best_model and f"eval/{config.metric_for_best_model}",
-            greater_is_better=config.greater_is_better,
-        )
-        self._check_best_metric(self.task)
-        self._check_resume_source()  # before the logger writes anything into output_dir
-        self.lock = RunLock(self.output_dir)
-        if jax.process_index() == 0:
-            self.lock.acquire()
         self.logger = RunLogger(
             self.output_dir,
             self.total_steps,
@@ -392,37 +394,57 @@ class Trainer:
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
 
-    def _compile_ahead(self, batch: Mapping[str, jax.Array], step: int) -> dict[int | tuple[str, str], Future]:
-        """Compile the train step for the other packed row counts of the steps from ``step`` on (keyed by row
-        count), then the eval step for each eval set's first batch (keyed ``("eval", name)``), one after
-        another on a background thread in order of first use, while the first steps train: a compilation then
-        overlaps training instead of stopping it (on a CPU it takes the cores training leaves idle)."""
+    def _compile_first_step(self) -> dict[int | tuple, Future]:
+        """Compile the train step for the first batch's shape (keyed by its row count) on a background
+        thread, from the abstract state, while the rest of the run is made ready: the first step then waits
+        only for what is left of it. Not for a run that only evaluates, nor for batches made in the loop
+        (GRPO's rollouts)."""
+        if self.feed.train_data is None or getattr(self.task, "rollout", None):
+            return {}
+        first = self.feed.abstract_batches()[0]
+        return self._compile_in_background({first["input_ids"].shape[-2]: first})
+
+    def _compile_in_background(self, specs: dict) -> dict[int | tuple, Future]:
+        """Compile, one after another on a background thread, the train step for each ``specs`` batch keyed by
+        its row count and the eval step for each keyed by a tuple; their futures, by the same keys (one
+        cancelled before its turn is skipped). The thread is a daemon: a run that fails or stops sooner does not
+        wait for it."""
         program = self.program
+        state = program.abstract_state
+        eval_params = self.eval_params(state)
+        work = [(key, spec, Future()) for key, spec in specs.items()]
+
+        def compile_all() -> None:
+            for key, spec, future in work:
+                if not future.set_running_or_notify_cancel():
+                    continue
+                try:
+                    if isinstance(key, tuple):
+                        program.eval_step.lower(eval_params, program.abstract_frozen, spec).compile()
+                    else:
+                        program.step.lower(state, program.abstract_frozen, spec).compile()
+                except BaseException as error:  # raised by .result() where the program is needed
+                    future.set_exception(error)
+                else:
+                    future.set_result(None)
+
+        if work:
+            threading.Thread(target=compile_all, name="jaxseq-compile", daemon=True).start()
+        return {key: future for key, _, future in work}
+
+    def _compile_ahead(self, batch: Mapping[str, jax.Array], step: int) -> dict[int | tuple, Future]:
+        """Compile the train step for the other packed row counts of the steps from ``step`` on (keyed by row
+        count), then the eval step for each batch shape of each eval set (keyed ``("eval", name, k)``: every
+        length bucket's width), one after another on a background thread in order of first use, while the
+        first steps train: a compilation then overlaps training instead of stopping it (on a CPU it takes the
+        cores training leaves idle)."""
         specs: dict = {
             r: with_rows(batch, r) for r in self.feed.upcoming_rows(step) if r != batch["input_ids"].shape[-2]
         }
         for name in self.eval_names:
-            first = next(self.feed.eval_batches(name), None)
-            if first is not None:
-                specs["eval", name] = {
-                    k: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding) for k, a in first[0].items()
-                }
-        if not specs:
-            return {}
-        state = program.abstract_state
-        eval_params = self.eval_params(state)
-
-        def compile_ahead(key, spec) -> None:
-            if isinstance(key, tuple):
-                program.eval_step.lower(eval_params, program.abstract_frozen, spec).compile()
-            else:
-                program.step.lower(state, program.abstract_frozen, spec).compile()
-
-        pool = ThreadPoolExecutor(1, thread_name_prefix="jaxseq-compile")
-        try:
-            return {key: pool.submit(compile_ahead, key, spec) for key, spec in specs.items()}
-        finally:
-            pool.shutdown(wait=False)
+            for shape in self.feed.eval_shapes(name):
+                specs["eval", name, len(specs)] = shape
+        return self._compile_in_background(specs)
 
     def _on_signal(self, signum, frame) -> None:
         """Note the signal for the loop (which saves and stops after the current step); a second one acts
@@ -451,6 +473,9 @@ class Trainer:
             made = {}
             if rollout := getattr(self.task, "rollout", None):  # the batch made with the current weights (GRPO)
                 batch, made = rollout(self, batch, step)
+            if compile_seconds is None:  # the first step compiles: meanwhile, what evaluation and plot import
+                plot = PLOT_IMPORTS if self.logger.enabled else ()
+                import_ahead((*getattr(self.task, "metric_imports", ()), *plot))
             self.state, metrics = self._train_step(self.state, batch)
             metrics = {**made, **metrics}
             self._progress.dispatched(metrics)
@@ -612,8 +637,8 @@ class Trainer:
         widths are right-padded with -1 to the widest. One batch stays in flight while the previous one is
         read back; the bar (``bar``, else ``eval<name>``) counts batches read back. ``step``: another function
         of ``(params, frozen, batch)`` than the eval step."""
-        if ahead := self._compiling.pop(("eval", name), None):
-            ahead.result()  # compiled in the background while training (_compile_ahead)
+        for key in [k for k in self._compiling if isinstance(k, tuple) and k[:2] == ("eval", name)]:
+            self._compiling.pop(key).result()  # compiled in the background while training (_compile_ahead)
         params, parts, order = self.eval_params(), collections.defaultdict(list), []
         inflight: collections.deque = collections.deque()
         batches = -(-len(self.feed.eval_sets[name]) // self.feed.eval_batch)
@@ -674,6 +699,22 @@ class Trainer:
                 self.logger.close()
             finally:
                 self.lock.release()
+
+
+def import_ahead(modules: tuple[str, ...]) -> None:
+    """Import ``modules`` on another thread, while this one waits for the compiler (which holds no Python
+    lock), so that their first user finds them imported. An import that fails is left for that user to
+    report. The thread is not a daemon: a run that ends sooner waits for it rather than end mid-import."""
+
+    def run():
+        for name in modules:
+            try:
+                importlib.import_module(name)
+            except Exception:  # raised again, with its message, where the module is used
+                continue
+
+    if modules:
+        threading.Thread(target=run, name="jaxseq-import").start()
 
 
 def _concatenate_padded(arrays: list[np.ndarray]) -> np.ndarray:

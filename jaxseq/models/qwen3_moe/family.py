@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from jaxseq.models.mixtral.family import FAMILY as MIXTRAL
+from jaxseq.models.mixtral.modeling import moe_layers
 from jaxseq.models.qwen3_moe.modeling import Qwen3MoeForCausalLM, Qwen3MoeForSequenceClassification, Qwen3MoeModel
 
 FAMILY = dataclasses.replace(
@@ -16,4 +17,5 @@ FAMILY = dataclasses.replace(
         "causal-lm": Qwen3MoeForCausalLM,
         "sequence-classification": Qwen3MoeForSequenceClassification,
     },
+    scans=lambda config: all(moe_layers(config)),  # dense layers among MoE ones do not stack with them
 )
