@@ -511,8 +511,9 @@ def markdown(results: dict) -> str:
     if not results:
         return ""
     env = results["environment"]
+    box = "shared with other processes" if results["box"] == BOXES["shared"] else "nothing else running"
     lines = [
-        f"{env['date']}, {env['machine']} (shared with other processes), jax {env['versions'].get('jax')}, torch "
+        f"{env['date']}, {env['machine']} ({box}), jax {env['versions'].get('jax')}, torch "
         f"{env['versions'].get('torch')}; all-MiniLM-L6-v2, each framework drawing its own head; jaxseq's default "
         "flags (batch 32, lr 5e-5 linear), one CPU device; PyTorch with dynamic padding and "
         f"{results.get('pytorch_optimizer')}.",
@@ -547,6 +548,9 @@ def main() -> int:
     parser.add_argument("--conll", type=Path, default=SHARED / "data" / "ner" / "conll2003-test.json")
     parser.add_argument("--text", type=Path, default=SHARED / "data" / "text", help="WikiText-2's .tokens files")
     parser.add_argument("--no_save", action="store_true", help="do not record the run in bench/results/examples.json")
+    parser.add_argument(
+        "--box", choices=tuple(BOXES), default="shared", help="whether other processes shared the CPU (recorded)"
+    )
     parser.add_argument("--markdown", action="store_true", help="run nothing: write BENCHMARKS.md's table")
     args = parser.parse_args()
     if args.markdown:
@@ -555,20 +559,26 @@ def main() -> int:
     rows = records.read("examples").get("rows", {})
     for job in jobs:  # recorded after each job, so that a later failure keeps the earlier rows
         rows[job] = run_job(args, job)
-        results = entry(rows)
+        results = entry(rows, args.box)
         if not args.no_save:
             print(f"wrote {records.write('examples', results)}", file=sys.stderr)
     print(markdown(results))
     return 0
 
 
-def entry(rows: dict) -> dict:
+BOXES = {
+    "shared": "shared: other processes used the same CPU cores during the run; each job's two sides ran back to "
+    "back, so the load falls on both, but the timings are noisy",
+    "quiet": "quiet: nothing else ran on the machine during the run",
+}
+
+
+def entry(rows: dict, box: str) -> dict:
     import torch
 
     return {
         "environment": {**records.environment(), "cpu_threads_torch": torch.get_num_threads()},
-        "box": "shared: other processes used the same CPU cores during the run; each job's two sides ran back to "
-        "back, so the load falls on both, but the timings are noisy",
+        "box": BOXES[box],
         "times": {
             "jaxseq": "the whole command's wall time (start-up, data, compilation, training, evaluation, saving)",
             "pytorch": "the training loop alone (no start-up, tokenization, evaluation)",
