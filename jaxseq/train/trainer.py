@@ -13,7 +13,7 @@ import signal
 import threading
 import time
 from collections.abc import Mapping
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import jax
@@ -216,19 +216,6 @@ class Trainer:
         self.graphdef, self.lora = program.graphdef, program.lora
         self.ema_decay, self.eval_with_ema = program.ema_decay, program.eval_with_ema
         self.skips_nonfinite = program.loss_scale is not None  # else a NaN/inf loss or gradient stops the run
-        self.checkpointer = Checkpointer(
-            self.output_dir / "checkpoints",
-            keep_last=config.save_total_limit,
-            best_metric=config.metric_for_best_model and f"eval/{config.metric_for_best_model}",
-            greater_is_better=config.greater_is_better,
-        )
-        self._check_best_metric(self.task)
-        self._check_resume_source()  # before the logger writes anything into output_dir
-        self.lock = RunLock(self.output_dir)
-        if jax.process_index() == 0:
-            self.lock.acquire()
-        # the first train step compiles from here on, while the state is made and the logs opened
-        self._compiling: dict[int | tuple, Future] = self._compile_first_step()
         params = nnx.state(model)
         self.frozen = None
         if self.lora:
@@ -241,6 +228,18 @@ class Trainer:
         self.state = program.init_state(params)
         self._train_step = lambda state, batch: program.step(state, self.frozen, batch)
         self._eval_step = program.eval_step
+        self._compiling: dict[int | tuple, Future] = {}  # compiling in the background (_compile_ahead)
+        self.checkpointer = Checkpointer(
+            self.output_dir / "checkpoints",
+            keep_last=config.save_total_limit,
+            best_metric=config.metric_for_best_model and f"eval/{config.metric_for_best_model}",
+            greater_is_better=config.greater_is_better,
+        )
+        self._check_best_metric(self.task)
+        self._check_resume_source()  # before the logger writes anything into output_dir
+        self.lock = RunLock(self.output_dir)
+        if jax.process_index() == 0:
+            self.lock.acquire()
         self.logger = RunLogger(
             self.output_dir,
             self.total_steps,
@@ -394,44 +393,6 @@ class Trainer:
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
 
-    def _compile_first_step(self) -> dict[int | tuple, Future]:
-        """Compile the train step for the first batch's shape (keyed by its row count) on a background
-        thread, from the abstract state, while the rest of the run is made ready: the first step then waits
-        only for what is left of it. Not for a run that only evaluates, nor for batches made in the loop
-        (GRPO's rollouts)."""
-        if self.feed.train_data is None or getattr(self.task, "rollout", None):
-            return {}
-        first = self.feed.abstract_batches()[0]
-        return self._compile_in_background({first["input_ids"].shape[-2]: first})
-
-    def _compile_in_background(self, specs: dict) -> dict[int | tuple, Future]:
-        """Compile, one after another on a background thread, the train step for each ``specs`` batch keyed by
-        its row count and the eval step for each keyed by a tuple; their futures, by the same keys (one
-        cancelled before its turn is skipped). The thread is a daemon: a run that fails or stops sooner does not
-        wait for it."""
-        program = self.program
-        state = program.abstract_state
-        eval_params = self.eval_params(state)
-        work = [(key, spec, Future()) for key, spec in specs.items()]
-
-        def compile_all() -> None:
-            for key, spec, future in work:
-                if not future.set_running_or_notify_cancel():
-                    continue
-                try:
-                    if isinstance(key, tuple):
-                        program.eval_step.lower(eval_params, program.abstract_frozen, spec).compile()
-                    else:
-                        program.step.lower(state, program.abstract_frozen, spec).compile()
-                except BaseException as error:  # raised by .result() where the program is needed
-                    future.set_exception(error)
-                else:
-                    future.set_result(None)
-
-        if work:
-            threading.Thread(target=compile_all, name="jaxseq-compile", daemon=True).start()
-        return {key: future for key, _, future in work}
-
     def _compile_ahead(self, batch: Mapping[str, jax.Array], step: int) -> dict[int | tuple, Future]:
         """Compile the train step for the other packed row counts of the steps from ``step`` on (keyed by row
         count), then the eval step for each batch shape of each eval set (keyed ``("eval", name, k)``: every
@@ -444,7 +405,23 @@ class Trainer:
         for name in self.eval_names:
             for shape in self.feed.eval_shapes(name):
                 specs["eval", name, len(specs)] = shape
-        return self._compile_in_background(specs)
+        if not specs:
+            return {}
+        program = self.program
+        state = program.abstract_state
+        eval_params = self.eval_params(state)
+
+        def compile_ahead(key, spec) -> None:
+            if isinstance(key, tuple):
+                program.eval_step.lower(eval_params, program.abstract_frozen, spec).compile()
+            else:
+                program.step.lower(state, program.abstract_frozen, spec).compile()
+
+        pool = ThreadPoolExecutor(1, thread_name_prefix="jaxseq-compile")
+        try:
+            return {key: pool.submit(compile_ahead, key, spec) for key, spec in specs.items()}
+        finally:
+            pool.shutdown(wait=False)
 
     def _on_signal(self, signum, frame) -> None:
         """Note the signal for the loop (which saves and stops after the current step); a second one acts
