@@ -22,6 +22,7 @@ from jaxseq.errors import JaxseqError  # noqa: E402
 from jaxseq.generation import generate  # noqa: E402
 from jaxseq.mesh import batch_sharding, make_mesh  # noqa: E402
 from jaxseq.models import from_config, load_pretrained, save_pretrained  # noqa: E402
+from jaxseq.models.execution import Execution  # noqa: E402
 from jaxseq.models.hub import abstract_model  # noqa: E402
 from jaxseq.models.layers import (  # noqa: E402
     Stacked,
@@ -382,6 +383,69 @@ def test_each_layer_draws_its_own_dropout_key():
     np.testing.assert_array_equal(kept, np.stack(want))
     assert len({tuple(np.asarray(row)) for row in kept}) == 4
     np.testing.assert_allclose(out, kept.sum(0))
+
+
+class TwoSites(nnx.Module):
+    """A block that drops out twice, at different shapes and rates, and returns what it kept."""
+
+    def __init__(self, rngs):
+        self.scale = nnx.Param(jnp.ones((4096,)))
+
+    def __call__(self, x, rngs=None):
+        wide = dropout(jnp.broadcast_to(self.scale[...], (2, 4096)), 0.5, rngs)
+        narrow = dropout(self.scale[...], 0.1, rngs)
+        return x + wide.sum() + narrow.sum(), (wide, narrow)
+
+
+def test_masks_drawn_ahead_are_each_layers_own_at_each_sites_rate():
+    """``draws_ahead`` (on CPU): each site's masks are drawn for every layer before the scan, one draw a site,
+    and each layer takes its own, at its site's rate; the step's key decides them."""
+    stack = Stacked(TwoSites, 4, nnx.Rngs(0))
+    stack.draws_ahead = True
+    run = lambda seed: stack("none", jnp.zeros(()), rngs=nnx.Rngs(dropout=jax.random.key(seed)))[1]
+    wide, narrow = run(7)
+    assert wide.shape == (4, 2, 4096) and narrow.shape == (4, 4096)
+    for kept, rate in ((wide, 0.5), (narrow, 0.1)):
+        dropped = np.asarray(kept == 0).reshape(4, -1).mean(1)
+        np.testing.assert_allclose(dropped, rate, atol=0.02)  # ~5 standard deviations at 4096 draws
+        np.testing.assert_allclose(np.unique(kept), [0.0, 1 / (1 - rate)], rtol=1e-6)
+        assert len({tuple(np.asarray(row).ravel()) for row in kept}) == 4  # no layer repeats another's mask
+    again, other = run(7), run(8)
+    np.testing.assert_array_equal(again[1], narrow)
+    assert not np.array_equal(other[1], narrow)
+
+
+def test_masks_drawn_ahead_serve_the_backward_pass_under_remat(folders):
+    """A scanned BERT on CPU (``Execution`` sets ``draws_ahead``) with dropout: the rematerialised backward
+    pass takes the forward's masks, so loss and gradients under ``--remat full`` equal those without remat."""
+    model = load_pretrained(folders["bert"], task("bert"), scan_layers=True, execution=Execution(),
+                            hidden_dropout_prob=0.3, attention_probs_dropout_prob=0.2)  # fmt: skip
+    assert model.bert.encoder.layer.draws_ahead
+    b = batch("bert")
+
+    def grads(policy, seed):
+        enable_remat(model, policy)
+        graphdef, params = nnx.split(model)
+        loss = lambda p: objective("bert").loss(nnx.merge(graphdef, p), b, nnx.Rngs(dropout=jax.random.key(seed)))
+        return jax.jit(jax.value_and_grad(loss))(params)
+
+    plain, remat = grads("none", 0), grads("full", 0)
+    assert_same_grads(remat, plain)
+    assert grads("none", 1)[0] != plain[0]
+
+
+def test_scanned_and_unrolled_models_initialise_alike():
+    """From one seed a fresh model's weights are the same scanned or unrolled (each layer made in turn from
+    the seed's stream), and so are the modules made after the stack (a task's head): switching layouts does
+    not change a run. T5's scanned stacks keep the first block's position bias apart, so they draw otherwise."""
+    for family in ("gpt2", "llama", "bert", "opt"):
+        unrolled, scanned = (
+            per_layer(nnx.state(from_config(CONFIGS[family](), task(family), seed=3, scan_layers=scan), nnx.Param))
+            for scan in (False, True)
+        )
+        assert set(scanned) == set(unrolled)
+        for name, array in unrolled.items():
+            np.testing.assert_array_equal(scanned[name], array, err_msg=f"{family} {name}")
 
 
 def test_scanned_training_with_dropout_runs(folders):

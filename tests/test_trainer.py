@@ -337,18 +337,20 @@ def test_eta_stays_within_a_fifth_of_the_time_left(tmp_path):
 
 
 @pytest.mark.parametrize(
-    ("flag", "remat", "scans"),
+    ("flag", "remat", "platform", "scans"),
     [
-        ("auto", "full", True),  # full remat: as fast scanned on an H100, no more memory in TPU plans with fsdp
-        ("auto", "none", False),  # without remat the scanned step is slower
-        ("auto", "dots", False),
-        ("true", "none", True),
-        ("false", "full", False),
+        ("auto", "full", "tpu", True),  # full remat: as fast scanned on an H100, no more memory in TPU plans
+        ("auto", "none", "gpu", False),  # without remat the scanned step is slower
+        ("auto", "dots", "tpu", False),
+        ("auto", "none", "cpu", True),  # on CPU half the compilation, the step as fast (masks drawn ahead)
+        ("auto", "dots", "cpu", True),
+        ("true", "none", "tpu", True),
+        ("false", "full", "cpu", False),
     ],
 )
-def test_scan_layers_auto_scans_under_full_remat(tmp_path, flag, remat, scans):
+def test_scan_layers_auto_scans_on_cpu_and_under_full_remat(tmp_path, flag, remat, platform, scans):
     config = TrainerConfig(output_dir=str(tmp_path), scan_layers=flag, remat=remat)
-    assert config.scans() is scans
+    assert config.scans(platform) is scans
 
 
 def test_the_plot_waits_for_its_import_started_in_the_background(tmp_path):

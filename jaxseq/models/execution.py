@@ -8,11 +8,12 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
+import jax
 from flax import nnx
 from jax.sharding import Mesh
 
 from jaxseq.models.attention import use_attention
-from jaxseq.models.layers import enable_remat, gather_layers
+from jaxseq.models.layers import Stacked, enable_remat, gather_layers
 from jaxseq.models.registry import family_for
 
 
@@ -38,7 +39,10 @@ class Execution:
         rules = family_for(model.config.model_type).partition_rules
         gather_layers(model, self.mesh if gathering else None, rules)
         experts = self.mesh if self.mesh is not None and self.mesh.shape["ep"] > 1 else None
+        on_cpu = (self.mesh.devices.flat[0] if self.mesh is not None else jax.devices()[0]).platform == "cpu"
         for _, module in nnx.iter_modules(model):
             if hasattr(module, "expert_mesh"):  # a mixture of experts' block: its experts split over ep
                 module.expert_mesh = experts
+            if isinstance(module, Stacked):
+                module.draws_ahead = on_cpu
         return kernel

@@ -258,7 +258,7 @@ class Lora:
                     if f"{_PREFIX}{module}.{part}.weight" not in tensors:  # adapted in other layers only
                         raise JaxseqError(
                             f"--lora_adapter has no {module}.{part}: a scanned model adapts every layer of a "
-                            "kernel or none; load the model without scan_layers"
+                            "kernel or none; run with --scan_layers false"
                         )
                     array = tensors[f"{_PREFIX}{module}.{part}.weight"].T
                     if part == "lora_B":

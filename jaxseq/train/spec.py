@@ -48,10 +48,11 @@ class RunSpec:
     def scan_layers(self) -> bool:
         """``--scan_layers`` (``TrainerConfig.scans``), where auto unrolls a config whose blocks cannot scan
         (``Family.scans``: Gemma's sliding and full layers)."""
-        if self.trainer.scan_layers == "auto" and self.trainer.scans():
-            scans = family_for(self.config.model_type).scans
-            return scans is None or scans(self.config)
-        return self.trainer.scans()
+        scans = self.trainer.scans(self.mesh.devices.flat[0].platform)
+        if self.trainer.scan_layers == "auto" and scans:
+            family_scans = family_for(self.config.model_type).scans
+            return family_scans is None or family_scans(self.config)
+        return scans
 
     @property
     def loss_scaling(self) -> bool:

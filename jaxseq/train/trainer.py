@@ -91,9 +91,10 @@ class TrainerConfig:
     scan_layers: str = arg(
         "auto",
         "stack the transformer blocks and run them with one scan (compile time flat in depth) instead of a "
-        "Python loop: true, false, or auto (scanned under --remat full, where an H100 steps as fast scanned and "
-        "TPU plans hold no more memory per chip; unrolled otherwise, where the scanned step is slower; "
-        "BENCHMARKS.md); checkpoints resume only into the same layout",
+        "Python loop: true, false, or auto (scanned on CPU, where it compiles in about half the time and steps "
+        "about as fast, and under --remat full, where an H100 steps as fast scanned and TPU plans hold no more "
+        "memory per chip; unrolled otherwise, where the scanned step is slower; BENCHMARKS.md); checkpoints "
+        "resume only into the same layout",
         choices=("auto", "true", "false"),
         const="true",
     )
@@ -158,8 +159,11 @@ class TrainerConfig:
         check_writable_dir(self.output_dir, "--output_dir")
         self.backends = parse_report_to(self.report_to)
 
-    def scans(self) -> bool:
-        """Whether the run stacks and scans its blocks (``--scan_layers``; auto: under ``--remat full``). On an
+    def scans(self, platform: str) -> bool:
+        """Whether a run on ``platform`` stacks and scans its blocks (``--scan_layers``; auto: on CPU, where
+        a first run's compilation is a large share of its time (NER's and QA's BENCHMARKS rows) and the step
+        is about as fast with its dropout masks drawn before the scan (``layers.Stacked.draws_ahead``), and
+        under ``--remat full``). On an
         H100 (GPT-2 small widths, 16 x 1024 tokens) the scanned step took 46.0 ms against 45.0 unrolled at 12
         blocks under full remat (at the same memory), 83.9 against 72.1 under dots, 99.3 against 65.6 without
         remat (24 blocks), and it compiles in about 6 s at any depth (unrolled: 10 s at 12 blocks, over a
@@ -167,7 +171,7 @@ class TrainerConfig:
         12.44 unrolled, Llama-3-8B 14.52 against 14.05) and compile in a quarter of the time."""
         if self.scan_layers != "auto":
             return self.scan_layers == "true"
-        return self.remat == "full"
+        return platform == "cpu" or self.remat == "full"
 
 
 def check_writable_dir(path: str | os.PathLike, flag: str) -> None:
