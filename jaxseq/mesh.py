@@ -72,6 +72,11 @@ def make_mesh(spec: str | Mapping[str, int] | None = None, devices=None) -> Mesh
     return Mesh(grid, AXES)
 
 
+def mesh_platform(mesh: Mesh | None) -> str:
+    """The platform (``cpu``, ``gpu``, ``tpu``) of ``mesh``'s devices; None: this process's default devices."""
+    return (mesh.devices.flat[0] if mesh is not None else jax.devices()[0]).platform
+
+
 def mesh_sizes(mesh: Mesh | Mapping[str, int]) -> dict[str, int]:
     """The axis sizes as runs print and record them: ``ep`` only when it is more than 1."""
     sizes = dict(mesh.shape if isinstance(mesh, Mesh) else mesh)

@@ -378,23 +378,23 @@ CASES = {
         "pretrain_clm.py",
         lambda a, t, o: clm_args(a, o, mesh="mp=2", config_overrides="n_layer=2,n_embd=64,n_head=4,n_inner=101"),
         1,
-        "transformer/h/0/mlp/c_fc/kernel shape (64, 101) spec P('fsdp', 'mp')",
+        "transformer/h/stacked/mlp/c_fc/kernel shape (2, 64, 101) spec P(None, 'fsdp', 'mp')",  # scanned on CPU
     ),
     "output dir holding another model's checkpoint": Case(
         "pretrain_clm.py",
         lambda a, t, o: clm_args(a, o, config_overrides="n_layer=2,n_embd=32,n_head=4"),
         1,
-        "was written for a different model or optimizer (params/transformer/h/0/attn/c_attn/bias/value is (192,) "
-        "there, (96,) here",
+        "was written for a different model or optimizer (params/transformer/h/stacked/attn/c_attn/bias/value is "
+        "(2, 192) there, (2, 96) here",
         left=other_run_untouched,
         after="loss becomes NaN",
         trains=True,
     ),
     "output dir holding the model's checkpoint with other --scan_layers": Case(
         "pretrain_clm.py",
-        lambda a, t, o: clm_args(a, o, scan_layers="true"),
+        lambda a, t, o: clm_args(a, o, scan_layers="false"),
         1,
-        "holds the model's blocks unrolled; resume with --scan_layers false",
+        "holds the model's blocks scanned; resume with --scan_layers true",  # auto scans on CPU
         left=other_run_untouched,
         after="loss becomes NaN",
         trains=True,

@@ -34,7 +34,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jaxseq.errors import JaxseqError
-from jaxseq.mesh import BATCH_AXES
+from jaxseq.mesh import BATCH_AXES, mesh_platform
 from jaxseq.models.layers import Stacked, call_block, dropout
 
 logger = logging.getLogger("jaxseq")
@@ -470,11 +470,11 @@ def use_attention(
     if choice not in ATTENTION_KERNELS:
         raise JaxseqError(f"unknown attention kernel {choice!r}; choose one of {', '.join(ATTENTION_KERNELS)}")
     layers = [m for _, m in nnx.iter_modules(model) if isinstance(getattr(m, "attention", None), AttentionKernel)]
-    platform = (mesh.devices.flat[0] if mesh is not None else jax.devices()[0]).platform
+    where = mesh_platform(mesh)
     name = choice
     if choice == "auto":
-        name = {"tpu": "splash", "gpu": "cudnn", "cuda": "cudnn"}.get(platform, "xla")
-    why_not = _why_not(name, layers, platform, interpret, model)
+        name = {"tpu": "splash", "gpu": "cudnn", "cuda": "cudnn"}.get(where, "xla")
+    why_not = _why_not(name, layers, where, interpret, model)
     if name == "cudnn" and packed and not why_not:
         why_not = "cuDNN attention cannot keep packed examples apart; add --no_pack_sequences or use --attention xla"
     if why_not and choice != "auto":

@@ -8,10 +8,10 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
-import jax
 from flax import nnx
 from jax.sharding import Mesh
 
+from jaxseq.mesh import mesh_platform
 from jaxseq.models.attention import use_attention
 from jaxseq.models.layers import Stacked, enable_remat, gather_layers
 from jaxseq.models.registry import family_for
@@ -39,7 +39,7 @@ class Execution:
         rules = family_for(model.config.model_type).partition_rules
         gather_layers(model, self.mesh if gathering else None, rules)
         experts = self.mesh if self.mesh is not None and self.mesh.shape["ep"] > 1 else None
-        on_cpu = (self.mesh.devices.flat[0] if self.mesh is not None else jax.devices()[0]).platform == "cpu"
+        on_cpu = mesh_platform(self.mesh) == "cpu"
         for _, module in nnx.iter_modules(model):
             if hasattr(module, "expert_mesh"):  # a mixture of experts' block: its experts split over ep
                 module.expert_mesh = experts

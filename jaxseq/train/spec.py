@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
+from jaxseq.mesh import mesh_platform
 from jaxseq.models.attention import AttentionKernel
 from jaxseq.models.execution import Execution
 from jaxseq.models.hub import abstract_model, from_config, load_pretrained
@@ -48,7 +49,7 @@ class RunSpec:
     def scan_layers(self) -> bool:
         """``--scan_layers`` (``TrainerConfig.scans``), where auto unrolls a config whose blocks cannot scan
         (``Family.scans``: Gemma's sliding and full layers)."""
-        scans = self.trainer.scans(self.mesh.devices.flat[0].platform)
+        scans = self.trainer.scans(mesh_platform(self.mesh))
         if self.trainer.scan_layers == "auto" and scans:
             family_scans = family_for(self.config.model_type).scans
             return family_scans is None or family_scans(self.config)

@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxseq import sharding
 from jaxseq.errors import JaxseqError
-from jaxseq.mesh import data_parallel_size
+from jaxseq.mesh import data_parallel_size, mesh_platform
 from jaxseq.models.layers import dropout_prng, split_key
 from jaxseq.models.registry import family_for
 from jaxseq.train.checkpoint import abstract_like
@@ -296,7 +296,7 @@ class TrainProgram:
                 lora=self.lora,
                 line_search=line_search,
                 ema_decay=self.ema_decay,
-                platform=mesh.devices.flat[0].platform,
+                platform=mesh_platform(mesh),
             ),
             self.state_shardings,
             self.frozen_shardings,
