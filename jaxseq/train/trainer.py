@@ -163,9 +163,10 @@ class TrainerConfig:
         """Whether a run on ``platform`` stacks and scans its blocks (``--scan_layers``; auto: on CPU, where
         a first run's compilation is a large share of its time (NER's and QA's BENCHMARKS rows) and the step
         is about as fast with its dropout masks drawn before the scan (``layers.Stacked.draws_ahead``), and
-        under ``--remat full``). On an
-        H100 (GPT-2 small widths, 16 x 1024 tokens) the scanned step took 46.0 ms against 45.0 unrolled at 12
-        blocks under full remat (at the same memory), 83.9 against 72.1 under dots, 99.3 against 65.6 without
+        under ``--remat full``).
+
+        On an H100 (GPT-2 small widths, 16 x 1024 tokens) the scanned step took 46.0 ms against 45.0 unrolled
+        at 12 blocks under full remat (at the same memory), 83.9 against 72.1 under dots, 99.3 against 65.6 without
         remat (24 blocks), and it compiles in about 6 s at any depth (unrolled: 10 s at 12 blocks, over a
         minute at 48). TPU plans with fsdp (v5e-8) hold no more per chip scanned (GPT-J-6B 11.21 GiB against
         12.44 unrolled, Llama-3-8B 14.52 against 14.05) and compile in a quarter of the time."""
