@@ -332,3 +332,22 @@ def test_token_types_are_a_one_hot_product_equal_to_the_lookup(dtype):
     text = step.lower(state).compile().as_text()
     scattered = {line.split(" = ")[1].split("{")[0] for line in text.splitlines() if " scatter(" in line}
     assert scattered and not any(shape.startswith("f32[2,64]") for shape in scattered), scattered
+
+
+def test_exact_gelu_derivatives_match_pytorch():
+    """``gelu_exact``'s written-out derivative (one array kept for the backward pass) against PyTorch's GELU:
+    values, first and second derivatives over the range where BERT's activations live."""
+    from jaxseq.models.layers import gelu_exact
+
+    x = np.linspace(-10, 10, 4001).astype(np.float32)
+    xt = torch.tensor(x, dtype=torch.float64, requires_grad=True)
+    y = torch.nn.functional.gelu(xt)
+    (dy,) = torch.autograd.grad(y.sum(), xt, create_graph=True)
+    (d2y,) = torch.autograd.grad(dy.sum(), xt)
+    first = jax.vmap(jax.grad(gelu_exact))
+    second = jax.vmap(jax.grad(jax.grad(gelu_exact)))
+    np.testing.assert_allclose(gelu_exact(x), y.detach().numpy(), atol=2e-6)
+    np.testing.assert_allclose(first(x), dy.detach().numpy(), atol=2e-6)
+    np.testing.assert_allclose(second(x), d2y.numpy(), atol=2e-6)
+    residuals = jax.linearize(gelu_exact, jnp.asarray(x))[1]  # what the tangent map closes over: the slope
+    assert len(jax.tree.leaves(residuals)) == 1
