@@ -54,10 +54,13 @@ def test_pack_keeps_every_token_and_points_at_the_pooled_one(minilm_sst2, pool):
 
 def test_row_buckets_hold_every_batch_in_a_few_counts():
     needed = np.array([7] * 500 + [8] * 400 + [10] * 100)
-    assert packing.row_buckets(needed) == [7, 8, 10]  # 7700 rows computed instead of 10000
-    assert packing.row_buckets(needed, most=2) == [8, 10]
-    assert packing.row_buckets(np.array([4] * 10 + [5] * 990)) == [5]  # 4 would save 0.2% for a compilation
-    assert packing.row_buckets(needed[::100]) == [10]  # 10 batches: a compilation costs more than it saves
+    assert packing.row_buckets(needed, 128) == [7, 8, 10]  # 7700 rows computed instead of 10000
+    assert packing.row_buckets(needed, 128, most=2) == [8, 10]
+    assert packing.row_buckets(np.array([4] * 10 + [5] * 990), 128) == [5]  # 4 would save 0.2% for a compilation
+    assert packing.row_buckets(needed[::100], 128) == [10]  # 18 rows of 128 tokens: less than a compilation costs
+    assert packing.row_buckets(needed[::100], 512) == [8, 10]  # 18 rows of 512 tokens: more
+    qa = np.array([23, 22, 24, 20, 22, 21, 21, 22, 23, 21, 22, 25])  # SQuAD windows, 32 a batch (the QA bench)
+    assert packing.row_buckets(qa, 384) == [22, 25]  # 276 rows of 384 tokens instead of 300
 
 
 def test_eval_width_buckets_merge_rare_widths_upward(monkeypatch):
@@ -91,7 +94,7 @@ def test_packed_gpt2_gives_the_unpacked_logits(tokenizer, sst2):  # noqa: F811 (
 
 
 def test_packed_training_follows_unpacked_on_a_mesh(tmp_path, tokenizer, sst2, monkeypatch):  # noqa: F811 (fixtures)
-    monkeypatch.setattr(packing, "COMPILE_STEPS", 0)  # a row count per need, even in a run of 4 steps
+    monkeypatch.setattr(packing, "COMPILE_TOKENS", 0)  # a row count per need, even in a run of 4 steps
     # dropout off: packed rows draw different dropout masks; two micro-batches each packed on their own
     kw = dict(per_device_train_batch_size=4, gradient_accumulation_steps=2, max_steps=4, dropout=0.0)
     # the compilations: the train step's later row counts compile in the background, once each, and so does
@@ -107,7 +110,16 @@ def test_packed_training_follows_unpacked_on_a_mesh(tmp_path, tokenizer, sst2, m
     jax.monitoring.register_event_duration_secs_listener(count)
     try:
         packed = make_trainer(tmp_path / "packed", tokenizer, sst2, "dp=2,mp=4", pack="last", **kw)
-        rows = [batch["input_ids"].shape[1] for batch, _ in zip(packed.feed.batches(), range(4))]  # [2, rows, seq]
+        own = [jax.device_get(batch) for batch, _ in zip(packed.feed.batches(), range(4))]
+        rows = [batch["input_ids"].shape[1] for batch in own]  # [2, rows, seq]
+        largest = max(packed.feed.row_buckets)  # while the smaller counts compile: the same examples, more rows
+        padded = [jax.device_get(b) for b, _ in zip(packed.feed.batches(ready=lambda r: r == largest), range(4))]
+        assert [batch["input_ids"].shape[1] for batch in padded] == [largest] * 4
+        for a, b in zip(own, padded):
+            np.testing.assert_array_equal(a["labels"], b["labels"])
+            np.testing.assert_array_equal(
+                np.sort(a["input_ids"], None), np.sort(b["input_ids"], None)[-a["input_ids"].size :]
+            )
         packed_losses = train_losses(packed)
     finally:
         jax.monitoring.unregister_event_duration_listener(count)

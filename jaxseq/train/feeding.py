@@ -3,7 +3,7 @@ process takes (tokenizes, packs) only the examples its devices hold, and builds 
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 
 import jax
 import numpy as np
@@ -114,7 +114,8 @@ class Feeder:
         )
         if jax.process_count() > 1:
             needed = np.max(np.asarray(multihost_utils.process_allgather(needed)), axis=0)
-        buckets = np.array(packing.row_buckets(needed))
+        seq = self.train_data.take(np.arange(1))["input_ids"].shape[1]
+        buckets = np.array(packing.row_buckets(needed, seq))
         self.row_buckets = [self.dp * int(b) for b in buckets]
         self.packed_rows = self.row_buckets[-1]
         self._step_rows = self.dp * buckets[np.searchsorted(buckets, needed)]
@@ -136,20 +137,32 @@ class Feeder:
         """The rows of a batch of ``rows`` (split over the batch axes) that this process's devices hold."""
         return local_rows(NamedSharding(self.mesh, batch_spec(1)), (rows,))
 
-    def batches(self, start_step: int = 0) -> Iterator[dict[str, jax.Array]]:
+    def batches(
+        self, start_step: int = 0, ready: Callable[[int], bool] | None = None
+    ) -> Iterator[dict[str, jax.Array]]:
         """The training batches from ``start_step`` on, on the devices: ``[rows, ...]`` arrays, or
-        ``[micro-batches, rows, ...]`` with gradient accumulation."""
+        ``[micro-batches, rows, ...]`` with gradient accumulation. ``ready(rows)``: whether the step for a
+        packed row count is compiled; a batch whose own count is not yet takes the smallest larger count that
+        is (more padding rows, the same examples), so training goes on while a compilation finishes."""
         for step, index in enumerate(self._step_indices(start_step), start_step):
-            yield self.device_batch(self._host_batch(step, index), stacked=self.accumulate > 1)
+            rows = self._rows_of(step)
+            if ready is not None and rows is not None and not ready(rows):
+                rows = next((r for r in self.row_buckets if r > rows and ready(r)), rows)
+            yield self.device_batch(self._host_batch(step, index, rows), stacked=self.accumulate > 1)
+
+    def _rows_of(self, step: int) -> int | None:
+        """The packed row count of step ``step``'s micro-batches (None: unpacked)."""
+        return int(self._step_rows[step]) if step < len(self._step_rows) else self.packed_rows
 
     def _step_indices(self, start_step: int) -> Iterator[np.ndarray]:
         return train_indices(len(self.train_data), self.global_batch, self.seed, start_step)
 
-    def _host_batch(self, step: int, index: np.ndarray | None = None) -> dict[str, np.ndarray]:
-        """This process's arrays of training step ``step`` (whose examples are ``index``, else looked up)."""
+    def _host_batch(self, step: int, index: np.ndarray | None = None, rows: int | None = None) -> dict[str, np.ndarray]:
+        """This process's arrays of training step ``step`` (whose examples are ``index``, else looked up),
+        packed into its own row count or ``rows``."""
         if index is None:
             index = next(self._step_indices(step))
-        rows = int(self._step_rows[step]) if step < len(self._step_rows) else self.packed_rows
+        rows = self._rows_of(step) if rows is None else rows
         parts = [self._local(self.train_data, m[self._mine], rows) for m in index.reshape(self.accumulate, -1)]
         return parts[0] if self.accumulate == 1 else {k: np.stack([p[k] for p in parts]) for k in parts[0]}
 

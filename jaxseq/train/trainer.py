@@ -398,6 +398,10 @@ class Trainer:
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
 
+    def _compiled(self, rows: int) -> bool:
+        """Whether the train step for ``rows`` packed rows is compiled: not still compiling ahead."""
+        return rows not in self._compiling or self._compiling[rows].done()
+
     def _compile_ahead(self, batch: Mapping[str, jax.Array], step: int) -> dict[int | tuple, Future]:
         """Compile the train step for the other packed row counts of the steps from ``step`` on (keyed by row
         count), then the eval step for each batch shape of each eval set (keyed ``("eval", name, k)``: every
@@ -440,7 +444,7 @@ class Trainer:
         if self.feed.train_data is None:
             raise JaxseqError("this run has no training data; pass it, or only evaluate and predict")
         start = self.restore_if_any()
-        batches = self.feed.batches(start)
+        batches = self.feed.batches(start, ready=self._compiled)
         pending: list[dict] = []
         eval_metrics: dict[str, float] = {}
         started = time.perf_counter()
