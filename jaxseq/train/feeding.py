@@ -114,7 +114,8 @@ class Feeder:
         )
         if jax.process_count() > 1:
             needed = np.max(np.asarray(multihost_utils.process_allgather(needed)), axis=0)
-        seq = self.train_data.take(np.arange(1))["input_ids"].shape[1]
+        mine = next(train_indices(len(self.train_data), self.global_batch, self.seed))[self._mine]  # tokenized above
+        seq = self.train_data.take(mine[:1])["input_ids"].shape[1]
         buckets = np.array(packing.row_buckets(needed, seq))
         self.row_buckets = [self.dp * int(b) for b in buckets]
         self.packed_rows = self.row_buckets[-1]
