@@ -364,7 +364,7 @@ def _softmax_dropout(logits: jax.Array, rate: float, rngs: nnx.Rngs | DrawnMasks
         return jax.nn.softmax(logits, axis=-1)
     if isinstance(rngs, DrawnMasks):
         return dropout(_softmax(logits), rate, rngs)
-    scores = jnp.exp(logits - jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True)))
+    scores = _exponentials(logits)
     total = jnp.sum(scores, axis=-1, keepdims=True)
     kept = dropout(scores, rate, rngs)  # inverted: kept scores already divided by 1 - rate
     return kept / total
@@ -375,8 +375,13 @@ def _softmax(logits: jax.Array) -> jax.Array:
     """The softmax over the last axis, its derivative written out from its output: the backward pass keeps
     the probabilities alone, where differentiating ``exp(x - max) / sum`` kept the exponentials too, a
     second float32 array of the scores' size per layer."""
-    scores = jnp.exp(logits - jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True)))
+    scores = _exponentials(logits)
     return scores / jnp.sum(scores, axis=-1, keepdims=True)
+
+
+def _exponentials(logits: jax.Array) -> jax.Array:
+    """``exp(logits - max)`` over the last axis: a softmax's numerators, the max held constant."""
+    return jnp.exp(logits - jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True)))
 
 
 @_softmax.defjvp
