@@ -171,14 +171,16 @@ def test_packed_rows_on_a_gpu_take_xla_with_auto_saying_why_and_refuse_cudnn_by_
         use_attention(model, "cudnn", gpu, packed=True)
 
 
-def test_written_out_attention_keeps_only_the_probabilities_and_matches_autodiff():
+@pytest.mark.parametrize("kv_heads", [2, 4])
+def test_written_out_attention_keeps_only_the_probabilities_and_matches_autodiff(kv_heads):
     """XLA's attention with dropout masks drawn before a scanned stack (``_written_out``, CPU programs): its
-    softmax's derivative is written out, so the backward pass keeps the probabilities alone of the scores'
-    size; output and gradients equal differentiating the plain formula (grouped-query heads, padding)."""
+    softmax's derivative is written out and the dropped probabilities are recomputed in the backward pass, so
+    it keeps the probabilities alone of the scores' size (beside the masks); output and gradients equal
+    differentiating the plain formula (grouped-query heads or not, padding)."""
     from jaxseq.models import attention
     from jaxseq.models.layers import DrawnMasks
 
-    b, q, heads, kv_heads, d, rate = 2, 6, 4, 2, 8, 0.3
+    b, q, heads, d, rate = 2, 6, 4, 8, 0.3
     keys = jax.random.split(jax.random.key(0), 5)
     query = jax.random.normal(keys[0], (b, q, heads, d))
     key, value = (jax.random.normal(k, (b, q, kv_heads, d)) for k in keys[1:3])
@@ -203,3 +205,10 @@ def test_written_out_attention_keeps_only_the_probabilities_and_matches_autodiff
     logits = jax.random.normal(keys[0], (b, heads, q, q))
     kept = [r for r in jax.tree.leaves(jax.linearize(attention._softmax, logits)[1]) if r.size > 1]
     assert [r.shape for r in kept] == [logits.shape]  # the probabilities
+    grouped = query.reshape(b, q, kv_heads, heads // kv_heads, d)
+    logits = jnp.einsum("bqhgd,bkhd->bhgqk", grouped, key).reshape(b, heads, q, q) / np.sqrt(d)
+    probs = jax.nn.softmax(jnp.where(mask, logits, jnp.finfo(jnp.float32).min), axis=-1)
+    dropped = np.ravel(jnp.where(keep, probs / (1 - rate), 0))
+    residuals = [np.ravel(r) for r in jax.tree.leaves(jax.linearize(ours, query, key, value)[1])]
+    assert any(r.size == probs.size and np.allclose(r, np.ravel(probs)) for r in residuals)
+    assert not any(r.size == dropped.size and np.allclose(r, dropped) for r in residuals)

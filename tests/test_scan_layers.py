@@ -508,12 +508,15 @@ def train_step(folders, family, mesh, *, scan_layers, remat="none", lora=None, a
 
 def assert_same_step(got, want):
     """The same loss, and each parameter's update within 1e-4 of the tensor's largest (plus float32 rounding of
-    the weight): the programs sum in other orders, which Adam amplifies in small gradients."""
+    the weight): the programs sum in other orders, which Adam amplifies in small gradients. A separate key bias
+    (BERT's) has no gradient but rounding (a softmax ignores what is added to all of a query's scores): its
+    update is that noise, so it is held to the update's own size."""
     assert got[0] == pytest.approx(want[0], rel=1e-6)
     assert set(got[2]) == set(want[2])
     for name, after in want[2].items():
         update = after - want[1][name]
-        tol = 1e-4 * np.abs(update).max() + 2 * np.finfo(np.float32).eps * np.abs(after)
+        scale = 1.0 if name.endswith("key/bias") else 1e-4
+        tol = scale * np.abs(update).max() + 2 * np.finfo(np.float32).eps * np.abs(after)
         assert np.all(np.abs(got[2][name] - after) <= tol), name
 
 

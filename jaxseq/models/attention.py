@@ -23,6 +23,7 @@ instead (``ring_positions``).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from collections.abc import Callable
 from typing import NamedTuple
@@ -35,7 +36,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxseq.errors import JaxseqError
 from jaxseq.mesh import BATCH_AXES, mesh_platform
-from jaxseq.models.layers import DrawnMasks, Stacked, call_block, dropout
+from jaxseq.models.layers import DrawnMasks, Stacked, call_block, dropout, kept
 
 logger = logging.getLogger("jaxseq")
 
@@ -333,11 +334,16 @@ def attend_cache(
 def _written_out(q, k, v, kv_layout: str, mask, bias, scale, dropout_rate, rngs, softcap=None) -> jax.Array:
     """Attention as plain einsums, float32 scores: queries ``[batch, q_len, heads, dim]``, keys/values in
     ``kv_layout`` (``bkhd``: ``[batch, kv_len, kv_heads, dim]``; ``bhkd``: a cache's). Query heads are grouped
-    by the key/value head they read, so grouped-query keys are never repeated in memory."""
+    by the key/value head they read, so grouped-query keys are never repeated in memory; without groups the
+    dots give the ``[batch, heads, q, kv]`` scores directly (the grouped form's reshape made XLA:CPU transpose
+    them, a copy of the scores' size each way: QA's MiniLM step 15% more work)."""
     batch, q_len, heads, dim = q.shape
     kv_heads = k.shape[kv_layout.index("h")]
-    q = q.reshape(batch, q_len, kv_heads, heads // kv_heads, dim)
-    logits = jnp.einsum(f"bqhgd,{kv_layout}->bhgqk", q, k, preferred_element_type=jnp.float32) * scale
+    grouped = kv_heads != heads
+    if grouped:
+        q = q.reshape(batch, q_len, kv_heads, heads // kv_heads, dim)
+    spec = f"bqhgd,{kv_layout}->bhgqk" if grouped else f"bqhd,{kv_layout}->bhqk"
+    logits = jnp.einsum(spec, q, k, preferred_element_type=jnp.float32) * scale
     logits = logits.reshape(batch, heads, q_len, -1)
     if softcap is not None:
         logits = jnp.tanh(logits / softcap) * softcap
@@ -345,29 +351,53 @@ def _written_out(q, k, v, kv_layout: str, mask, bias, scale, dropout_rate, rngs,
         logits = logits + bias.astype(jnp.float32)
     if mask is not None:
         logits = jnp.where(mask, logits, jnp.finfo(jnp.float32).min)
-    probs = _softmax_dropout(logits, dropout_rate, rngs).astype(v.dtype)
-    probs = probs.reshape(batch, kv_heads, heads // kv_heads, q_len, -1)
-    return jnp.einsum(f"bhgqk,{kv_layout}->bqhgd", probs, v).reshape(batch, q_len, heads, dim)
+    spec = f"bhgqk,{kv_layout}->bqhgd" if grouped else f"bhqk,{kv_layout}->bqhd"
+    group = (lambda x: x.reshape(batch, kv_heads, heads // kv_heads, q_len, -1)) if grouped else (lambda x: x)
+    if isinstance(rngs, DrawnMasks) and dropout_rate > 0.0:
+        probs = _softmax(logits)
+        keep = rngs.take(probs.shape, dropout_rate)
+        out = _dropped_product(spec, dropout_rate, group(probs), group(keep), v)
+    else:
+        out = jnp.einsum(spec, group(_softmax_dropout(logits, dropout_rate, rngs).astype(v.dtype)), v)
+    return out.reshape(batch, q_len, heads, dim)
 
 
-def _softmax_dropout(logits: jax.Array, rate: float, rngs: nnx.Rngs | DrawnMasks | None) -> jax.Array:
-    """``dropout(softmax(logits))`` (float32). With masks drawn before a scanned stack (``DrawnMasks``, CPU
-    programs) the probabilities are dropped, and the backward pass keeps them alone (``_softmax``): one float32
-    array of the scores' size per layer, against three as below (six MiniLM attention layers at QA's 25 x 384
-    tokens on CPU: 3.0 GiB of temporaries instead of 4.1, each step 4% faster). Drawing the bits here, the
-    dropped scores are zeroed before they are normalised: the same numbers, in the form XLA:TPU keeps in one
-    fusion with the random bits. Dropping the probabilities after the softmax made it materialise every
+def _softmax_dropout(logits: jax.Array, rate: float, rngs: nnx.Rngs | None) -> jax.Array:
+    """``dropout(softmax(logits))`` (float32), the bits drawn here (in the loop of a scanned stack: TPU, GPU):
+    the dropped scores are zeroed before they are normalised, the same numbers in the form XLA:TPU keeps in
+    one fusion with the random bits. Dropping the probabilities after the softmax made it materialise every
     broadcast constant of the Threefry hash at the scores' full size (about 30 of them: 12.6 GiB per chip for
-    one GPT-2 XL layer at 4 x 1024 tokens on v5e-8); with ``_softmax`` libtpu's compiler overflows its stack
-    pricing the fusions."""
+    one GPT-2 XL layer at 4 x 1024 tokens on v5e-8), and with ``_softmax`` libtpu's compiler overflowed its
+    stack pricing the fusions."""
     if rngs is None or rate == 0.0:
         return jax.nn.softmax(logits, axis=-1)
-    if isinstance(rngs, DrawnMasks):
-        return dropout(_softmax(logits), rate, rngs)
     scores = _exponentials(logits)
     total = jnp.sum(scores, axis=-1, keepdims=True)
-    kept = dropout(scores, rate, rngs)  # inverted: kept scores already divided by 1 - rate
-    return kept / total
+    dropped = dropout(scores, rate, rngs)  # inverted: kept scores already divided by 1 - rate
+    return dropped / total
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _dropped_product(spec: str, rate: float, probs: jax.Array, keep: jax.Array, v: jax.Array) -> jax.Array:
+    """``einsum(spec, dropout(probs), v)`` with dropout's ``keep`` mask drawn ahead (``DrawnMasks``: CPU
+    programs), whose backward pass recomputes the dropped probabilities from ``probs`` and ``keep``, which it
+    holds anyway (``_softmax``'s output, the drawn masks), instead of keeping them: a float32 array of the
+    scores' size less per layer (QA's MiniLM step at 23 x 384 tokens: 3.6 GiB of temporaries instead of 4.5)."""
+    return jnp.einsum(spec, kept(probs, keep, rate).astype(v.dtype), v)
+
+
+def _dropped_product_fwd(spec, rate, probs, keep, v):
+    return _dropped_product(spec, rate, probs, keep, v), (probs, keep, v)
+
+
+def _dropped_product_bwd(spec, rate, residuals, dy):
+    probs, keep, v = residuals
+    _, pullback = jax.vjp(functools.partial(jnp.einsum, spec), kept(probs, keep, rate).astype(v.dtype), v)
+    dkept, dv = pullback(dy)
+    return kept(dkept, keep, rate), None, dv
+
+
+_dropped_product.defvjp(_dropped_product_fwd, _dropped_product_bwd)
 
 
 @jax.custom_jvp

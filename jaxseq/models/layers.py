@@ -174,15 +174,16 @@ def dropout(x: jax.Array, rate: float, rngs: nnx.Rngs | DrawnMasks | None) -> ja
     if rngs is None or rate == 0.0:
         return x
     if isinstance(rngs, DrawnMasks):
-        return _kept(x, rngs.take(x.shape, rate), rate)
+        return kept(x, rngs.take(x.shape, rate), rate)
     return dropout_with_key(x, rate, rngs.dropout())
 
 
 def dropout_with_key(x: jax.Array, rate: float, key: jax.Array) -> jax.Array:
-    return _kept(x, jax.random.bernoulli(key, 1.0 - rate, x.shape), rate)
+    return kept(x, jax.random.bernoulli(key, 1.0 - rate, x.shape), rate)
 
 
-def _kept(x: jax.Array, keep: jax.Array, rate: float) -> jax.Array:
+def kept(x: jax.Array, keep: jax.Array, rate: float) -> jax.Array:
+    """``x`` dropped out where ``keep`` is False, the rest divided by ``1 - rate`` (inverted dropout)."""
     return jnp.where(keep, x / (1.0 - rate), 0).astype(x.dtype)
 
 
