@@ -172,43 +172,41 @@ def test_packed_rows_on_a_gpu_take_xla_with_auto_saying_why_and_refuse_cudnn_by_
 
 
 @pytest.mark.parametrize("kv_heads", [2, 4])
-def test_written_out_attention_keeps_only_the_probabilities_and_matches_autodiff(kv_heads):
+def test_written_out_attention_keeps_no_probabilities_and_matches_autodiff(kv_heads):
     """XLA's attention with dropout masks drawn before a scanned stack (``_written_out``, CPU programs): its
-    softmax's derivative is written out and the dropped probabilities are recomputed in the backward pass, so
-    it keeps the probabilities alone of the scores' size (beside the masks); output and gradients equal
-    differentiating the plain formula (grouped-query heads or not, padding)."""
+    backward pass recomputes the probabilities, so it keeps nothing of the scores' size but the masks; output
+    and gradients equal differentiating the plain formula (grouped-query heads or not, padding, an additive bias)."""
     from jaxseq.models import attention
     from jaxseq.models.layers import DrawnMasks
 
     b, q, heads, d, rate = 2, 6, 4, 8, 0.3
-    keys = jax.random.split(jax.random.key(0), 5)
+    keys = jax.random.split(jax.random.key(0), 6)
     query = jax.random.normal(keys[0], (b, q, heads, d))
     key, value = (jax.random.normal(k, (b, q, kv_heads, d)) for k in keys[1:3])
     mask = jnp.arange(q)[None, None, None, :] < jnp.array([q, 4])[:, None, None, None]  # row 1 padded after 4
     keep = jax.random.bernoulli(keys[3], 1 - rate, (b, heads, q, q))
     weights = jax.random.normal(keys[4], (b, q, heads, d))
+    bias = jax.random.normal(keys[5], (1, heads, q, q))  # T5's relative position bias: trained too
 
-    def plain(query, key, value):
+    def plain(query, key, value, bias):
         grouped = query.reshape(b, q, kv_heads, heads // kv_heads, d)
-        logits = jnp.einsum("bqhgd,bkhd->bhgqk", grouped, key).reshape(b, heads, q, q) / np.sqrt(d)
+        logits = jnp.einsum("bqhgd,bkhd->bhgqk", grouped, key).reshape(b, heads, q, q) / np.sqrt(d) + bias
         probs = jax.nn.softmax(jnp.where(mask, logits, jnp.finfo(jnp.float32).min), axis=-1)
         probs = jnp.where(keep, probs / (1 - rate), 0).reshape(b, kv_heads, heads // kv_heads, q, q)
         return jnp.sum(jnp.einsum("bhgqk,bkhd->bqhgd", probs, value).reshape(b, q, heads, d) * weights)
 
-    def ours(query, key, value):
-        out = attention._written_out(query, key, value, "bkhd", mask, None, d**-0.5, rate, DrawnMasks((keep,)))
+    def ours(query, key, value, bias):
+        out = attention._written_out(query, key, value, "bkhd", mask, bias, d**-0.5, rate, DrawnMasks((keep,)))
         return jnp.sum(out * weights)
 
-    np.testing.assert_allclose(ours(query, key, value), plain(query, key, value), rtol=1e-5)
-    for got, want in zip(jax.grad(ours, (0, 1, 2))(query, key, value), jax.grad(plain, (0, 1, 2))(query, key, value)):
+    args = (query, key, value, bias)
+    np.testing.assert_allclose(ours(*args), plain(*args), rtol=1e-5)
+    for got, want in zip(jax.grad(ours, (0, 1, 2, 3))(*args), jax.grad(plain, (0, 1, 2, 3))(*args)):
         np.testing.assert_allclose(got, want, atol=1e-5)
-    logits = jax.random.normal(keys[0], (b, heads, q, q))
-    kept = [r for r in jax.tree.leaves(jax.linearize(attention._softmax, logits)[1]) if r.size > 1]
-    assert [r.shape for r in kept] == [logits.shape]  # the probabilities
     grouped = query.reshape(b, q, kv_heads, heads // kv_heads, d)
-    logits = jnp.einsum("bqhgd,bkhd->bhgqk", grouped, key).reshape(b, heads, q, q) / np.sqrt(d)
-    probs = jax.nn.softmax(jnp.where(mask, logits, jnp.finfo(jnp.float32).min), axis=-1)
-    dropped = np.ravel(jnp.where(keep, probs / (1 - rate), 0))
-    residuals = [np.ravel(r) for r in jax.tree.leaves(jax.linearize(ours, query, key, value)[1])]
-    assert any(r.size == probs.size and np.allclose(r, np.ravel(probs)) for r in residuals)
+    logits = jnp.einsum("bqhgd,bkhd->bhgqk", grouped, key).reshape(b, heads, q, q) / np.sqrt(d) + bias
+    probs = np.ravel(jax.nn.softmax(jnp.where(mask, logits, jnp.finfo(jnp.float32).min), axis=-1))
+    dropped = np.ravel(jnp.where(keep, probs.reshape(keep.shape) / (1 - rate), 0))
+    residuals = [np.ravel(r) for r in jax.tree.leaves(jax.linearize(ours, *args)[1])]
+    assert not any(r.size == probs.size and np.allclose(r, probs) for r in residuals)
     assert not any(r.size == dropped.size and np.allclose(r, dropped) for r in residuals)

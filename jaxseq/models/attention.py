@@ -335,31 +335,65 @@ def _written_out(q, k, v, kv_layout: str, mask, bias, scale, dropout_rate, rngs,
     """Attention as plain einsums, float32 scores: queries ``[batch, q_len, heads, dim]``, keys/values in
     ``kv_layout`` (``bkhd``: ``[batch, kv_len, kv_heads, dim]``; ``bhkd``: a cache's). Query heads are grouped
     by the key/value head they read, so grouped-query keys are never repeated in memory; without groups the
-    dots give the ``[batch, heads, q, kv]`` scores directly (the grouped form's reshape made XLA:CPU transpose
-    them, a copy of the scores' size each way: QA's MiniLM step 15% more work)."""
-    batch, q_len, heads, dim = q.shape
-    kv_heads = k.shape[kv_layout.index("h")]
-    grouped = kv_heads != heads
-    if grouped:
-        q = q.reshape(batch, q_len, kv_heads, heads // kv_heads, dim)
-    spec = f"bqhgd,{kv_layout}->bhgqk" if grouped else f"bqhd,{kv_layout}->bhqk"
-    logits = jnp.einsum(spec, q, k, preferred_element_type=jnp.float32) * scale
+    dots give the ``[batch, heads, q, kv]`` scores directly and the output ``[batch, heads, q, dim]`` (the
+    grouped form's reshape, and an output with its heads in place, made XLA:CPU transpose the scores or run
+    the product in the slow order: QA's MiniLM step about 20% more work)."""
+    shape = _Shape(q.shape, k.shape[kv_layout.index("h")], kv_layout, scale, softcap)
+    if isinstance(rngs, DrawnMasks) and dropout_rate > 0.0:
+        keep = rngs.take(shape.scores(k.shape[kv_layout.index("k")]), dropout_rate)
+        return _attention_drawn(shape, dropout_rate, q, k, v, bias, mask, keep)
+    logits = _scores(shape, q, k, bias, mask)
+    probs = _softmax_dropout(logits, dropout_rate, rngs).astype(v.dtype)
+    return shape.output(jnp.einsum(shape.product, shape.group(probs), v))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Shape:
+    """The static layout of one ``_written_out`` attention (hashable: ``_attention_drawn``'s static argument)."""
+
+    q: tuple[int, ...]  # [batch, q_len, heads, dim]
+    kv_heads: int
+    kv_layout: str
+    scale: float
+    softcap: float | None
+
+    @property
+    def grouped(self) -> bool:
+        return self.kv_heads != self.q[2]
+
+    @property
+    def product(self) -> str:
+        """The einsum of the (grouped) probabilities with the values."""
+        return f"bhgqk,{self.kv_layout}->bhgqd" if self.grouped else f"bhqk,{self.kv_layout}->bhqd"
+
+    def scores(self, kv_len: int) -> tuple[int, ...]:
+        return (self.q[0], self.q[2], self.q[1], kv_len)
+
+    def group(self, x: jax.Array) -> jax.Array:
+        """``[batch, heads, q, kv]`` -> grouped by key/value head, as ``product`` reads them."""
+        batch, heads, q_len, kv_len = x.shape
+        return x.reshape(batch, self.kv_heads, heads // self.kv_heads, q_len, kv_len) if self.grouped else x
+
+    def output(self, out: jax.Array) -> jax.Array:
+        """``product``'s result -> ``[batch, q_len, heads, dim]``."""
+        return jnp.moveaxis(out, -2, 1).reshape(self.q)
+
+
+def _scores(shape: _Shape, q, k, bias, mask) -> jax.Array:
+    """The float32 ``[batch, heads, q, kv]`` attention logits: scaled, soft-capped, biased, masked."""
+    batch, q_len, heads, dim = shape.q
+    if shape.grouped:
+        q = q.reshape(batch, q_len, shape.kv_heads, heads // shape.kv_heads, dim)
+    spec = f"bqhgd,{shape.kv_layout}->bhgqk" if shape.grouped else f"bqhd,{shape.kv_layout}->bhqk"
+    logits = jnp.einsum(spec, q, k, preferred_element_type=jnp.float32) * shape.scale
     logits = logits.reshape(batch, heads, q_len, -1)
-    if softcap is not None:
-        logits = jnp.tanh(logits / softcap) * softcap
+    if shape.softcap is not None:
+        logits = jnp.tanh(logits / shape.softcap) * shape.softcap
     if bias is not None:
         logits = logits + bias.astype(jnp.float32)
     if mask is not None:
         logits = jnp.where(mask, logits, jnp.finfo(jnp.float32).min)
-    spec = f"bhgqk,{kv_layout}->bqhgd" if grouped else f"bhqk,{kv_layout}->bqhd"
-    group = (lambda x: x.reshape(batch, kv_heads, heads // kv_heads, q_len, -1)) if grouped else (lambda x: x)
-    if isinstance(rngs, DrawnMasks) and dropout_rate > 0.0:
-        probs = _softmax(logits)
-        keep = rngs.take(probs.shape, dropout_rate)
-        out = _dropped_product(spec, dropout_rate, group(probs), group(keep), v)
-    else:
-        out = jnp.einsum(spec, group(_softmax_dropout(logits, dropout_rate, rngs).astype(v.dtype)), v)
-    return out.reshape(batch, q_len, heads, dim)
+    return logits
 
 
 def _softmax_dropout(logits: jax.Array, rate: float, rngs: nnx.Rngs | None) -> jax.Array:
@@ -367,8 +401,8 @@ def _softmax_dropout(logits: jax.Array, rate: float, rngs: nnx.Rngs | None) -> j
     the dropped scores are zeroed before they are normalised, the same numbers in the form XLA:TPU keeps in
     one fusion with the random bits. Dropping the probabilities after the softmax made it materialise every
     broadcast constant of the Threefry hash at the scores' full size (about 30 of them: 12.6 GiB per chip for
-    one GPT-2 XL layer at 4 x 1024 tokens on v5e-8), and with ``_softmax`` libtpu's compiler overflowed its
-    stack pricing the fusions."""
+    one GPT-2 XL layer at 4 x 1024 tokens on v5e-8), and with a softmax whose derivative was written out
+    libtpu's compiler overflowed its stack pricing the fusions."""
     if rngs is None or rate == 0.0:
         return jax.nn.softmax(logits, axis=-1)
     scores = _exponentials(logits)
@@ -377,48 +411,47 @@ def _softmax_dropout(logits: jax.Array, rate: float, rngs: nnx.Rngs | None) -> j
     return dropped / total
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _dropped_product(spec: str, rate: float, probs: jax.Array, keep: jax.Array, v: jax.Array) -> jax.Array:
-    """``einsum(spec, dropout(probs), v)`` with dropout's ``keep`` mask drawn ahead (``DrawnMasks``: CPU
-    programs), whose backward pass recomputes the dropped probabilities from ``probs`` and ``keep``, which it
-    holds anyway (``_softmax``'s output, the drawn masks), instead of keeping them: a float32 array of the
-    scores' size less per layer (QA's MiniLM step at 23 x 384 tokens: 3.6 GiB of temporaries instead of 4.5)."""
-    return jnp.einsum(spec, kept(probs, keep, rate).astype(v.dtype), v)
-
-
-def _dropped_product_fwd(spec, rate, probs, keep, v):
-    return _dropped_product(spec, rate, probs, keep, v), (probs, keep, v)
-
-
-def _dropped_product_bwd(spec, rate, residuals, dy):
-    probs, keep, v = residuals
-    _, pullback = jax.vjp(functools.partial(jnp.einsum, spec), kept(probs, keep, rate).astype(v.dtype), v)
-    dkept, dv = pullback(dy)
-    return kept(dkept, keep, rate), None, dv
-
-
-_dropped_product.defvjp(_dropped_product_fwd, _dropped_product_bwd)
-
-
-@jax.custom_jvp
-def _softmax(logits: jax.Array) -> jax.Array:
-    """The softmax over the last axis, its derivative written out from its output: the backward pass keeps
-    the probabilities alone, where differentiating ``exp(x - max) / sum`` kept the exponentials too, a
-    second float32 array of the scores' size per layer."""
-    scores = _exponentials(logits)
-    return scores / jnp.sum(scores, axis=-1, keepdims=True)
-
-
 def _exponentials(logits: jax.Array) -> jax.Array:
     """``exp(logits - max)`` over the last axis: a softmax's numerators, the max held constant."""
     return jnp.exp(logits - jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True)))
 
 
-@_softmax.defjvp
-def _softmax_jvp(primals, tangents):
-    (logits,), (dlogits,) = primals, tangents
-    probs = _softmax(logits)
-    return probs, probs * (dlogits - jnp.sum(probs * dlogits, axis=-1, keepdims=True))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _attention_drawn(shape: _Shape, rate: float, q, k, v, bias, mask, keep) -> jax.Array:
+    """``_written_out`` with dropout's ``keep`` mask drawn ahead (``DrawnMasks``: CPU programs), whose backward
+    pass keeps nothing of the scores' size (as FlashAttention's): it recomputes the probabilities from the
+    queries, keys and each query's log-sum-exp, the dropped ones from them and the masks (which it holds
+    anyway: the scan's inputs). A scanned stack otherwise stacks every layer's probabilities, zeroing and
+    filling an array of their size for all layers at every step (QA's MiniLM step at 23 x 384 tokens: 2.6
+    GiB of temporaries instead of 4.5)."""
+    return _attention_drawn_fwd(shape, rate, q, k, v, bias, mask, keep)[0]
+
+
+def _attention_drawn_fwd(shape, rate, q, k, v, bias, mask, keep):
+    logits = _scores(shape, q, k, bias, mask)
+    top = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
+    scores = jnp.exp(logits - top)
+    total = jnp.sum(scores, axis=-1, keepdims=True)
+    dropped = kept(scores / total, keep, rate).astype(v.dtype)
+    out = shape.output(jnp.einsum(shape.product, shape.group(dropped), v))
+    return out, (q, k, v, bias, mask, keep, out, top + jnp.log(total))
+
+
+def _attention_drawn_bwd(shape, rate, residuals, dout):
+    q, k, v, bias, mask, keep, out, log_total = residuals
+    logits, scores_vjp = jax.vjp(lambda q, k, bias: _scores(shape, q, k, bias, mask), q, k, bias)
+    probs = jnp.exp(logits - log_total)
+    dropped = shape.group(kept(probs, keep, rate).astype(v.dtype))
+    _, product_vjp = jax.vjp(lambda p, v: shape.output(jnp.einsum(shape.product, p, v)), dropped, v)
+    ddropped, dv = product_vjp(dout)
+    dprobs = kept(ddropped.reshape(probs.shape).astype(jnp.float32), keep, rate)
+    # sum_k probs * dprobs = dout . out per query (the dropped probabilities weigh the values alike)
+    row = jnp.einsum("bqhd,bqhd->bhq", dout.astype(jnp.float32), out.astype(jnp.float32))[..., None]
+    dq, dk, dbias = scores_vjp(probs * (dprobs - row))
+    return dq, dk, dv, dbias, None, None
+
+
+_attention_drawn.defvjp(_attention_drawn_fwd, _attention_drawn_bwd)
 
 
 def split_heads(x: jax.Array, heads: int) -> jax.Array:
