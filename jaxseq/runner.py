@@ -150,6 +150,10 @@ def run(job: Job, argv) -> int:
             f"packing {feed.micro_batch} examples into {' or '.join(map(str, feed.row_buckets))} rows per "
             f"micro-batch (of {prepared.seq_len} tokens)"
         )
+    for name, rows in feed.eval_packed_rows.items():
+        if rows and len(feed.eval_sets[name]):
+            examples, batches = len(feed.eval_sets[name]), feed.eval_batch_count(name)
+            log(f"packing {examples} {name.lstrip('_') or 'eval'} examples into {batches} batches of {rows} rows")
     trains = prepared.train is not None
     restored = not trains and args.trainer.resume_from_checkpoint is not None
     try:

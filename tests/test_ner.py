@@ -204,6 +204,7 @@ def test_packed_training_of_jaxseq_ner_follows_one_sentence_a_row(tmp_path):
     for key, value in runs["rows"][1].items():
         assert runs["packed"][1][key] == pytest.approx(value, rel=1e-5, abs=1e-7), key
     assert "packing 8 examples into" in runs["packed"][2] and "packing" not in runs["rows"][2]
+    assert "packing 40 eval examples into 2 batches of 8 rows" in runs["packed"][2]  # evaluated on packed rows
 
 
 def test_a_datasets_folder_with_int_tags_is_read_with_their_names(tmp_path):

@@ -83,6 +83,36 @@ def test_packed_minilm_gives_the_unpacked_logits(minilm_sst2):
     np.testing.assert_allclose(np.asarray(got), np.asarray(expected), atol=1e-5)
 
 
+def test_packed_evaluation_batches_gather_every_tokens_logits_as_its_unpacked_row(minilm_sst2):
+    """Evaluation packs a whole set at once (``packed_batches``: each example once, a few rows a batch) and
+    ``token_index`` puts each example's per-token outputs back at its own columns (padded on either side)."""
+    folder, arrays = minilm_sst2
+    inputs = {k: v for k, v in arrays.items() if k != "labels"}
+    lengths = packing.lengths(inputs)
+    layout = packing.packed_batches(lengths, 64, rows=4, multiple=2)
+    assert len(layout) > 1 and len({len(index) for index, _, _ in layout}) == 1 and len(layout[0][0]) % 2 == 0
+    seen = np.concatenate([index[valid] for index, valid, _ in layout])
+    np.testing.assert_array_equal(np.sort(seen), np.arange(len(lengths)))  # every example, once
+    model = load_pretrained(folder, "token-classification", num_labels=5, seed=0)
+    expected = np.asarray(model(**{k: jnp.asarray(v) for k, v in inputs.items()}))
+    left = {k: np.stack([np.roll(row, 64 - n) for row, n in zip(v, lengths)]) for k, v in inputs.items()}
+    for index, valid, assignment in layout:
+        assert len(assignment) <= 4 and all(lengths[index[row]].sum() <= 64 for row in assignment)
+        batch = {k: v[index] for k, v in inputs.items()}
+        packed = packing.pack(batch, 4, packing.TOKENS, assignment=assignment, token_index=True)
+        assert packed["input_ids"].shape == (4, 64) and packed["token_index"].shape == (len(index), 64)
+        logits = np.asarray(model(**{k: jnp.asarray(packed[k]) for k in packing.ROW_ARRAYS}))
+        got = logits.reshape(-1, 5)[packed["token_index"]]
+        real = (batch["attention_mask"] != 0) & valid[:, None]  # the repeats that fill the batch: not packed
+        np.testing.assert_allclose(got[real], expected[index][real], atol=1e-5)
+        shifted = packing.pack(
+            {k: v[index] for k, v in left.items()}, 4, packing.TOKENS, assignment=assignment, token_index=True
+        )
+        flat = shifted["input_ids"].reshape(-1)[shifted["token_index"]]
+        real = (left["attention_mask"][index] != 0) & valid[:, None]
+        np.testing.assert_array_equal(flat[real], left["input_ids"][index][real])
+
+
 def test_packed_gpt2_gives_the_unpacked_logits(tokenizer, sst2):  # noqa: F811 (fixtures)
     _, _, dev = sst2
     model = tiny_classifier(tokenizer, dropout=0.0)

@@ -31,12 +31,14 @@ from jaxseq.mesh import batch_spec, data_parallel_size
 class Feeder:
     """The training and evaluation batches of one run on ``mesh``. ``pack``: pack short examples into shared
     rows (``jaxseq.data.packing``), pointing at each example's ``"first"`` or ``"last"`` token, or each token
-    labelled (``packing.TOKENS``); ``pack_eval``: evaluation and prediction too (an objective whose outputs are
-    one per example; per-token outputs are read an example a row). The row counts are sized once for the whole
-    run (``size_packing``): a few static shapes, one compiled program each. Unpacked
-    evaluation sorts the examples by length and cuts each batch to one of a few widths (``length_buckets``,
-    multiples of ``bucket_multiple``): one compiled program per width. ``train_data=None``: evaluation and
-    prediction only."""
+    labelled (``packing.TOKENS``). The training row counts are sized once for the whole run
+    (``size_packing``): a few static shapes, one compiled program each. ``pack_eval``: evaluation and
+    prediction pack too (an objective that reads its outputs at ``pool_index``, or at ``token_index`` for
+    per-token outputs): every example of a set is packed at once and the rows taken
+    ``per_device_eval_batch_size`` a replica at a time, one compiled program. Unpacked evaluation sorts the
+    examples by length and cuts each batch to one of a few widths (``length_buckets``, multiples of
+    ``bucket_multiple``): one compiled program per width. ``train_data=None``: evaluation and prediction
+    only."""
 
     def __init__(
         self,
@@ -75,14 +77,14 @@ class Feeder:
         self.packed_rows: int | None = None  # the most rows a micro-batch is packed into
         self.row_buckets: list[int] = []  # every row count micro-batches are packed into
         self._step_rows = np.zeros(0, np.int64)  # the row count of each step's micro-batches
-        self.eval_packed_rows: dict[str, int | None] = dict.fromkeys(self.eval_sets)
+        self.eval_packed_rows: dict[str, int | None] = dict.fromkeys(self.eval_sets)  # rows a packed batch
         self._eval_layouts: dict[str, tuple] = {}  # _eval_layout's, per eval set
 
     def size_packing(self, total_steps: int) -> None:
         """Packed rows of each step's micro-batches (one of a few counts, ``packing.row_buckets`` of what the
-        steps need) and of every eval batch (the most any needs). Every data-parallel shard packs its own
-        examples into its own rows, so the layout depends on the mesh, not on how many processes share it;
-        each process sizes only its shards (tokenizing only those) and the processes agree on the largest."""
+        steps need), and of every eval batch (``eval_batch``). Every data-parallel shard packs its own
+        training examples into its own rows, so the layout depends on the mesh, not on how many processes share
+        it; each process sizes only its shards (tokenizing only those) and the processes agree on the largest."""
         if not self.pack:
             return
         if self.train_data is not None:
@@ -90,12 +92,7 @@ class Feeder:
         if not self.pack_eval:
             return
         self._eval_layouts.clear()  # worked out for unpacked sets
-        self.eval_packed_rows = {
-            name: self._rows_for(
-                data.take(index[self._eval_mine]) for index, _ in eval_indices(len(data), self.eval_batch)
-            )
-            for name, data in self.eval_sets.items()
-        }
+        self.eval_packed_rows = dict.fromkeys(self.eval_sets, self.eval_batch)
 
     def _size_train_packing(self, total_steps: int) -> None:
         """The row count of each step (``packing.row_buckets`` of what the steps' shards need, the processes'
@@ -120,14 +117,6 @@ class Feeder:
         self.row_buckets = [self.dp * int(b) for b in buckets]
         self.packed_rows = self.row_buckets[-1]
         self._step_rows = self.dp * buckets[np.searchsorted(buckets, needed)]
-
-    def _rows_for(self, batches) -> int:
-        """Packed rows of a whole batch: ``dp`` times the most any shard of this process's ``batches`` (or of
-        any other process's) needs."""
-        needed = packing.rows_needed(shard for batch in batches for shard in self._shards(batch))
-        if jax.process_count() > 1:
-            needed = int(np.max(multihost_utils.process_allgather(np.int32(needed))))
-        return self.dp * needed
 
     def _shards(self, local: Mapping[str, np.ndarray]) -> list[dict[str, np.ndarray]]:
         """This process's examples of a batch, split into its data-parallel shards."""
@@ -192,16 +181,21 @@ class Feeder:
 
     def eval_batches(self, name: str) -> Iterator[tuple[dict[str, jax.Array], np.ndarray, np.ndarray]]:
         """``(batch, index, valid)`` over every example of eval set ``name``: ``index`` is the example of each
-        row of the batch (the last batch is padded with repeats) and ``valid`` marks the real rows. Packed:
-        in input order. Unpacked with padding masks: sorted by length, each batch cut to its bucket's width."""
-        batches, _ = self._eval_layout(name)
+        row of the batch, or of each of its outputs when packed (padded with repeats to the same count in
+        every batch), and ``valid`` marks the real ones. Packed: the examples of a run of rows. Unpacked with
+        padding masks: sorted by length, each batch cut to its bucket's width. Else in input order."""
+        batches = self._eval_layout(name)[0]
         for b, (index, valid) in enumerate(batches):
             yield self.device_batch(self._eval_host_batch(name, b)), index, valid
+
+    def eval_batch_count(self, name: str) -> int:
+        """How many batches ``eval_batches(name)`` yields."""
+        return len(self._eval_layout(name)[0])
 
     def eval_shapes(self, name: str) -> list[dict[str, jax.ShapeDtypeStruct]]:
         """The shapes, dtypes and shardings of eval set ``name``'s batches, each distinct one once, in order of
         first use: what the eval step is compiled for (one program each)."""
-        batches, widths = self._eval_layout(name)
+        batches, widths, _ = self._eval_layout(name)
         firsts: dict[tuple, int] = {}
         for b in range(len(batches)):
             firsts.setdefault(tuple(widths[b].items()) if widths else (), b)
@@ -213,16 +207,21 @@ class Feeder:
             for b in firsts.values()
         ]
 
-    def _eval_layout(self, name: str) -> tuple[list[tuple[np.ndarray, np.ndarray]], list[dict[str, int]] | None]:
-        """The eval batches of set ``name`` as ``(index, valid)``, and each one's widths when length-bucketed.
-        Worked out once per set."""
+    def _eval_layout(self, name: str) -> tuple[list[tuple[np.ndarray, np.ndarray]], list | None, list | None]:
+        """The eval batches of set ``name`` as ``(index, valid)``, each one's widths when length-bucketed, and
+        each one's examples by row when packed. Worked out once per set; every process works out (tokenizes)
+        the whole set, so all agree on the batches."""
         if name in self._eval_layouts:
             return self._eval_layouts[name]
         data = self.eval_sets[name]
-        packed_rows = self.eval_packed_rows[name]
+        packed_rows = self.eval_packed_rows.get(name)
         masks = [] if packed_rows or not len(data) else [m for m in MASKED_ARRAYS if m in data.take(np.arange(1))]
-        if not masks:
-            layout = list(eval_indices(len(data), self.eval_batch)), None
+        if packed_rows and len(data):
+            full = data.take(np.arange(len(data)))
+            packed = packing.packed_batches(packing.lengths(full), full["input_ids"].shape[1], packed_rows, self.dp)
+            layout = [(index, valid) for index, valid, _ in packed], None, [rows for _, _, rows in packed]
+        elif not masks:
+            layout = list(eval_indices(len(data), self.eval_batch)), None, None
         else:
             # every process sorts every example (tokenizing the whole set), so all agree on the batches' shapes
             full = data.take(np.arange(len(data)))
@@ -235,17 +234,25 @@ class Feeder:
                 )
                 for i, m in enumerate(masks)
             }
-            layout = batches, [{m: int(w[b]) for m, w in widths.items()} for b in range(len(batches))]
+            layout = batches, [{m: int(w[b]) for m, w in widths.items()} for b in range(len(batches))], None
         self._eval_layouts[name] = layout
         return layout
 
     def _eval_host_batch(self, name: str, b: int) -> dict[str, np.ndarray]:
-        """This process's arrays of eval batch ``b`` of set ``name``."""
-        batches, widths = self._eval_layout(name)
-        mine = batches[b][0][self._eval_mine]
+        """This process's arrays of eval batch ``b`` of set ``name``: its rows, and when packed its share of
+        the per-example arrays (``pool_index`` or ``token_index`` count from the batch's first row)."""
+        batches, widths, assignments = self._eval_layout(name)
+        index = batches[b][0]
         data = self.eval_sets[name]
+        if assignments is not None:
+            rows = self.eval_packed_rows[name]
+            tokens = self.pack == packing.TOKENS
+            packed = packing.pack(data.take(index), rows, self.pack, assignment=assignments[b], token_index=tokens)
+            examples = self._local_slice(len(index))
+            return {k: v[self._eval_mine if k in packing.ROW_ARRAYS else examples] for k, v in packed.items()}
+        mine = index[self._eval_mine]
         if widths is None:
-            return self._local(data, mine, self.eval_packed_rows[name])
+            return data.take(mine)
         return trim(data.take(mine), widths[b])
 
     def _local(self, data: Rows, index: np.ndarray, packed_rows: int | None) -> dict[str, np.ndarray]:

@@ -109,13 +109,19 @@ class TokenClassification(TokenLoss):
 
     metric_names = ("loss", "precision", "recall", "f1", "accuracy")
     metric_imports = SEQEVAL_IMPORTS  # imported while training starts (Trainer), not at the first evaluation
+    packed_outputs = True  # evaluation packs too: each example's logits gathered at its token_index
 
     def __init__(self, labels, entity_level: bool = False):
         self.labels, self.entity_level = list(labels), entity_level
 
     def _logits(self, model, batch, rngs=None):
+        """``[batch, seq, labels]``; for packed evaluation rows, each example's ``[seq, labels]`` gathered at its
+        ``token_index``, as its unpacked row would give them (padding columns: anything, never labelled)."""
         extra = {k: batch[k] for k in ("token_type_ids", "position_ids") if k in batch}
-        return model(batch["input_ids"], batch["attention_mask"], **extra, rngs=rngs)
+        logits = model(batch["input_ids"], batch["attention_mask"], **extra, rngs=rngs)
+        if "token_index" in batch:
+            return logits.reshape(-1, logits.shape[-1])[batch["token_index"]]
+        return logits
 
     def _scored(self, logits, batch):
         """(per-token losses, weights, labels), the labels cut to the logits' width (an evaluation batch

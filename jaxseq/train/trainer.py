@@ -627,7 +627,7 @@ class Trainer:
             self._compiling.pop(key).result()  # compiled in the background while training (_compile_ahead)
         params, parts, order = self.eval_params(), collections.defaultdict(list), []
         inflight: collections.deque = collections.deque()
-        batches = -(-len(self.feed.eval_sets[name]) // self.feed.eval_batch)
+        batches = self.feed.eval_batch_count(name)
         with self.logger.progress(batches, bar or f"eval{name}") as progress:
 
             def read_back():
