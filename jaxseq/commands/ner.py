@@ -69,9 +69,9 @@ class NerDataConfig(Stages):
     )
     pack_sequences: bool = arg(
         True,
-        "in training, pack several sentences into each row of --max_seq_length, every token keeping its tag (same "
-        "math per sentence, much less padding); evaluation and prediction cut their batches to a few lengths "
-        "instead; --no_pack_sequences: one sentence per row",
+        "pack several sentences into each row of --max_seq_length, every token keeping its tag (same math per "
+        "sentence, much less padding), in training, evaluation and prediction; --no_pack_sequences: one sentence "
+        "per row (evaluation cuts its batches to a few lengths)",
     )
     return_entity_level_metrics: bool = arg(
         False, "also report precision, recall, F1 and count of each entity type (eval_PER_f1, ...)"

@@ -45,7 +45,9 @@ PREDICT = "predict"  # the feeder's names of the predict sets start with this
 class TrainerConfig:
     output_dir: str = arg("outputs", "where checkpoints, metrics, plots and the final model go")
     per_device_train_batch_size: int = arg(32, "training batch per data-parallel replica (dp x fsdp of the mesh)")
-    per_device_eval_batch_size: int = arg(8, "evaluation batch per data-parallel replica (as in transformers)")
+    per_device_eval_batch_size: int = arg(
+        8, "evaluation batch per data-parallel replica (as in transformers); rows of packed examples where packed"
+    )
     gradient_accumulation_steps: int = arg(1, "micro-batches summed into each update")
     num_train_epochs: float = arg(3.0, "epochs to train (ignored when --max_steps > 0)")
     max_steps: int = arg(-1, "total updates; > 0 overrides --num_train_epochs")
