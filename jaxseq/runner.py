@@ -7,6 +7,7 @@ results, export, Hub push)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import types
 from collections.abc import Callable, Mapping
@@ -118,7 +119,6 @@ def run(job: Job, argv) -> int:
     mesh = start(args.runtime, args.distributed)
     prepared = job.prepare(args, False)
     spec = spec_of(job, args, mesh, prepared)
-    model = spec.build_model(prepared.checkpoint, prepared.overrides)
     speed = {}
     if "speed" in job.sections:
         peak, peak_source = peak_flops(mesh.devices.flat, spec.dtype, args.speed.peak_flops)
@@ -127,8 +127,9 @@ def run(job: Job, argv) -> int:
             "flops_per_example": model_flops(spec.config, spec.task, 1, prepared.seq_len, prepared.target_len),
             "peak_flops": peak,
         }
+    build = functools.partial(spec.build_model, prepared.checkpoint, prepared.overrides)
     trainer = Trainer(
-        spec, model, prepared.train, prepared.evals, predict_sets=prepared.predicts, **speed
+        spec, build, prepared.train, prepared.evals, predict_sets=prepared.predicts, **speed
     )  # checks any checkpoint already in output_dir before anything is written there
     if jax.process_index() == 0:
         save_config(trainer.output_dir / "config.yaml", *saved_sections(args).values())

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -81,6 +82,8 @@ def make_trainer(tmp_path, tokenizer, data, mesh_spec="dp=8", devices=None, **kw
     spec = RunSpec(
         mesh, model.config, TASK, SequenceClassification(task), TrainerConfig(**trainer_kw), optim, pack=kw.get("pack")
     )
+    if "build" in kw:  # the spec's own model (as a job's): given built, or (build="lazy") built by the Trainer
+        model = spec.build_model if kw["build"] == "lazy" else spec.build_model()
     return Trainer(spec, model, train, {"": dev}, predict_sets=kw.get("predict_sets"))
 
 
@@ -88,6 +91,30 @@ def train_losses(trainer):
     trainer.train()
     trainer.close()
     return [r["train/loss"] for r in trainer.logger.records if "train/loss" in r]
+
+
+def test_the_first_step_compiles_while_the_trainer_builds_the_model(tmp_path, tokenizer, sst2):
+    """Trainer(spec, build) (as a job runs): the first step's program compiles once, on the background thread,
+    while ``build()`` makes the model; the first step finds it compiled, and the run is the one given the model."""
+    compiles = []
+
+    def count(event, seconds, fun_name="", **_):
+        if event == "/jax/core/compile/backend_compile_duration" and "train_step" in fun_name:
+            compiles.append(threading.current_thread().name)
+
+    runs = {}
+    for build in ("lazy", "built"):
+        jax.monitoring.register_event_duration_secs_listener(count)
+        try:
+            trainer = make_trainer(tmp_path / build, tokenizer, sst2, "dp=2", devices=jax.devices()[:2], build=build)
+            runs[build] = train_losses(trainer)
+        finally:
+            jax.monitoring.unregister_event_duration_listener(count)
+        if build == "lazy":
+            assert len(compiles) == 1 and compiles[0].startswith("jaxseq-compile"), compiles
+            assert trainer.program.step._cache_size() == 1  # every step's call found it compiled
+    assert len(runs["lazy"]) == 6
+    np.testing.assert_array_equal(runs["lazy"], runs["built"])
 
 
 def test_sharded_training_follows_single_device(tmp_path, tokenizer, sst2):

@@ -12,7 +12,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -191,7 +191,7 @@ class Trainer:
     def __init__(
         self,
         spec: RunSpec,
-        model: nnx.Module,
+        model: nnx.Module | Callable[[], nnx.Module],
         train_data: Rows | Mapping[str, np.ndarray] | None,
         eval_sets: Mapping[str, Rows | Mapping[str, np.ndarray]],
         *,
@@ -200,7 +200,9 @@ class Trainer:
         flops_per_example: float | None = None,
         peak_flops: float | None = None,
     ):
-        """The run of ``spec`` (``jaxseq.train.spec``) training ``model``, built from it. ``train_data`` and
+        """The run of ``spec`` (``jaxseq.train.spec``) training ``model``, built from it, or ``model()``: then
+        the first step's program compiles on a background thread while the model is built (loaded from its
+        checkpoint: a CPU run's first step is a compilation of seconds). ``train_data`` and
         each eval set: arrays by name, or ``jaxseq.data.rows`` that tokenize on demand (each process then
         tokenizes only the examples its devices take); ``train_data=None`` evaluates and predicts only.
         ``predict_sets``: sets ``predict`` runs through the evaluation batches (their labels may be
@@ -212,13 +214,19 @@ class Trainer:
         self.output_dir = Path(config.output_dir)
         self.eval_names = list(eval_sets)
         predict_sets = {f"{PREDICT}{k}": v for k, v in (predict_sets or {}).items()}
-        self.attention = attention_kernel(model)
+        build = None if isinstance(model, nnx.Module) else model
+        shaped = spec.abstract_model() if build else model
+        self.attention = attention_kernel(shaped)
         self.feed = spec.feeder(train_data, {**eval_sets, **predict_sets}, self.attention)
         self.global_batch, self.steps_per_epoch = self.feed.global_batch, self.feed.steps_per_epoch
         self.throughput = Throughput(self.global_batch, tokens_per_example, flops_per_example, peak_flops)
         self.total_steps = spec.total_steps(self.steps_per_epoch, trains=train_data is not None)
         self.feed.size_packing(self.total_steps)
-        self.program = program = spec.program(model, self.total_steps)
+        self.program = program = spec.program(shaped, self.total_steps)
+        self._compiling: dict[int | tuple, Future] = {}  # compiling in the background (_compile_ahead)
+        if build:
+            self._compiling = self._compile_first_step()
+            model = build()
         self.task = program.task  # fitted to the mesh (the causal-LM loss's chunks)
         self.graphdef, self.lora = program.graphdef, program.lora
         self.ema_decay, self.eval_with_ema = program.ema_decay, program.eval_with_ema
@@ -235,7 +243,7 @@ class Trainer:
         self.state = program.init_state(params)
         self._train_step = lambda state, batch: program.step(state, self.frozen, batch)
         self._eval_step = program.eval_step
-        self._compiling: dict[int | tuple, Future] = {}  # compiling in the background (_compile_ahead)
+        self._stepped = False  # whether a train step has run (then every step's program is compiled or compiling)
         self.checkpointer = Checkpointer(
             self.output_dir / "checkpoints",
             keep_last=config.save_total_limit,
@@ -401,8 +409,24 @@ class Trainer:
                 signal.signal(signum, handler)
 
     def _compiled(self, rows: int) -> bool:
-        """Whether the train step for ``rows`` packed rows is compiled: not still compiling ahead."""
-        return rows not in self._compiling or self._compiling[rows].done()
+        """Whether the train step for ``rows`` packed rows is compiled: not still compiling ahead (before the
+        first step nothing is: that step waits for its own program)."""
+        return self._stepped and (rows not in self._compiling or self._compiling[rows].done())
+
+    def _compile_first_step(self) -> dict[int, Future]:
+        """The train step for the first step's batch shape, compiling on a background thread (keyed by its
+        row count, as ``_compile_ahead``'s), while the model is built: none without training, or when a
+        task makes its batches itself (GRPO's rollouts)."""
+        if self.feed.train_data is None or getattr(self.task, "rollout", None):
+            return {}
+        program, batch = self.program, self.feed.abstract_batches()[0]
+        state, frozen = program.abstract_state, program.abstract_frozen
+        rows = batch["input_ids"].shape[-2]
+        pool = ThreadPoolExecutor(1, thread_name_prefix="jaxseq-compile")
+        try:
+            return {rows: pool.submit(lambda: program.step.lower(state, frozen, batch).compile())}
+        finally:
+            pool.shutdown(wait=False)
 
     def _compile_ahead(self, batch: Mapping[str, jax.Array], step: int) -> dict[int | tuple, Future]:
         """Compile the train step for the other packed row counts of the steps from ``step`` on (keyed by row
@@ -475,6 +499,7 @@ class Trainer:
                 self._progress.drain()
                 self.logger.restart_clock()  # rate and ETA from the compiled steps on
                 self._compiling = self._compile_ahead(batch, step + 1)
+                self._stepped = True
             pending.append(metrics)
             step += 1
             logged = step % config.logging_steps == 0 or step == self.total_steps
