@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import importlib
 import math
 import os
@@ -421,12 +422,7 @@ class Trainer:
             return {}
         program, batch = self.program, self.feed.abstract_batches()[0]
         state, frozen = program.abstract_state, program.abstract_frozen
-        rows = batch["input_ids"].shape[-2]
-        pool = ThreadPoolExecutor(1, thread_name_prefix="jaxseq-compile")
-        try:
-            return {rows: pool.submit(lambda: program.step.lower(state, frozen, batch).compile())}
-        finally:
-            pool.shutdown(wait=False)
+        return compile_in_background({batch["input_ids"].shape[-2]: lambda: program.step.lower(state, frozen, batch)})
 
     def _compile_ahead(self, batch: Mapping[str, jax.Array], step: int) -> dict[int | tuple, Future]:
         """Compile the train step for the other packed row counts of the steps from ``step`` on (keyed by row
@@ -446,17 +442,12 @@ class Trainer:
         state = program.abstract_state
         eval_params = self.eval_params(state)
 
-        def compile_ahead(key, spec) -> None:
+        def lowered(key, spec):
             if isinstance(key, tuple):
-                program.eval_step.lower(eval_params, program.abstract_frozen, spec).compile()
-            else:
-                program.step.lower(state, program.abstract_frozen, spec).compile()
+                return program.eval_step.lower(eval_params, program.abstract_frozen, spec)
+            return program.step.lower(state, program.abstract_frozen, spec)
 
-        pool = ThreadPoolExecutor(1, thread_name_prefix="jaxseq-compile")
-        try:
-            return {key: pool.submit(compile_ahead, key, spec) for key, spec in specs.items()}
-        finally:
-            pool.shutdown(wait=False)
+        return compile_in_background({key: functools.partial(lowered, key, spec) for key, spec in specs.items()})
 
     def _on_signal(self, signum, frame) -> None:
         """Note the signal for the loop (which saves and stops after the current step); a second one acts
@@ -712,6 +703,16 @@ class Trainer:
                 self.logger.close()
             finally:
                 self.lock.release()
+
+
+def compile_in_background(lowerings: Mapping) -> dict:
+    """Each of ``lowerings`` (key -> a function giving a ``Lowered``) lowered and compiled, one after another in
+    order on a background thread: a ``Future`` per key. A step's call later finds its program compiled."""
+    pool = ThreadPoolExecutor(1, thread_name_prefix="jaxseq-compile")
+    try:
+        return {key: pool.submit(lambda lower=lower: lower().compile()) for key, lower in lowerings.items()}
+    finally:
+        pool.shutdown(wait=False)
 
 
 def import_ahead(modules: tuple[str, ...]) -> None:
