@@ -2,6 +2,7 @@
 folder, with the shipped configs as package data; values from a --config YAML are converted and checked
 exactly as the same flags (one line naming the key and what it takes); transformers' flag names work."""
 
+import json
 import os
 import shutil
 import site
@@ -14,6 +15,7 @@ import pytest
 from jaxseq.commands import glue
 from jaxseq.config import save_config
 from jaxseq.runner import parse_job
+from tests.conftest import shared_asset
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -175,3 +177,48 @@ exit_now(3)
     assert done.returncode == 3 and done.stdout == "unflushed", done.stderr
     assert (tmp_path / "thread").read_text() == "done" and (tmp_path / "atexit").read_text() == "ran"
     assert not (tmp_path / "teardown").exists()  # no teardown: a module's objects are never destroyed
+
+
+def test_the_command_imports_transformers_without_torch_and_still_reads_bin_checkpoints(tmp_path):
+    """transformers' configurations import torch (1-3 s of every start); the command hides it while it imports
+    transformers, so `jaxseq ner --help` never imports torch, and `jaxseq generate` still reads a
+    pytorch_model.bin with it: the greedy tokens of transformers' PyTorch model from the same file."""
+    import torch
+    import transformers
+
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "HF_HUB_OFFLINE": "1"}
+    env.pop("XLA_FLAGS", None)
+    helped = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "jaxseq", "ner", "--help"],
+        capture_output=True, text=True, timeout=300, env=env,
+    )  # fmt: skip
+    assert helped.returncode == 0 and helped.stdout.startswith("usage: jaxseq ner"), helped.stderr
+    imported = {line.rsplit("|", 1)[1].strip() for line in helped.stderr.splitlines() if line.count("|") == 2}
+    assert "transformers.configuration_utils" in imported and "jax" in imported
+    assert not {name for name in imported if name.split(".")[0] == "torch"}
+    assert "PyTorch was not found" not in helped.stderr
+
+    gpt2 = shared_asset("data/tokenizers/gpt2")
+    tokenizer = transformers.GPT2TokenizerFast(vocab=str(gpt2 / "vocab.json"), merges=str(gpt2 / "merges.txt"))
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, n_positions=64, vocab_size=len(tokenizer))
+    model = transformers.GPT2LMHeadModel(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.5 * torch.randn_like(p))  # far from the default init, so a misread weight shows
+    folder = tmp_path / "bin"
+    config.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    torch.save(model.state_dict(), folder / "pytorch_model.bin")
+    out = tmp_path / "completions.jsonl"
+    flags = ["--model_name_or_path", folder, "--prompt", "The cat sat on", "--max_new_tokens", 8]
+    ran = subprocess.run(
+        [sys.executable, "-m", "jaxseq", "generate", *map(str, flags), "--output_file", str(out)],
+        capture_output=True, text=True, timeout=300, env=env,
+    )  # fmt: skip
+    assert ran.returncode == 0, ran.stderr
+    record = json.loads(out.read_text().splitlines()[0])
+    ids = torch.tensor([tokenizer("The cat sat on")["input_ids"]])
+    want = model.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=config.eos_token_id)[0, ids.shape[1] :]
+    assert record["completion"] == tokenizer.decode(want, skip_special_tokens=True)
+    assert record["completion_tokens"] == len(want) == 8

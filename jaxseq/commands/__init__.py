@@ -72,6 +72,30 @@ def use_huge_pages() -> None:
     os.execve(sys.executable, sys.orig_argv, env)
 
 
+def import_transformers_without_torch() -> None:
+    """Import transformers as it runs where PyTorch is not installed. The jobs use its configurations,
+    tokenizers and generation settings, never its PyTorch models, yet its configurations import torch
+    (``configuration_utils`` -> ``modeling_rope_utils``): 1-3 s of every command's start on two cores,
+    ``--help`` included. transformers asks ``importlib.util.find_spec("torch")`` once and keeps the answer,
+    which is None while ``sys.modules["torch"]`` is None; torch stays importable afterwards (jaxseq reads
+    ``.bin`` checkpoints with it). Nothing to do where either is already imported."""
+    if "transformers" in sys.modules or "torch" in sys.modules:
+        return
+    advisory = os.environ.get("TRANSFORMERS_NO_ADVISORY_WARNINGS")
+    os.environ["TRANSFORMERS_NO_ADVISORY_WARNINGS"] = "1"  # its notice that PyTorch was not found
+    sys.modules["torch"] = None
+    try:
+        import transformers
+
+        transformers.utils.is_torch_available()  # asked (and cached) now, while torch is hidden
+    finally:
+        del sys.modules["torch"]
+        if advisory is None:
+            del os.environ["TRANSFORMERS_NO_ADVISORY_WARNINGS"]
+        else:
+            os.environ["TRANSFORMERS_NO_ADVISORY_WARNINGS"] = advisory
+
+
 def exit_now(code: int) -> None:
     """End the process as Python would, less the interpreter's teardown: the non-daemon threads are joined
     (``threading``'s own shutdown), the ``atexit`` handlers run (trackers, logging), the standard streams
@@ -89,7 +113,8 @@ def exit_now(code: int) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Run ``jaxseq JOB ARGS...``; returns the job's exit code. As the process's command (no ``argv``
-    given), first in huge pages (``use_huge_pages``), and ended by ``exit_now`` once the job returns."""
+    given), first in huge pages (``use_huge_pages``), with transformers imported without torch
+    (``import_transformers_without_torch``), and ended by ``exit_now`` once the job returns."""
     command = argv is None
     if command:
         use_huge_pages()
@@ -97,6 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] not in COMMANDS:  # --help, --version, nothing, or a misspelt job: argparse answers
         parser().parse_args(argv[:1] or ["--help"])
     job = argv[0]
+    if command:
+        import_transformers_without_torch()
     module = importlib.import_module(f"jaxseq.commands.{COMMANDS[job][0]}")
     sys.argv[0] = f"jaxseq {job}"  # the program name argparse shows in the job's usage and errors
     code = module.main(argv[1:]) or 0
