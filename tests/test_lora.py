@@ -338,16 +338,3 @@ def test_default_targets_are_peft_defaults(family):
     assert sorted("/".join(map(str, p)) for p in lora.full) == (
         ["classifier/bias", "classifier/kernel"] if family == "bert" else []
     )
-
-
-def test_split_key_gives_jax_random_splits_keys_on_a_traced_cpu_key():
-    """The adapters' dropout keys come from ``split_key`` (a barrier before the split, against XLA:CPU's
-    fusion of a step's fold_in hash into the split's): the same keys as ``jax.random.split``, bit for bit."""
-    from jaxseq.models.layers import dropout_prng, split_key
-
-    base = jax.random.key(7, impl=dropout_prng("cpu"))
-    for num in (2, 5):
-        split = jax.jit(lambda step, num=num: jax.random.key_data(split_key(jax.random.fold_in(base, step), num)))
-        got = split(3)
-        want = jax.random.key_data(jax.random.split(jax.random.fold_in(base, 3), num))
-        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))

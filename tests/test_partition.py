@@ -16,6 +16,7 @@ from jaxseq import partition  # noqa: E402
 from jaxseq.errors import JaxseqError  # noqa: E402
 from jaxseq.mesh import batch_sharding, data_parallel_size, format_mesh, make_mesh, mesh_sizes, parse_mesh_spec  # noqa: E402
 from jaxseq.models import from_config, load_pretrained, save_pretrained  # noqa: E402
+from jaxseq.models.layers import THREEFRY4X32_BITS, dropout_prng  # noqa: E402
 from tests.reference import padded_batch  # noqa: E402
 
 MESHES = ["dp=8", "dp=2,mp=4", "fsdp=4,mp=2"]
@@ -189,16 +190,39 @@ def test_llama_families_on_a_dp_fsdp_mp_mesh_equal_single_device(case):
 
 
 # the dropout PRNG of programs on CPU, and on TPU and GPU (jaxseq.models.layers.dropout_prng)
-@pytest.mark.parametrize("case, prng", [("gpt2-lm", "threefry4x32"), ("bert-cls", "threefry2x32")])
-def test_dropout_draws_the_same_masks_on_any_mesh(case, prng):
+@pytest.mark.parametrize("case, platform", [("gpt2-lm", "cpu"), ("bert-cls", "tpu")])
+def test_dropout_draws_the_same_masks_on_any_mesh(case, platform):
     """Dropout (GPT-2's and BERT's default 0.1: attention probabilities, residuals, embeddings) drawn per shard
     from partitionable keys gives the single-device step on every mesh, so no chip draws the global batch's
     bits and a run's numbers do not depend on its mesh."""
-    key = jax.random.key(3, impl=prng)
+    key = jax.random.key(3, impl=dropout_prng(platform))
     want = run(case, dropout_key=key)
     assert abs(float(want["loss"]) - float(run(case)["loss"])) > 1e-3  # dropout is on
     for mesh_spec in MESHES:
         assert_same_step(run(case, mesh_spec, dropout_key=key), want)
+
+
+def test_cpu_dropout_keys_draw_threefry4x32_bits():
+    """``THREEFRY4X32_BITS``: a key's bits are JAX's Threefry-4x32 bits of its 4 words, bit for bit; a step's
+    keys derived inside a program (``fold_in`` then ``split``, which XLA:CPU turned into a program running for
+    minutes with Threefry-4x32's own derivation) are the eager ones, all distinct; the masks of two steps keep
+    90% each and agree as independent draws do (0.9^2 + 0.1^2)."""
+    key = jax.random.key(11, impl=THREEFRY4X32_BITS)
+    words = jax.random.key_data(key)
+    for shape, dtype in (((7, 5), jnp.uint32), ((64,), jnp.uint8)):
+        want = jax.random.bits(jax.random.wrap_key_data(words, impl="threefry4x32"), shape, dtype)
+        np.testing.assert_array_equal(jax.random.bits(key, shape, dtype), want)
+
+    def keys(step):
+        return jax.random.key_data(jax.random.split(jax.random.fold_in(key, step), 5))
+
+    traced = jax.jit(keys)(jnp.int32(3))
+    np.testing.assert_array_equal(traced, keys(3))
+    every = np.concatenate([traced, keys(4), jax.random.key_data(jax.random.split(key, 5))])
+    assert len({tuple(k) for k in every.tolist()}) == len(every)
+    masks = [np.asarray(jax.random.bernoulli(jax.random.fold_in(key, step), 0.9, (1000, 1000))) for step in (1, 2)]
+    assert all(abs(m.mean() - 0.9) < 0.002 for m in masks)
+    assert abs((masks[0] == masks[1]).mean() - 0.82) < 0.003
 
 
 def assert_same_step(got, want):

@@ -14,7 +14,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxseq.data.masking import generator_key
-from jaxseq.models.layers import split_key
 
 
 def input_and_target_lengths(tokens: int, noise_density: float, mean_noise_span_length: float) -> tuple[int, int]:
@@ -110,7 +109,7 @@ class SpanCorruption:
 
     def corrupt_batch(self, key: jax.Array, ids: jax.Array) -> dict[str, jax.Array]:
         """``corrupt`` on each row of ``[batch, tokens]``, each with its own key."""
-        return jax.vmap(self.corrupt)(split_key(key, ids.shape[0]), ids)
+        return jax.vmap(self.corrupt)(jax.random.split(key, ids.shape[0]), ids)
 
     def corrupt_examples(self, blocks: np.ndarray, seed: int) -> dict[str, np.ndarray]:
         """Every block corrupted once, block ``i`` with ``fold_in(key(seed), i)`` (an evaluation set)."""

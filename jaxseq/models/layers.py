@@ -8,6 +8,7 @@ import functools
 import itertools
 
 import jax
+import jax.extend.random
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -150,22 +151,39 @@ def one_hot_lookup(embed: nnx.Embed, ids: jax.Array) -> jax.Array:
     return jnp.matmul(one_hot, table, precision=jax.lax.Precision.HIGHEST)
 
 
-def dropout_prng(platform: str) -> str:
+def _derivation_key(words: jax.Array) -> jax.Array:
+    """The Threefry-2x32 key of a ``THREEFRY4X32_BITS`` key's 4 words (their two halves xored: 64 bits, as
+    JAX's default keys have)."""
+    return jax.random.wrap_key_data(words[:2] ^ words[2:], impl="threefry2x32")
+
+
+THREEFRY4X32_BITS = jax.extend.random.define_prng_impl(
+    key_shape=(4,),
+    seed=lambda seed: jax.random.bits(jax.random.key(seed, impl="threefry2x32"), (4,), jnp.uint32),
+    split=lambda words, shape: jax.random.bits(_derivation_key(words), (*shape, 4), jnp.uint32),
+    fold_in=lambda words, data: jax.random.bits(jax.random.fold_in(_derivation_key(words), data), (4,), jnp.uint32),
+    random_bits=lambda words, width, shape: jax.random.bits(
+        jax.random.wrap_key_data(words, impl="threefry4x32"), shape, jnp.dtype(f"uint{width}")
+    ),
+    name="threefry4x32_bits",
+    tag="fry4b",
+)
+"""Keys of 4 words whose bits are Threefry-4x32's (Random123's; unrolled by XLA:CPU, which runs it about ten
+times faster than JAX's threefry2x32, a rolled loop) and whose ``split`` and ``fold_in`` are JAX's Threefry-2x32
+(rolled: quick to compile for the few words a key is). Threefry-4x32's own ``split`` and ``fold_in`` stack the
+hash's 4 output words, and XLA:CPU's fusion of that stack emits the 20-round hash once per word: the 3 such
+fusions of NER's train step took 0.96 s of its LLVM compilation; its compilation takes 4.8-5.0 s with these keys
+against 5.4-5.9 s. Bits are drawn per shard as Threefry-4x32's are (partitionable)."""
+
+
+def dropout_prng(platform: str):
     """The PRNG of dropout keys (``jax.random.key(seed, impl=...)``) of programs that run on ``platform``. On
-    CPU, Threefry-4x32 of Random123, the cipher family of JAX's default threefry2x32, which XLA:CPU runs as a
-    rolled loop about ten times more slowly (the attention-probability dropout of one BERT layer, [16, 12,
-    128, 128]: 25.7 ms against 2.8 ms). Elsewhere JAX's default: under remat on TPU, XLA keeps Threefry-4x32's
-    bits for the backward pass instead of recomputing them (BERT-large, 8 x 512 tokens on one v5e chip, --remat
-    full: 5.58 GiB of temporaries against 1.02, and 86 ms a step against 68)."""
-    return "threefry4x32" if platform == "cpu" else "threefry2x32"
-
-
-def split_key(key: jax.Array, num: int = 2) -> jax.Array:
-    """``jax.random.split(key, num)``, the same keys, with ``key`` behind an optimization barrier. A traced
-    key is itself a hash's output (a step's ``fold_in``), and XLA:CPU fuses that hash with Threefry-4x32's
-    split into one concatenate fusion that recomputes each operand per use: a single split ran 8.3 s, and
-    T5's span-corruption step never finished; behind the barrier it takes 0.4 ms."""
-    return jax.random.split(jax.lax.optimization_barrier(key), num)
+    CPU, ``THREEFRY4X32_BITS``: the bits of Threefry-4x32 of Random123, the cipher family of JAX's default
+    threefry2x32, which XLA:CPU runs as a rolled loop about ten times more slowly (the attention-probability
+    dropout of one BERT layer, [16, 12, 128, 128]: 25.7 ms against 2.8 ms). Elsewhere JAX's default: under remat
+    on TPU, XLA keeps Threefry-4x32's bits for the backward pass instead of recomputing them (BERT-large, 8 x 512
+    tokens on one v5e chip, --remat full: 5.58 GiB of temporaries against 1.02, and 86 ms a step against 68)."""
+    return THREEFRY4X32_BITS if platform == "cpu" else "threefry2x32"
 
 
 def dropout(x: jax.Array, rate: float, rngs: nnx.Rngs | DrawnMasks | None) -> jax.Array:
@@ -496,7 +514,7 @@ class Stacked(nnx.Module):
         jax.eval_shape(lambda: one_block(recorder))
         if not recorder.sites:
             return ()
-        keys = split_key(key, len(recorder.sites))
+        keys = jax.random.split(key, len(recorder.sites))
         return tuple(
             jax.random.bernoulli(k, 1.0 - rate, (count, *shape)) for k, (shape, rate) in zip(keys, recorder.sites)
         )

@@ -37,7 +37,7 @@ from jax.sharding import PartitionSpec as P
 from jaxseq.config import arg
 from jaxseq.errors import JaxseqError
 from jaxseq.files import atomic_folder
-from jaxseq.models.layers import Conv1D, dropout_with_key, layer_paths, split_key
+from jaxseq.models.layers import Conv1D, dropout_with_key, layer_paths
 from jaxseq.models.registry import family_for
 from jaxseq.models.weights import resize_vocab, torch_layout
 from jaxseq.sharding import STACKED, gather, match_partition_rules, path_string, unstacked_path
@@ -356,7 +356,7 @@ class Lora:
             a, b = flat[(*_keys(path), "lora_A")], flat[(*_keys(path), "lora_B")]
             adapter_key = jax.random.fold_in(key, i) if rate else None
             if rate and a.ndim == 3:  # a stacked kernel's: one key per layer
-                adapter_key = split_key(adapter_key, a.shape[0])
+                adapter_key = jax.random.split(adapter_key, a.shape[0])
             modules[path].dot_general = nnx.data(
                 _AdapterDot((a, b), self.scale, rate, adapter_key, quantized.get(path), self._how(path))
             )

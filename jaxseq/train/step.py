@@ -18,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 from jaxseq import sharding
 from jaxseq.errors import JaxseqError
 from jaxseq.mesh import data_parallel_size, mesh_platform
-from jaxseq.models.layers import dropout_prng, split_key
+from jaxseq.models.layers import dropout_prng
 from jaxseq.models.registry import family_for
 from jaxseq.train.checkpoint import abstract_like
 from jaxseq.train.lora import Lora, LoraConfig
@@ -130,7 +130,7 @@ def train_step_fn(
         if lora is None:
             model = nnx.merge(graphdef, params)
         else:
-            key, adapter_key = split_key(key)
+            key, adapter_key = jax.random.split(key)
             model = lora.training_model(graphdef, params, frozen, adapter_key)
         loss, metrics = loss_and_metrics(
             task, model, with_reference(task, graphdef, frozen, batch, lora), nnx.Rngs(dropout=key)
