@@ -75,7 +75,7 @@ def use_huge_pages() -> None:
 def import_transformers_without_torch() -> None:
     """Import transformers as it runs where PyTorch is not installed. The jobs use its configurations,
     tokenizers and generation settings, never its PyTorch models, yet its configurations import torch
-    (``configuration_utils`` -> ``modeling_rope_utils``): 1-3 s of every command's start on two cores,
+    (``configuration_utils`` -> ``modeling_rope_utils``): about 2 s of every command's start on two cores,
     ``--help`` included. transformers asks ``importlib.util.find_spec("torch")`` once and keeps the answer,
     which is None while ``sys.modules["torch"]`` is None; torch stays importable afterwards (jaxseq reads
     ``.bin`` checkpoints with it). Nothing to do where either is already imported."""
