@@ -14,6 +14,7 @@ import threading
 from pathlib import Path
 
 from jaxseq import __version__
+from jaxseq.imports import torch_hidden
 
 # subcommand -> (module under jaxseq.commands, what it does)
 COMMANDS = {
@@ -73,23 +74,21 @@ def use_huge_pages() -> None:
 
 
 def import_transformers_without_torch() -> None:
-    """Import transformers as it runs where PyTorch is not installed. The jobs use its configurations,
-    tokenizers and generation settings, never its PyTorch models, yet its configurations import torch
-    (``configuration_utils`` -> ``modeling_rope_utils``): about 2 s of every command's start on two cores,
-    ``--help`` included. transformers asks ``importlib.util.find_spec("torch")`` once and keeps the answer,
-    which is None while ``sys.modules["torch"]`` is None; torch stays importable afterwards (jaxseq reads
-    ``.bin`` checkpoints with it). Nothing to do where either is already imported."""
+    """Import transformers as it runs where PyTorch is not installed (``imports.torch_hidden``). The jobs use
+    its configurations, tokenizers and generation settings, never its PyTorch models, yet its configurations
+    import torch (``configuration_utils`` -> ``modeling_rope_utils``): about 2 s of every command's start on
+    two cores, ``--help`` included. transformers asks ``importlib.util.find_spec("torch")`` once and keeps
+    the answer. Nothing to do where either is already imported."""
     if "transformers" in sys.modules or "torch" in sys.modules:
         return
     advisory = os.environ.get("TRANSFORMERS_NO_ADVISORY_WARNINGS")
     os.environ["TRANSFORMERS_NO_ADVISORY_WARNINGS"] = "1"  # its notice that PyTorch was not found
-    sys.modules["torch"] = None
     try:
-        import transformers
+        with torch_hidden():
+            import transformers
 
-        transformers.utils.is_torch_available()  # asked (and cached) now, while torch is hidden
+            transformers.utils.is_torch_available()  # asked (and cached) now, while torch is hidden
     finally:
-        del sys.modules["torch"]
         if advisory is None:
             del os.environ["TRANSFORMERS_NO_ADVISORY_WARNINGS"]
         else:

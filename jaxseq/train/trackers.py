@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 from jaxseq.errors import JaxseqError, first_line
+from jaxseq.imports import torch_hidden
 
 BACKENDS = ("tensorboard", "wandb", "trackio", "mlflow")
 CHOICES = ("none", *BACKENDS, "all")
@@ -39,12 +40,18 @@ def parse_report_to(value: str | list | tuple | None) -> tuple[str, ...]:
     return chosen
 
 
+def _summary_writer():
+    """tensorboardX's ``SummaryWriter``, imported without torch (its writer imports it where it can, to take
+    its tensors; jaxseq logs floats): about 1 s of a run's start on two cores."""
+    with torch_hidden():
+        from tensorboardX import SummaryWriter
+    return SummaryWriter
+
+
 class TensorBoard:
     def __init__(self, output_dir: Path, name: str, project: str, config: dict):
-        from tensorboardX import SummaryWriter
-
         self.directory = str(output_dir / "tensorboard")
-        self.writer = SummaryWriter(self.directory)
+        self.writer = _summary_writer()(self.directory)
 
     def log(self, step: int, values: dict[str, float]) -> None:
         for key, value in values.items():
@@ -52,10 +59,8 @@ class TensorBoard:
 
     def resume(self, step: int) -> None:
         """Events after ``step`` (logged by an interrupted run) are dropped: the resumed run logs them again."""
-        from tensorboardX import SummaryWriter
-
         self.writer.close()
-        self.writer = SummaryWriter(self.directory, purge_step=step + 1)
+        self.writer = _summary_writer()(self.directory, purge_step=step + 1)
 
     def close(self) -> None:
         self.writer.close()
