@@ -452,6 +452,7 @@ def run_job(args, job: str) -> dict:
     import torch
 
     setting = SETTINGS[job]
+    box = {**records.environment(), "matmul_gflops": records.cpu_matmul_gflops()}  # each row's own
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         if job == "ner":
@@ -472,6 +473,7 @@ def run_job(args, job: str) -> dict:
         print(f"{job} pytorch: {json.dumps(pytorch)}", file=sys.stderr, flush=True)
     quality = setting.quality
     row = {
+        "environment": box,
         "settings": {
             **dataclasses.asdict(setting),
             "batch": BATCH,
@@ -507,6 +509,13 @@ def length(s: dict) -> str:
     return f"{run} of batch {s['batch']}, length {s['max_length']}{stride}"
 
 
+def row_box(env: dict | None) -> str:
+    """Where a row ran: date, commit, CPU, its measured matmul rate (rows recorded before these: unknown)."""
+    if not env:
+        return "not recorded"
+    return f"{env['date']}, {env['jaxseq_commit']}, {env['machine'].split(',')[0]}, {env['matmul_gflops']:.0f} GFLOP/s"
+
+
 def markdown(results: dict) -> str:
     if not results:
         return ""
@@ -516,11 +525,12 @@ def markdown(results: dict) -> str:
         f"{env['date']}, {env['machine']} ({box}), jax {env['versions'].get('jax')}, torch "
         f"{env['versions'].get('torch')}; all-MiniLM-L6-v2, each framework drawing its own head; jaxseq's default "
         "flags (batch 32, lr 5e-5 linear), one CPU device; PyTorch with dynamic padding and "
-        f"{results.get('pytorch_optimizer')}.",
+        f"{results.get('pytorch_optimizer')}. Each row's box: its date, jaxseq commit, CPU and float32 matmul rate "
+        "in JAX just before it ran (the ratio moves with the CPU).",
         "",
-        "| job | data, run | jaxseq (whole command; first step with compile) | PyTorch (training loop) | ratio "
-        "| jaxseq | PyTorch |",
-        "|---|---|---|---|---|---|---|",
+        "| job | data, run | box | jaxseq (whole command; first step with compile) | PyTorch (training loop) "
+        "| ratio | jaxseq | PyTorch |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for job in JOBS:
         if job not in results.get("rows", {}):
@@ -534,7 +544,7 @@ def markdown(results: dict) -> str:
         else:
             quality = [f"eval loss {r['eval_loss']:.3f} (ppl {r['perplexity']:.1f})" for r in (j, p)]
         lines.append(
-            f"| {job} | {s['data']}; {length(s)} | **{j['seconds']:.1f} s** "
+            f"| {job} | {s['data']}; {length(s)} | {row_box(row.get('environment'))} | **{j['seconds']:.1f} s** "
             f"({j['compile_seconds']:.1f} s) | **{p['seconds']:.1f} s** | **{row['time_ratio']:.2f}x** | "
             f"{quality[0]} | {quality[1]} |"
         )

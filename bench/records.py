@@ -13,6 +13,7 @@ import json
 import os
 import platform
 import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -29,10 +30,42 @@ def environment() -> dict:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
     return {
         "date": datetime.date.today().isoformat(),
-        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, {_memory_gib()} GiB",
+        "machine": f"{cpu_model()}, {os.cpu_count()} cores, {_memory_gib()} GiB",
         "versions": versions,
         "jaxseq_commit": commit.stdout.strip() or None,
     }
+
+
+def cpu_model() -> str:
+    """The CPU's name (/proc/cpuinfo's ``model name``: the same benchmark differs by vendor), else its
+    architecture."""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return f"{line.split(':', 1)[1].strip()} ({platform.machine()})"
+    return platform.processor() or platform.machine()
+
+
+MATMUL = """
+import time, jax, jax.numpy as jnp
+a = jnp.ones((2048, 2048)); f = jax.jit(lambda a: a @ a); f(a).block_until_ready()
+rates = []
+for _ in range(5):
+    start = time.perf_counter(); jax.block_until_ready([f(a) for _ in range(10)])
+    rates.append(10 * 2 * 2048**3 / (time.perf_counter() - start) / 1e9)
+print(sorted(rates)[2])
+"""
+
+
+def cpu_matmul_gflops() -> float:
+    """A float32 [2048, 2048] product's rate on this CPU in JAX, GFLOP/s (the median of 5 runs of 10), in a
+    fresh process: how fast the box was when a bench ran (shared boxes vary by a factor of 2-4)."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    env.pop("XLA_FLAGS", None)
+    ran = subprocess.run([sys.executable, "-c", MATMUL], env=env, capture_output=True, text=True)
+    if ran.returncode:
+        raise SystemExit(f"the matmul measurement failed:\n{ran.stderr[-2000:]}")
+    return round(float(ran.stdout.split()[-1]), 1)
 
 
 def _memory_gib() -> int:
