@@ -1,8 +1,11 @@
-"""Importing libraries that would import PyTorch, without it: jaxseq uses none of their PyTorch parts."""
+"""Importing libraries without the heavy ones they would import for parts jaxseq never uses: PyTorch
+(``torch_hidden``), scikit-learn (``import_module``'s ``seqeval.metrics``)."""
 
 from __future__ import annotations
 
 import contextlib
+import importlib
+import importlib.util
 import sys
 
 
@@ -21,3 +24,35 @@ def torch_hidden():
     finally:
         if "torch" in sys.modules and sys.modules["torch"] is None:
             del sys.modules["torch"]
+
+
+def import_module(name: str):
+    """``importlib.import_module(name)``, by a lighter way where ``LIGHTER`` has one."""
+    if name in sys.modules:
+        return sys.modules[name]
+    lighter = LIGHTER.get(name)
+    return lighter() if lighter is not None else importlib.import_module(name)
+
+
+def _seqeval_metrics():
+    """seqeval's metrics, which import one warning class from ``sklearn.exceptions``: that import runs
+    scikit-learn's whole package, scipy and pandas with it (0.8-0.9 s). Its ``exceptions.py`` (no imports of
+    its own) is loaded alone as that module while seqeval imports, and dropped after, so a later ``import
+    sklearn`` loads the package as ever. Where scikit-learn is imported already, or not installed, the plain
+    import (and its error)."""
+    spec = importlib.util.find_spec("sklearn") if "sklearn" not in sys.modules else None
+    locations = spec.submodule_search_locations if spec is not None else None
+    if not locations:
+        return importlib.import_module("seqeval.metrics")
+    exceptions = importlib.util.spec_from_file_location("sklearn.exceptions", f"{next(iter(locations))}/exceptions.py")
+    module = importlib.util.module_from_spec(exceptions)
+    sys.modules["sklearn.exceptions"] = module
+    try:
+        exceptions.loader.exec_module(module)
+        return importlib.import_module("seqeval.metrics")
+    finally:
+        if sys.modules.get("sklearn.exceptions") is module:
+            del sys.modules["sklearn.exceptions"]
+
+
+LIGHTER = {"seqeval.metrics": _seqeval_metrics}

@@ -142,6 +142,35 @@ def assert_export_tags_as_predicted(out, gold, predicted, architecture, **tokeni
         assert [model.config.id2label[ids[p]] for p in firsts] == tags
 
 
+def test_seqeval_is_imported_without_scikit_learn_and_scores_as_seqeval():
+    """seqeval's metrics import one warning class from scikit-learn, whose package (scipy and pandas with it)
+    takes 0.8-0.9 s to import: a fresh process scores tags through ``jaxseq.metrics.seqeval`` without it,
+    with seqeval's own figures, and scikit-learn imports whole afterwards."""
+    conll = [json.loads(line) for line in shared_asset("data/ner/conll2003-test.json").read_text().splitlines()]
+    truth = [example["ner_tags"] for example in conll[:200]]
+    rng = np.random.default_rng(0)
+    tags = sorted({tag for row in truth for tag in row})
+    predicted = [[tag if rng.random() < 0.8 else str(rng.choice(tags)) for tag in row] for row in truth]
+    script = (
+        "import json, sys; from jaxseq.metrics import seqeval; pairs = json.loads(sys.stdin.read()); "
+        "scores = seqeval(*pairs, entity_level=True); light = 'sklearn' in sys.modules; "
+        "import sklearn.exceptions; print(json.dumps([scores, light, sklearn.exceptions.__name__]))"
+    )
+    ran = subprocess.run(
+        [sys.executable, "-c", script], input=json.dumps([truth, predicted]), capture_output=True, text=True,
+        timeout=300,
+    )  # fmt: skip
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    scores, sklearn_imported, name = json.loads(ran.stdout.splitlines()[-1])
+    assert not sklearn_imported and name == "sklearn.exceptions"
+    report = seqeval_metrics.classification_report(truth, predicted, output_dict=True, zero_division=0)
+    assert 0.3 < scores["f1"] < 0.9 and scores["f1"] == pytest.approx(report["micro avg"]["f1-score"], abs=1e-12)
+    assert scores["accuracy"] == pytest.approx(seqeval_metrics.accuracy_score(truth, predicted), abs=1e-12)
+    for entity in ("PER", "LOC", "ORG", "MISC"):
+        assert scores[f"{entity}_f1"] == pytest.approx(report[entity]["f1-score"], abs=1e-12)
+        assert scores[f"{entity}_number"] == report[entity]["support"]
+
+
 @pytest.mark.slow
 def test_jaxseq_ner_fine_tunes_minilm_and_its_figures_are_seqevals(tmp_path):
     """Train on 32 CoNLL-2003 sentences for 4 epochs, evaluate and predict them: eval_* and predict_* are seqeval's

@@ -7,7 +7,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
-import importlib
 import math
 import os
 import signal
@@ -28,6 +27,7 @@ from jaxseq.config import arg
 from jaxseq.data.rows import Rows, as_rows
 from jaxseq.errors import Interrupted, JaxseqError
 from jaxseq.files import RunLock
+from jaxseq.imports import import_module
 from jaxseq.models.attention import ATTENTION_KERNELS
 from jaxseq.models.layers import REMAT_POLICIES
 from jaxseq.train.checkpoint import Checkpointer
@@ -723,7 +723,7 @@ def import_ahead(modules: tuple[str, ...]) -> None:
     def run():
         for name in modules:
             try:
-                importlib.import_module(name)
+                import_module(name)
             except Exception:  # raised again, with its message, where the module is used
                 continue
 
