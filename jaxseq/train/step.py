@@ -124,7 +124,7 @@ def train_step_fn(
     weighted by the task's ``loss_weight`` if it has one (a per-token mean counts every target of the step
     once, as on the whole batch; micro-batches padded differently do not each count half). The dropout key
     of a step is a function of the seed and the step alone (exact resume)."""
-    base_key = jax.random.key(seed, impl=dropout_prng(platform))
+    prng = dropout_prng(platform)
 
     def loss_of(params, frozen, batch, key, scale=None):
         if lora is None:
@@ -138,7 +138,7 @@ def train_step_fn(
         return (loss if scale is None else loss * scale), metrics
 
     def train_step(state: TrainState, frozen, batch):
-        key = jax.random.fold_in(base_key, state.step)
+        key = jax.random.fold_in(jax.random.key(seed, impl=prng), state.step)  # traced: no eager compilations
         scale = None if state.loss_scale is None else state.loss_scale.scale
         if accumulate == 1:
             (loss, aux), grads = jax.value_and_grad(loss_of, has_aux=True)(state.params, frozen, batch, key, scale)
