@@ -17,6 +17,7 @@ transformers = pytest.importorskip("transformers")
 from jaxseq.data import packing  # noqa: E402
 from jaxseq.errors import JaxseqError  # noqa: E402
 from jaxseq.models import attention, bert, load_pretrained, save_pretrained  # noqa: E402
+from jaxseq.models.hub import from_config, load_config  # noqa: E402
 from tests.conftest import shared_asset  # noqa: E402
 from tests.reference import max_diff_on, padded_batch, perturb, scaled_diff, torch_forward  # noqa: E402
 
@@ -245,6 +246,10 @@ def test_minilm_as_classifier_keeps_pooler_and_reports_new_classifier(minilm, ca
     assert "pooler" not in caplog.text  # the checkpoint's pooler is loaded, not re-initialised
     assert np.array_equal(model.bert.pooler.dense.kernel[...], base.pooler.dense.kernel[...])
     assert model.classifier.kernel.shape == (384, 2)
+    fresh = from_config(load_config(path, num_labels=2), "sequence-classification")  # the same seed, 0
+    for name in ("kernel", "bias"):  # the new head is the seed's own (compiled unoptimised: to rounding)
+        want = np.asarray(getattr(fresh.classifier, name)[...])
+        np.testing.assert_allclose(getattr(model.classifier, name)[...], want, rtol=1e-6, atol=1e-8)
     logits = forward(model, *(jnp.asarray(v) for v in batch.values()))
     assert logits.shape == (len(SENTENCES), 2) and logits.dtype == jnp.float32
     assert np.all(np.isfinite(logits))

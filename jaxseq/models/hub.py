@@ -173,6 +173,14 @@ def _initialising(shardings):
     return jax_config.threefry_gpu_kernel_lowering(one_gpu)
 
 
+def _run_once(program, shardings):
+    """``program()``, a jitted program run once: on the CPU compiled without LLVM's optimisations
+    (``xla_backend_optimization_level`` 0), which compiles MiniLM's new head in 0.1 s instead of 0.35-0.4 s
+    (while the first step compiles) and runs it in a millisecond either way."""
+    cpu = all(device.platform == "cpu" for sharding in shardings for device in sharding.device_set)
+    return program.lower().compile({"xla_backend_optimization_level": 0} if cpu else None)()
+
+
 def _placement(mesh, abstract_state, model_type):
     """Sharding of every parameter: from its family's partition rules on a mesh, else the default device."""
     if mesh is None:
@@ -288,7 +296,7 @@ def load_pretrained(
             out_shardings=head_shardings,
         )
         with _initialising(head_shardings):
-            values.update(zip(wanted, init()))
+            values.update(zip(wanted, _run_once(init, head_shardings)))
     if dropped:
         logger.warning("ignored checkpoint weights this task does not use: %s", some(dropped))
     for path, value in values.items():
