@@ -1,5 +1,6 @@
 """Importing libraries without the heavy ones they would import for parts jaxseq never uses: PyTorch
-(``torch_hidden``), scikit-learn (``import_module``'s ``seqeval.metrics``)."""
+(``torch_hidden``), scikit-learn (``import_module``'s ``seqeval.metrics``); and importing ahead of need on
+another thread (``import_ahead``, ``imports_ahead_done``)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import contextlib
 import importlib
 import importlib.util
 import sys
+import threading
 
 
 @contextlib.contextmanager
@@ -56,3 +58,32 @@ def _seqeval_metrics():
 
 
 LIGHTER = {"seqeval.metrics": _seqeval_metrics}
+
+
+_AHEAD: list[threading.Thread] = []
+
+
+def import_ahead(modules: tuple[str, ...]) -> None:
+    """Import ``modules`` on another thread, while this one waits for the compiler (which holds no Python
+    lock), so that their first user finds them imported. An import that fails is left for that user to
+    report. The thread is not a daemon: a run that ends sooner waits for it rather than end mid-import."""
+
+    def run():
+        for name in modules:
+            try:
+                import_module(name)
+            except Exception:  # raised again, with its message, where the module is used
+                continue
+
+    if modules:
+        thread = threading.Thread(target=run, name="jaxseq-import")
+        thread.start()
+        _AHEAD.append(thread)
+
+
+def imports_ahead_done() -> None:
+    """Wait for ``import_ahead``'s imports to end. For a library that looks modules up in ``sys.modules``
+    without importing them, where it would find one half-made (trackio's ``log`` reads
+    ``matplotlib.figure.Figure`` there, and drops every figure it is given when that fails)."""
+    while _AHEAD:
+        _AHEAD.pop().join()

@@ -386,7 +386,7 @@ def test_the_plot_waits_for_its_import_started_in_the_background(tmp_path):
     script = f"""
 from pathlib import Path
 from jaxseq.train.logs import PLOT_IMPORTS, RunLogger
-from jaxseq.train.trainer import import_ahead
+from jaxseq.imports import import_ahead
 import_ahead(PLOT_IMPORTS)
 log = RunLogger(Path({str(tmp_path)!r}), 2, enabled=True, report_to=())
 log.log(1, {{"train/loss": 1.0}})

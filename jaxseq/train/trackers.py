@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 from jaxseq.errors import JaxseqError, first_line
-from jaxseq.imports import torch_hidden
+from jaxseq.imports import imports_ahead_done, torch_hidden
 
 BACKENDS = ("tensorboard", "wandb", "trackio", "mlflow")
 CHOICES = ("none", *BACKENDS, "all")
@@ -95,6 +95,7 @@ class Trackio:
         self.run = trackio.init(project=project, name=name, config=config)
 
     def log(self, step: int, values: dict[str, float]) -> None:
+        imports_ahead_done()  # trackio drops a value if it finds matplotlib half-imported on checking its type
         self.run.log(values, step=step)
 
     def resume(self, step: int) -> None:

@@ -27,7 +27,7 @@ from jaxseq.config import arg
 from jaxseq.data.rows import Rows, as_rows
 from jaxseq.errors import Interrupted, JaxseqError
 from jaxseq.files import RunLock
-from jaxseq.imports import import_module
+from jaxseq.imports import import_ahead
 from jaxseq.models.attention import ATTENTION_KERNELS
 from jaxseq.models.layers import REMAT_POLICIES
 from jaxseq.train.checkpoint import Checkpointer
@@ -713,22 +713,6 @@ def compile_in_background(lowerings: Mapping) -> dict:
         return {key: pool.submit(lambda lower=lower: lower().compile()) for key, lower in lowerings.items()}
     finally:
         pool.shutdown(wait=False)
-
-
-def import_ahead(modules: tuple[str, ...]) -> None:
-    """Import ``modules`` on another thread, while this one waits for the compiler (which holds no Python
-    lock), so that their first user finds them imported. An import that fails is left for that user to
-    report. The thread is not a daemon: a run that ends sooner waits for it rather than end mid-import."""
-
-    def run():
-        for name in modules:
-            try:
-                import_module(name)
-            except Exception:  # raised again, with its message, where the module is used
-                continue
-
-    if modules:
-        threading.Thread(target=run, name="jaxseq-import").start()
 
 
 def _concatenate_padded(arrays: list[np.ndarray]) -> np.ndarray:
