@@ -171,6 +171,23 @@ def test_seqeval_is_imported_without_scikit_learn_and_scores_as_seqeval():
         assert scores[f"{entity}_number"] == report[entity]["support"]
 
 
+def test_seqeval_waits_for_its_import_still_running_ahead():
+    """Scoring while ``import_ahead`` still imports seqeval (evaluation soon after the first step): the
+    scorer waits for that import rather than take the half-made module from ``sys.modules``. Three fresh
+    processes, each scoring as soon as the module appears there."""
+    script = (
+        "import sys, time; from jaxseq.imports import import_ahead; from jaxseq.metrics import seqeval\n"
+        "import_ahead(('seqeval.metrics',))\n"
+        "while 'seqeval.metrics' not in sys.modules: time.sleep(0)\n"
+        "print(seqeval([['B-PER', 'I-PER', 'O']], [['B-PER', 'O', 'O']])['f1'])"
+    )
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    for _ in range(3):  # without the wait, 2 runs in 3 failed (AttributeError: partially initialized module)
+        ran = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env)
+        assert ran.returncode == 0, ran.stderr[-2000:]
+        assert ran.stdout.split()[-1] == "0.0"  # the one entity found with the wrong span
+
+
 @pytest.mark.slow
 def test_jaxseq_ner_fine_tunes_minilm_and_its_figures_are_seqevals(tmp_path):
     """Train on 32 CoNLL-2003 sentences for 4 epochs, evaluate and predict them: eval_* and predict_* are seqeval's
