@@ -6,8 +6,6 @@ import math
 
 import numpy as np
 
-from jaxseq.imports import import_module
-
 
 def accuracy(predictions, labels) -> float:
     return float(np.mean(np.asarray(predictions) == np.asarray(labels)))
@@ -65,16 +63,12 @@ def perplexity(mean_loss: float) -> float:
     return float(math.exp(min(mean_loss, 700.0)))
 
 
-SEQEVAL_IMPORTS = ("seqeval.metrics",)
-"""What ``seqeval`` imports on first use (``imports.import_module``: without scikit-learn)."""
-
-
 def seqeval(references: list[list[str]], predictions: list[list[str]], entity_level: bool = False) -> dict[str, float]:
     """Entity-level ``precision``, ``recall``, ``f1`` (micro averages over entities, seqeval's default scheme)
     and token ``accuracy`` of tag sequences, as run_ner.py computes them through ``evaluate``'s seqeval;
     ``entity_level`` adds ``<type>_precision``, ``_recall``, ``_f1`` and ``_number`` for each entity type."""
-    metrics = import_module("seqeval.metrics")
-    accuracy_score, classification_report = metrics.accuracy_score, metrics.classification_report
+    from seqeval.metrics import accuracy_score, classification_report
+
     report = classification_report(references, predictions, output_dict=True, zero_division=0)  # 0, unwarned
     for average in ("macro avg", "weighted avg"):
         report.pop(average)
@@ -94,8 +88,6 @@ def seqeval(references: list[list[str]], predictions: list[list[str]], entity_le
 
 
 ROUGE_KEYS = ("rouge1", "rouge2", "rougeL", "rougeLsum")
-ROUGE_IMPORTS = ("rouge_score.rouge_scorer", "nltk.tokenize.punkt")
-"""What ``rouge`` imports on first use."""
 
 
 def summary_sentences(text: str) -> str:

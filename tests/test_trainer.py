@@ -3,9 +3,6 @@ a big batch, evaluation keeps every example, resume continues exactly, every opt
 
 import dataclasses
 import json
-import os
-import subprocess
-import sys
 import threading
 
 import jax
@@ -378,22 +375,3 @@ def test_eta_stays_within_a_fifth_of_the_time_left(tmp_path):
 def test_scan_layers_auto_scans_on_cpu_and_under_full_remat(tmp_path, flag, remat, platform, scans):
     config = TrainerConfig(output_dir=str(tmp_path), scan_layers=flag, remat=remat)
     assert config.scans(platform) is scans
-
-
-def test_the_plot_waits_for_its_import_started_in_the_background(tmp_path):
-    """A run that ends while ``import_ahead`` still imports matplotlib (a fresh process, where nothing has
-    imported it) draws its plot once that import ends, not from the half-made module."""
-    script = f"""
-from pathlib import Path
-from jaxseq.train.logs import PLOT_IMPORTS, RunLogger
-from jaxseq.imports import import_ahead
-import_ahead(PLOT_IMPORTS)
-log = RunLogger(Path({str(tmp_path)!r}), 2, enabled=True, report_to=())
-log.log(1, {{"train/loss": 1.0}})
-log.log(2, {{"train/loss": 0.5}})
-print(log.plot())
-"""
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env)
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert (tmp_path / "training_curves.png").stat().st_size > 0

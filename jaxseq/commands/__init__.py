@@ -5,16 +5,10 @@ imported only when it runs, so ``jaxseq --help`` answers at once."""
 from __future__ import annotations
 
 import argparse
-import atexit
 import importlib
-import os
-import platform
 import sys
-import threading
-from pathlib import Path
 
 from jaxseq import __version__
-from jaxseq.imports import torch_hidden
 
 # subcommand -> (module under jaxseq.commands, what it does)
 COMMANDS = {
@@ -47,85 +41,17 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-HUGE_PAGES = "glibc.malloc.hugetlb=1"
-"""glibc's tunable: back the blocks malloc maps with transparent huge pages (``madvise``)."""
-THP_SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
-
-
-def use_huge_pages() -> None:
-    """Re-execute this process (``os.execve``: the same process id, its command line as it was) with
-    ``GLIBC_TUNABLES`` asking glibc for transparent huge pages, which it reads only at process start. XLA:CPU
-    allocates a step's temporaries anew at every step and frees them after; glibc maps each such block
-    fresh, and the kernel faults in and zeroes it page by page: a 512 MiB temporary takes 533 ms a step
-    in 4 KB pages (133k faults), 346 ms in huge pages (574), and is given back when freed. Only on Linux
-    with glibc and huge pages not turned off, and once (the tunable is then set)."""
-    tunables = os.environ.get("GLIBC_TUNABLES", "")
-    if HUGE_PAGES.split("=")[0] in tunables or platform.libc_ver()[0] != "glibc":
-        return
-    try:
-        if "[never]" in THP_SETTING.read_text():
-            return
-    except OSError:  # no such setting: a kernel without transparent huge pages
-        return
-    env = {**os.environ, "GLIBC_TUNABLES": ":".join(filter(None, (tunables, HUGE_PAGES)))}
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os.execve(sys.executable, sys.orig_argv, env)
-
-
-def import_transformers_without_torch() -> None:
-    """Import transformers as it runs where PyTorch is not installed (``imports.torch_hidden``). The jobs use
-    its configurations, tokenizers and generation settings, never its PyTorch models, yet its configurations
-    import torch (``configuration_utils`` -> ``modeling_rope_utils``): about 2 s of every command's start on
-    two cores, ``--help`` included. transformers asks ``importlib.util.find_spec("torch")`` once and keeps
-    the answer. Nothing to do where either is already imported."""
-    if "transformers" in sys.modules or "torch" in sys.modules:
-        return
-    advisory = os.environ.get("TRANSFORMERS_NO_ADVISORY_WARNINGS")
-    os.environ["TRANSFORMERS_NO_ADVISORY_WARNINGS"] = "1"  # its notice that PyTorch was not found
-    try:
-        with torch_hidden():
-            import transformers
-
-            transformers.utils.is_torch_available()  # asked (and cached) now, while torch is hidden
-    finally:
-        if advisory is None:
-            del os.environ["TRANSFORMERS_NO_ADVISORY_WARNINGS"]
-        else:
-            os.environ["TRANSFORMERS_NO_ADVISORY_WARNINGS"] = advisory
-
-
-def exit_now(code: int) -> None:
-    """End the process as Python would, less the interpreter's teardown: the non-daemon threads are joined
-    (``threading``'s own shutdown), the ``atexit`` handlers run (trackers, logging), the standard streams
-    are flushed, then ``os._exit``. A job has closed its files, checkpoints and trackers by the time it
-    returns; the teardown only destroys objects (XLA's executables, JAX's caches, modules): about a second
-    of a ``jaxseq ner`` run's 1.35 s from its return to its exit, on two cores."""
-    shutdown = getattr(threading, "_shutdown", None)  # what the interpreter calls first at exit
-    if shutdown is not None:
-        shutdown()
-    atexit._run_exitfuncs()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-
 def main(argv: list[str] | None = None) -> int:
-    """Run ``jaxseq JOB ARGS...``; returns the job's exit code. As the process's command (no ``argv``
-    given), first in huge pages (``use_huge_pages``), with transformers imported without torch
-    (``import_transformers_without_torch``), and ended by ``exit_now`` once the job returns."""
-    command = argv is None
-    if command:
-        use_huge_pages()
+    """Run ``jaxseq JOB ARGS...`` (``sys.argv[1:]`` when ``argv`` is None); returns the job's exit code. The
+    same from a script as from the command: nothing about the process is changed."""
     argv = sys.argv[1:] if argv is None else list(argv)
     if not argv or argv[0] not in COMMANDS:  # --help, --version, nothing, or a misspelt job: argparse answers
         parser().parse_args(argv[:1] or ["--help"])
     job = argv[0]
-    if command:
-        import_transformers_without_torch()
     module = importlib.import_module(f"jaxseq.commands.{COMMANDS[job][0]}")
+    prog = sys.argv[0]
     sys.argv[0] = f"jaxseq {job}"  # the program name argparse shows in the job's usage and errors
-    code = module.main(argv[1:]) or 0
-    if command:
-        exit_now(code)
-    return code
+    try:
+        return module.main(argv[1:]) or 0
+    finally:
+        sys.argv[0] = prog

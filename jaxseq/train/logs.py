@@ -16,9 +16,6 @@ from tqdm.auto import tqdm
 from jaxseq.files import atomic_write
 from jaxseq.train.trackers import open_trackers
 
-PLOT_IMPORTS = ("matplotlib.pyplot",)
-"""What ``RunLogger.plot`` imports on first use (about 0.5 s)."""
-
 
 class RunLogger:
     def __init__(
@@ -120,15 +117,16 @@ class RunLogger:
         """A PNG of the training loss and every eval metric against the step."""
         if not self.enabled:
             return None
-        import matplotlib
-        import matplotlib.pyplot as plt  # first: an import still running elsewhere (PLOT_IMPORTS) ends here
-
-        matplotlib.use("Agg")  # pyplot picks no backend until it draws
+        # matplotlib's object-oriented API: a Figure on its own Agg canvas, leaving pyplot and the backend alone
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
 
         path = path or self.output_dir / "training_curves.png"
         train = [(r["step"], r["train/loss"]) for r in self.records if "train/loss" in r]
         eval_keys = sorted({k for r in self.records for k in r if k.startswith("eval/")})
-        fig, axes = plt.subplots(1, 1 + bool(eval_keys), figsize=(11 if eval_keys else 6, 4), squeeze=False)
+        fig = Figure(figsize=(11 if eval_keys else 6, 4))
+        FigureCanvasAgg(fig)
+        axes = fig.subplots(1, 1 + bool(eval_keys), squeeze=False)
         ax = axes[0][0]
         if train:
             ax.plot(*zip(*train), label="train loss")
@@ -146,7 +144,6 @@ class RunLogger:
             ax.legend()
         fig.tight_layout()
         fig.savefig(path, dpi=100)
-        plt.close(fig)
         return path
 
     def close(self) -> None:

@@ -14,7 +14,7 @@ import optax
 from jaxseq.config import arg
 from jaxseq.errors import JaxseqError
 from jaxseq.generation import search_tokens
-from jaxseq.metrics import ROUGE_IMPORTS, ROUGE_KEYS, SEQEVAL_IMPORTS, perplexity, rouge, seqeval
+from jaxseq.metrics import ROUGE_KEYS, perplexity, rouge, seqeval
 from jaxseq.models.layers import padded_vocab_size
 
 
@@ -108,7 +108,6 @@ class TokenClassification(TokenLoss):
     ``accuracy`` over the tag names ``labels`` (per entity type too with ``entity_level``)."""
 
     metric_names = ("loss", "precision", "recall", "f1", "accuracy")
-    metric_imports = SEQEVAL_IMPORTS  # imported while training starts (Trainer), not at the first evaluation
     packed_outputs = True  # evaluation packs too: each example's logits gathered at its token_index
 
     def __init__(self, labels, entity_level: bool = False):
@@ -376,7 +375,6 @@ class Seq2SeqLM(TokenLoss):
         self.search = dict(num_beams=num_beams, length_penalty=length_penalty, early_stopping=early_stopping)
         if tokenizer is not None and max_new_tokens > 0:
             self.metric_names = (*TokenLoss.metric_names, "exact_match", *ROUGE_KEYS, "gen_len")
-            self.metric_imports = ROUGE_IMPORTS
 
     def _token_losses(self, model, batch, rngs=None) -> tuple[jax.Array, jax.Array]:
         labels = batch["labels"]

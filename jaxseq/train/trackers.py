@@ -12,7 +12,6 @@ import time
 from pathlib import Path
 
 from jaxseq.errors import JaxseqError, first_line
-from jaxseq.imports import imports_ahead_done, torch_hidden
 
 BACKENDS = ("tensorboard", "wandb", "trackio", "mlflow")
 CHOICES = ("none", *BACKENDS, "all")
@@ -41,10 +40,8 @@ def parse_report_to(value: str | list | tuple | None) -> tuple[str, ...]:
 
 
 def _summary_writer():
-    """tensorboardX's ``SummaryWriter``, imported without torch (its writer imports it where it can, to take
-    its tensors; jaxseq logs floats): about 1 s of a run's start on two cores."""
-    with torch_hidden():
-        from tensorboardX import SummaryWriter
+    from tensorboardX import SummaryWriter
+
     return SummaryWriter
 
 
@@ -95,7 +92,6 @@ class Trackio:
         self.run = trackio.init(project=project, name=name, config=config)
 
     def log(self, step: int, values: dict[str, float]) -> None:
-        imports_ahead_done()  # trackio drops a value if it finds matplotlib half-imported on checking its type
         self.run.log(values, step=step)
 
     def resume(self, step: int) -> None:

@@ -27,12 +27,11 @@ from jaxseq.config import arg
 from jaxseq.data.rows import Rows, as_rows
 from jaxseq.errors import Interrupted, JaxseqError
 from jaxseq.files import RunLock
-from jaxseq.imports import import_ahead
 from jaxseq.models.attention import ATTENTION_KERNELS
 from jaxseq.models.layers import REMAT_POLICIES
 from jaxseq.train.checkpoint import Checkpointer
 from jaxseq.train.feeding import with_rows
-from jaxseq.train.logs import PLOT_IMPORTS, Finished, RunLogger
+from jaxseq.train.logs import Finished, RunLogger
 from jaxseq.train.spec import RunSpec, attention_kernel
 from jaxseq.train.step import Task, TrainState
 from jaxseq.train.throughput import Throughput
@@ -476,9 +475,6 @@ class Trainer:
             made = {}
             if rollout := getattr(self.task, "rollout", None):  # the batch made with the current weights (GRPO)
                 batch, made = rollout(self, batch, step)
-            if compile_seconds is None:  # the first step compiles: meanwhile, what evaluation and plot import
-                plot = PLOT_IMPORTS if self.logger.enabled else ()
-                import_ahead((*getattr(self.task, "metric_imports", ()), *plot))
             self.state, metrics = self._train_step(self.state, batch)
             metrics = {**made, **metrics}
             self._progress.dispatched(metrics)
