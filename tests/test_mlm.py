@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -28,6 +29,14 @@ from jaxseq.train.pretraining import MaskedLM  # noqa: E402
 
 ENV = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1", "HF_HUB_OFFLINE": "1",
        "TOKENIZERS_PARALLELISM": "false"}  # fmt: skip
+JAXSEQ = Path(sys.executable).with_name("jaxseq")
+
+
+def run_jaxseq(*args, timeout=600):
+    """The installed ``jaxseq`` command as a user runs it: a fresh process, one CPU device, offline."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env.update(HF_HUB_OFFLINE="1", JAX_PLATFORMS="cpu", TOKENIZERS_PARALLELISM="false")
+    return subprocess.run([str(JAXSEQ), *map(str, args)], capture_output=True, text=True, timeout=timeout, env=env)
 
 
 def jaxseq(*args, timeout=600):
@@ -286,3 +295,50 @@ def test_t5_mlm_logs_its_span_lengths_and_trains(tmp_path):
     results = json.loads((out / "eval_results.json").read_text())
     assert results["perplexity"] == pytest.approx(np.exp(results["eval_loss"]), rel=1e-6)
     assert np.log(len(tokenizer)) - 1 < results["eval_loss"] < np.log(len(tokenizer)) + 2  # 3 steps from random
+
+
+@pytest.mark.slow
+def test_mlm_line_by_line_scores_each_line_as_transformers_does(minilm, tmp_path):
+    """`jaxseq mlm --line_by_line --validation_file` on a tiny BERT with MiniLM's tokenizer finishes (its
+    evaluation, in batches cut to their lines' length, once broke on labels left at full width); eval_loss is
+    BertForMaskedLM's loss of the exported model on the validation lines, each masked once as the run masks
+    them (--seed, --mlm_probability): the labels stayed beside their tokens."""
+    _, tokenizer = minilm
+    tokenizer.save_pretrained(tmp_path / "model")
+    transformers.BertConfig(
+        vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+        max_position_embeddings=64,
+    ).save_pretrained(tmp_path / "model")  # fmt: skip
+    valid = text_lines(37, start=2000)
+    valid[3] = " ".join(valid[3:9])  # one line longer than --max_seq_length: truncated
+    (tmp_path / "train.txt").write_text("\n\n".join(text_lines(40)) + "\n")
+    (tmp_path / "valid.txt").write_text("\n".join(valid) + "\n")
+    out = tmp_path / "out"
+    done = run_jaxseq(
+        "mlm", "--config_name", tmp_path / "model", "--tokenizer_name", tmp_path / "model", "--line_by_line",
+        "--train_file", tmp_path / "train.txt", "--validation_file", tmp_path / "valid.txt", "--max_seq_length", 64,
+        "--mlm_probability", 0.3, "--seed", 3, "--per_device_train_batch_size", 8, "--per_device_eval_batch_size", 4,
+        "--max_steps", 2, "--learning_rate", 1e-3, "--output_dir", out,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "40 training / 37 validation lines of 64 tokens, 0.3 of them masked" in done.stdout
+    results = json.loads((out / "eval_results.json").read_text())
+    assert results["eval_samples"] == 37
+    assert results["perplexity"] == pytest.approx(np.exp(results["eval_loss"]), rel=1e-6)
+    lines = [line.strip() for line in valid]
+    encoded = tokenizer(lines, truncation=True, max_length=64, padding="max_length", return_tensors="np")
+    arrays = {k: encoded[k].astype(np.int32) for k in ("input_ids", "attention_mask")}
+    assert arrays["attention_mask"][3].all() and arrays["attention_mask"].sum(1).max() > 32 > np.median(
+        arrays["attention_mask"].sum(1)
+    )  # the eval batches are cut to several widths
+    masked = mask_examples(
+        arrays, 3, tokenizer.all_special_ids, probability=0.3, mask_token_id=tokenizer.mask_token_id,
+        vocab_size=len(tokenizer),
+    )  # fmt: skip
+    labels = masked["labels"]
+    chosen = labels != IGNORE
+    assert 0.2 < chosen.sum() / (arrays["attention_mask"].sum() - 2 * len(lines)) < 0.4
+    exported = transformers.AutoModelForMaskedLM.from_pretrained(out)
+    want = torch_forward(exported, **masked)
+    assert results["eval_loss"] == pytest.approx(float(want.loss), rel=1e-5)
+    assert np.log(len(tokenizer)) - 1 < results["eval_loss"] < np.log(len(tokenizer)) + 1  # 2 steps from random

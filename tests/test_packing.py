@@ -72,6 +72,20 @@ def test_eval_width_buckets_merge_rare_widths_upward(monkeypatch):
     assert batches.bucket_widths(ends, [16, 32, 64, 128]).tolist() == [16] * 4 + [32] * 2 + [64] * 2
 
 
+def test_trimming_cuts_each_array_with_the_mask_it_follows():
+    """A batch cut to its width bucket keeps every per-token array beside its tokens: labels and loss_mask
+    with the input's (masked LM, tagging, chat), a seq2seq batch's labels with the decoder's mask even when
+    both have the same width; per-example arrays stay whole."""
+    ids = np.arange(24).reshape(3, 8)
+    encoder = {"input_ids": ids, "attention_mask": ids > 0, "labels": -ids, "loss_mask": ids % 2, "score": ids[:, 0]}
+    cut = batches.trim(encoder, {"attention_mask": 4})
+    assert {k: v.shape for k, v in cut.items()} == {**dict.fromkeys(encoder, (3, 4)), "score": (3,)}
+    np.testing.assert_array_equal(cut["labels"], -ids[:, :4])
+    seq2seq = {"input_ids": ids, "attention_mask": ids, "labels": ids, "decoder_attention_mask": ids}
+    cut = batches.trim(seq2seq, {"attention_mask": 4, "decoder_attention_mask": 6})
+    assert [cut[k].shape[1] for k in seq2seq] == [4, 4, 6, 6]
+
+
 def test_packed_minilm_gives_the_unpacked_logits(minilm_sst2):
     folder, arrays = minilm_sst2
     model = load_pretrained(folder, "sequence-classification", num_labels=2, seed=0)

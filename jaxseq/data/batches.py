@@ -45,9 +45,11 @@ def eval_indices(n: int, batch_size: int) -> Iterator[tuple[np.ndarray, np.ndarr
         yield np.where(valid, index, 0), valid
 
 
-# which arrays a padding mask governs: trimming a batch to a bucket cuts them all to the same width
+# which arrays a padding mask governs: trimming a batch to a bucket cuts them all to the same width. An array
+# two masks name follows the later one the batch has: labels are the decoder's (seq2seq) where there is one,
+# else a token's of the input (masked LM, tagging), as chat's loss_mask is
 MASKED_ARRAYS = {
-    "attention_mask": ("input_ids", "attention_mask", "token_type_ids", "position_ids"),
+    "attention_mask": ("input_ids", "attention_mask", "token_type_ids", "position_ids", "labels", "loss_mask"),
     "decoder_attention_mask": ("labels", "decoder_attention_mask", "decoder_input_ids"),
 }
 
@@ -98,11 +100,10 @@ def bucketed_eval_indices(row_ends: np.ndarray, batch_size: int) -> Iterator[tup
 
 def trim(arrays: dict[str, np.ndarray], widths: dict[str, int]) -> dict[str, np.ndarray]:
     """``arrays`` cut to ``widths`` (mask name -> width): every 2-D array a mask governs keeps its first
-    ``width`` columns (``MASKED_ARRAYS``)."""
+    ``width`` columns (``MASKED_ARRAYS``: the later of the batch's masks that names it)."""
     out = dict(arrays)
-    for mask, width in widths.items():
-        full = arrays[mask].shape[1]
-        for name in MASKED_ARRAYS[mask]:
-            if name in out and out[name].ndim == 2 and out[name].shape[1] == full:
-                out[name] = out[name][:, :width]
+    for name, array in arrays.items():
+        masks = [m for m, names in MASKED_ARRAYS.items() if name in names and m in arrays]
+        if masks and masks[-1] in widths and array.ndim == 2 and array.shape[1] == arrays[masks[-1]].shape[1]:
+            out[name] = array[:, : widths[masks[-1]]]
     return out
