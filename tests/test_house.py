@@ -161,6 +161,21 @@ def test_every_family_is_a_folder_of_its_own():
     assert not flat, f"a family's module outside its folder: {flat}"
 
 
+def test_families_share_heads_not_each_others_folders():
+    """A decoder family's language-model head and last-token classifier come from ``models/heads.py``: no family
+    imports GPT-2's folder for them."""
+    from jaxseq.models.registry import FAMILIES
+
+    known = modules()
+    for model_type in FAMILIES:
+        if model_type == "gpt2":
+            continue
+        for name, path in known.items():
+            if name.startswith(f"jaxseq.models.{model_type}."):
+                borrowed = [m for m, _ in imports(path, set(known)) if m.startswith("jaxseq.models.gpt2")]
+                assert not borrowed, f"{name} imports {borrowed}"
+
+
 def family_lists(text: str) -> list[str]:
     """Lists of two or more families written out (``GPT-2, GPT-J or T5``, ``gpt2|gptj``) in ``text``."""
     from jaxseq.models.registry import FAMILIES

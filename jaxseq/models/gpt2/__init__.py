@@ -5,25 +5,19 @@ rules, position limit, FLOPs), which ``jaxseq.models.registry`` lists."""
 from jaxseq.models.gpt2.family import FAMILY
 from jaxseq.models.gpt2.modeling import (
     GPT2MLP,
-    DecoderLM,
     GPT2Attention,
     GPT2Block,
     GPT2ForSequenceClassification,
     GPT2LMHeadModel,
     GPT2Model,
-    LastTokenClassifier,
-    last_token_index,
 )
 
 __all__ = [
     "FAMILY",
     "GPT2MLP",
-    "DecoderLM",
     "GPT2Attention",
     "GPT2Block",
     "GPT2ForSequenceClassification",
     "GPT2LMHeadModel",
     "GPT2Model",
-    "LastTokenClassifier",
-    "last_token_index",
 ]

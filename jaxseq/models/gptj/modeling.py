@@ -23,7 +23,7 @@ from jaxseq.models.attention import (
     split_heads,
     update_kv,
 )
-from jaxseq.models.gpt2.modeling import DecoderLM, LastTokenClassifier
+from jaxseq.models.heads import DecoderLM, LastTokenClassifier
 from jaxseq.models.layers import (
     Linear,
     Stacked,

@@ -45,7 +45,7 @@ from jaxseq.models.attention import (
     update_kv,
     update_ring,
 )
-from jaxseq.models.gpt2.modeling import DecoderLM, LastTokenClassifier
+from jaxseq.models.heads import DecoderLM, LastTokenClassifier
 from jaxseq.models.layers import Linear, Stacked, activation, blocks, normal, padded_vocab_size, tied_logits
 from jaxseq.models.outputs import BaseOutput
 
