@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import time
+import types
 
 import jax
 import jax.numpy as jnp
@@ -271,6 +272,58 @@ def test_reward_funcs_get_trls_arguments_and_the_sampler_compiles_once(tok, fold
     np.testing.assert_allclose(figures["reward"], lengths.mean(), rtol=1e-6)
     np.testing.assert_allclose(figures["rewards/reward_len/mean"], lengths.mean(), rtol=1e-6)
     np.testing.assert_allclose(out["advantages"], group_advantages(lengths.astype(np.float32), 3)[0], rtol=1e-5)
+
+
+def test_qlora_rollout_samples_the_quantised_kernels_with_their_adapters(tok, monkeypatch):
+    """GRPO with --quantize samples from the quantised kernels with the adapters beside them, each layer
+    dequantised inside the sampler's program: no full-precision model is built (``Lora.merged`` is never called,
+    the sampled model holds codes, no float kernel), its completions and old log-probs are those of the
+    dequantised model with the adapters folded in, and new weights reuse the compiled sampler."""
+    from jaxseq.models import from_config
+    from jaxseq.train import rl
+    from jaxseq.train.lora import Lora
+
+    mesh = make_mesh("fsdp=2,mp=2,dp=2")
+    llama = transformers.LlamaConfig(
+        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64,
+    )  # fmt: skip
+    model = from_config(llama, "causal-lm", mesh=mesh, seed=0, scan_layers=True)
+    records = [{"prompt": p} for p in ("The sky is", "Two plus two is", "Hello there", "Once upon a")]
+    config = GRPOConfig(num_generations=4, max_completion_length=5, temperature=0.9, num_iterations=2)
+    prompts = prompt_rows(tok, records, None, tok.eos_token_id)
+    rollout = Rollout(config, tok, records, [("reward_len", recording([]))], eos_token_ids=[tok.eos_token_id],
+                      prompts=prompts)  # fmt: skip
+    lora = LoraConfig(lora_rank=4, lora_targets="q_proj,v_proj,down_proj", quantize="nf4")
+    program = TrainProgram(model, GRPO(config, rollout), mesh, OptimizerConfig(), total_steps=2, seed=0, lora=lora)
+    frozen = program.freeze(nnx.state(model))
+    noise = lambda x: x + 0.05 * jax.random.normal(jax.random.key(x.size), x.shape, x.dtype)  # B starts at 0
+    params = jax.tree.map(noise, program.adapter_init(frozen))
+    trainer = types.SimpleNamespace(
+        config=types.SimpleNamespace(gradient_accumulation_steps=1, per_device_train_batch_size=2),
+        feed=types.SimpleNamespace(dp=4, device_batch=lambda rows, stacked: rows),
+        program=program, state=program.init_state(params), frozen=frozen,
+    )  # fmt: skip
+    sampled, original = [], rl.generate
+    monkeypatch.setattr(rl, "generate", lambda model, *a, **k: sampled.append(model) or original(model, *a, **k))
+    monkeypatch.setattr(Lora, "merged", lambda *a, **k: pytest.fail("a full-precision model was built"))
+    generation.cached_program.cache_clear()
+    rows, _ = rollout(trainer, None, 0)
+    flat = {path: v.get_value() for path, v in nnx.to_flat_state(nnx.state(sampled[0]))}
+    quantized = program.lora.quantized
+    assert len(quantized) == 7 and all(flat[(*path, "kernel")].size == 0 for path in quantized)
+    assert all(flat[(*path, "dot_general", "quantized", "codes")].dtype == jnp.uint8 for path in quantized)
+    trainer.state = program.init_state(jax.tree.map(noise, params))  # new weights: the same compiled sampler
+    rollout(trainer, None, 2)
+    info = generation.cached_program.cache_info()
+    assert info.misses == 1 and info.hits == 1, info
+    monkeypatch.undo()
+    merged = program.merged_model(params, frozen)  # the dequantised kernels, the adapters folded in
+    want, _ = rollout.sample(merged, rollout.step_prompts(0, 2), seed=0)
+    np.testing.assert_array_equal(rows["input_ids"], want["input_ids"])
+    np.testing.assert_array_equal(rows["completion_mask"], want["completion_mask"])
+    old = jax.jit(lambda m, b: rl.completion_logps(m, b, config.temperature)[0])(merged, want)
+    np.testing.assert_allclose(rows["old_logps"], np.asarray(old), rtol=1e-5, atol=1e-5)
 
 
 def test_bad_grpo_settings_stop_in_one_line(tmp_path):

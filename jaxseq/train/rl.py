@@ -306,7 +306,8 @@ class Rollout:
         count = prompts_per_step(
             trainer.config.per_device_train_batch_size, trainer.feed.dp, accumulate, c.num_generations
         )
-        model = trainer.program.merged_model(trainer.state.params, trainer.frozen)
+        # QLoRA: the quantised base with the adapters beside it, each layer dequantised inside the sampler's program
+        model = trainer.program.eval_model(trainer.state.params, trainer.frozen)
         rows, figures = self.sample(model, self.step_prompts(sampled, count), seed=self.seed * 1_000_003 + sampled)
         if c.num_iterations > 1:  # the old policy's log-probs, before this batch's first update
             if self._logps is None:

@@ -336,8 +336,9 @@ class TrainProgram:
         return traverse_util.unflatten_dict(out)
 
     def eval_model(self, params, frozen) -> nnx.Module:
-        """The model evaluation runs: ``merged_model``, but with QLoRA the training model without dropout
-        (each layer dequantised where used, its adapter beside it)."""
+        """The model evaluation and GRPO's sampler run: ``merged_model``, but with QLoRA the training model
+        without dropout (each layer dequantised where used, inside the program, its adapter beside it), so no
+        full-precision copy of the quantised kernels is ever made."""
         if self.lora is not None and self.lora.quantized:
             return self.lora.training_model(self.graphdef, params, frozen)
         return self.merged_model(params, frozen)
