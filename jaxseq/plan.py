@@ -154,22 +154,33 @@ def _slice_shape(chips: int, dims: int) -> list[int] | None:
     return shape
 
 
+LIBTPU_ENVIRONMENT = {
+    "ALLOW_MULTIPLE_LIBTPU_LOAD": "1",
+    "TPU_ACCELERATOR_TYPE": "v5litepod-8",
+    "TPU_WORKER_HOSTNAMES": "localhost",
+}
+"""What libtpu is given while it makes a topology, where the environment does not say: compile-only use, so a
+training job holding this machine's TPU must not block planning; on a machine without a TPU, naming one keeps
+libtpu's start-up from printing warnings about the TPU it cannot find."""
+
+
 def _abstract_devices(libtpu_name: str, shape: list[int], options: dict) -> list:
+    """The compile-only devices of libtpu's topology ``libtpu_name``, ``LIBTPU_ENVIRONMENT`` set only meanwhile."""
     if importlib.util.find_spec("libtpu") is None:
         raise JaxseqError("compiling for a TPU topology needs libtpu: pip install 'jaxseq[tpu]'")
-    # Compile-only use: a training job holding this machine's TPU must not block planning; on a machine without
-    # a TPU, naming one keeps libtpu's start-up from printing warnings about the TPU it cannot find.
-    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-    os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v5litepod-8")
-    os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
     from jax.experimental import topologies
 
     if math.prod(shape) < 4:  # smaller than libtpu's default host of 2x2x1 chips
         options = {**options, "chips_per_host_bounds": (*shape, 1)[:3]}
-    try:
+    added = [name for name in LIBTPU_ENVIRONMENT if name not in os.environ]
+    os.environ.update({name: LIBTPU_ENVIRONMENT[name] for name in added})
+    try:  # libtpu reads them as it loads and starts, here; the user's process and its children never see them
         return list(topologies.get_topology_desc(topology_name=libtpu_name, platform="tpu", **options).devices)
     except Exception as error:  # libtpu's own message (e.g. a shape it does not support), as one line
         raise JaxseqError(f"libtpu cannot make topology {libtpu_name}: {first_line(error)}") from error
+    finally:
+        for name in added:
+            os.environ.pop(name, None)
 
 
 # ----------------------------------------------------------------------------------------------------------------

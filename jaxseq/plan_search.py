@@ -34,6 +34,9 @@ from jaxseq.train.objectives import DEFAULT_CHUNK_TOKENS
 
 MEMORY_SLACK = 1.25  # the memory model may be this far under the compiler's figure: prune only beyond it
 REMATS = ("none", "dots", "full")
+COMPILE_TIMEOUT = 1800.0
+"""Seconds a candidate's plan may take (a large model's step compiles in minutes): past it the process is stopped,
+the candidate ranked as timed out, and the search goes on with the others."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,12 +193,13 @@ def search(
     *,
     chunked: bool,
     compiles: int = 6,
+    timeout: float = COMPILE_TIMEOUT,
     say: Callable[[str], None] = print,
 ) -> dict:
     """Search the layouts of the run of ``module``'s ``main(argv)`` (its saved config ``sections`` by name) on
-    ``topo``, compiling the ``compiles`` most promising layouts; write ``output_dir/best_plan.yaml`` and
-    ``output_dir/plan.json`` of the fastest that fits and return its plan; one line (a JaxseqError) when none
-    fits."""
+    ``topo``, compiling the ``compiles`` most promising layouts, each within ``timeout`` seconds; write
+    ``output_dir/best_plan.yaml`` and ``output_dir/plan.json`` of the fastest that fits and return its plan; one
+    line (a JaxseqError) when none fits."""
     hbm = topo.hbm_bytes_per_device
     scored = [(c, *estimate(c, shape, topo)) for c in candidates(shape, len(topo.devices), chunked=chunked)]
     if not scored:
@@ -217,7 +221,7 @@ def search(
 
         def compile_all(layouts, start=0):
             jobs = [(c, Path(scratch) / f"candidate-{start + i}") for i, c in enumerate(layouts)]
-            results = pool.map(lambda job: _compile(module, base, *job), jobs)
+            results = pool.map(lambda job: _compile(module, base, *job, timeout), jobs)
             return [(c, plan, failure, folder) for (c, folder), (plan, failure) in zip(jobs, results)]
 
         rows = compile_all([c for c, _, _ in chosen])
@@ -232,6 +236,11 @@ def search(
         fitting = [r for r in rows if r[1] is not None and r[1]["fits"]]
         fitting.sort(key=lambda r: r[1]["estimated_step_seconds"] or math.inf)
         say(_table(rows, fitting, scored, chosen, hbm))
+        if not any(plan is not None for _, plan, _ in rows):
+            raise JaxseqError(
+                f"none of the {len(rows)} layouts compiled for {topo.accelerator} (the first: {rows[0][2]}); plan "
+                "one with --compile_topology alone to see why"
+            )
         if not fitting:
             best_refused = min((r for r in rows if r[1] is not None), default=None, key=_total)
             need = f"; the closest needs {_total(best_refused) / GiB:.2f} GiB" if best_refused else ""
@@ -267,17 +276,25 @@ def _strip(argv: list[str]) -> list[str]:
     return out
 
 
-def _compile(module: str, argv: list[str], candidate: Candidate, folder: Path) -> tuple[dict | None, str | None]:
-    """Plan one candidate in its own process: (its plan.json, None) or (None, why it has none)."""
+def _compile(
+    module: str, argv: list[str], candidate: Candidate, folder: Path, timeout: float = COMPILE_TIMEOUT
+) -> tuple[dict | None, str | None]:
+    """Plan one candidate in its own process, stopped after ``timeout`` seconds: (its plan.json, None) or (None,
+    why it has none). The process loads libtpu beside the search's own (``ALLOW_MULTIPLE_LIBTPU_LOAD``)."""
     code = f"import sys; from {module} import main; sys.exit(main(sys.argv[1:]))"
     cmd = [sys.executable, "-c", code, *argv, *candidate.flags(), "--output_dir", str(folder)]
     env = {**os.environ, "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
-    result = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    try:
+        result = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+    except subprocess.TimeoutExpired:  # the process is killed; a plan it wrote before it hung still counts
+        result = None
     path = folder / "plan.json"
     if path.is_file():
         return json.loads(path.read_text()), None
+    if result is None:
+        return None, f"compile timed out after {timeout:g} s"
     lines = [line for line in result.stderr.strip().splitlines() if line.strip()]
-    return None, (lines[-1] if lines else f"exit code {result.returncode}")[:160]
+    return None, "compile failed: " + (lines[-1] if lines else f"exit code {result.returncode}")[:160]
 
 
 def _total(row) -> float:
@@ -292,7 +309,7 @@ def _table(rows, fitting, scored, chosen, hbm) -> str:
     for i, (c, plan, failure) in enumerate(order):
         rank = str(i + 1) if (c, plan, failure) in fitting else "-"
         if plan is None:
-            lines.append(f"  {rank:<5} {c.describe():<50} compile failed: {failure}")
+            lines.append(f"  {rank:<5} {c.describe():<50} {failure}")
             continue
         total = plan["bytes_per_device"]["total"] / GiB
         step = plan["estimated_step_seconds"]

@@ -75,6 +75,29 @@ def test_topology_names(name, libtpu_name, accelerator, chips, devices):
     assert 0.9 < topo.hbm_bytes_per_device / (topo.chip.hbm / topo.chip.devices_per_chip) < 1.01
 
 
+def test_making_a_topology_leaves_the_environment_as_it_was(monkeypatch):
+    """libtpu's settings are in the environment only while it makes the topology (a value already there kept):
+    the process and the children it starts later see the environment they had, after a failure too."""
+    require_libtpu()
+    from jax.experimental import topologies
+
+    for name in planlib.LIBTPU_ENVIRONMENT:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("TPU_WORKER_HOSTNAMES", "127.0.0.1")  # the user's own
+    seen, make = [], topologies.get_topology_desc
+    watch = lambda *a, **k: seen.append({n: os.environ.get(n) for n in planlib.LIBTPU_ENVIRONMENT}) or make(*a, **k)
+    monkeypatch.setattr(topologies, "get_topology_desc", watch)
+    before = dict(os.environ)
+    assert len(planlib.topology("v5e-4").devices) == 4
+    assert dict(os.environ) == before
+    assert seen == [
+        {"ALLOW_MULTIPLE_LIBTPU_LOAD": "1", "TPU_ACCELERATOR_TYPE": "v5litepod-8", "TPU_WORKER_HOSTNAMES": "127.0.0.1"}
+    ]
+    with pytest.raises(JaxseqError, match="libtpu cannot make topology v5e:3x5"):
+        planlib._abstract_devices("v5e:3x5", [3, 5], {})
+    assert dict(os.environ) == before and len(seen) == 2
+
+
 @pytest.mark.parametrize("name", ["v9-8", "tpu", "v5e", "v5e-3", "v4-6", "v5e:2x2x2", "v4:2x2", "v5e-512", "h100-8"])
 def test_unknown_topology_is_one_line(name):
     with pytest.raises(JaxseqError) as error:

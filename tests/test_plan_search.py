@@ -5,14 +5,17 @@ import dataclasses
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import yaml
 
 from jaxseq import plan_search
+from jaxseq.errors import JaxseqError
 from jaxseq.plan import topology
 from jaxseq.plan_search import Candidate, Shape, candidates, estimate
 
@@ -132,3 +135,54 @@ def test_experts_add_ep_layouts_that_split_them():
     dense = dataclasses.replace(moe, expert_params=0, experts=0, experts_per_token=0)
     c = Candidate((1, 8, 1), "full", 8, 1, "auto", None)
     assert estimate(c, moe, v5e)[1] < estimate(c, dense, v5e)[1]  # a token meets 2 of 8 experts
+
+
+FAKE_JOB = """
+import json, os, sys, time
+from pathlib import Path
+
+
+def main(argv):
+    flags = dict(zip(argv[::2], argv[1::2]))
+    if flags["--attention"] == "auto":
+        time.sleep(600)  # a compile that hangs
+    out = Path(flags["--output_dir"])
+    out.mkdir(parents=True)
+    plan = {"fits": True, "bytes_per_device": {"total": 2**30}, "estimated_mfu": 0.5,
+            "estimated_step_seconds": 1.0 / int(flags["--per_device_train_batch_size"]),
+            "libtpu_load": os.environ.get("ALLOW_MULTIPLE_LIBTPU_LOAD")}
+    (out / "plan.json").write_text(json.dumps(plan))
+    return 0
+"""
+
+
+def test_a_hung_compile_is_ranked_as_timed_out_and_the_search_goes_on(tmp_path, monkeypatch):
+    """Candidates whose plan process hangs are stopped after the timeout and listed as timed out; the others are
+    ranked and the fastest of them written, each planned with libtpu allowed beside the search's own."""
+    from jaxseq.plan import CHIPS, Topology
+    from jaxseq.train.trainer import TrainerConfig
+
+    (tmp_path / "fake_plan_job.py").write_text(FAKE_JOB)
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    monkeypatch.delenv("ALLOW_MULTIPLE_LIBTPU_LOAD", raising=False)
+    topo = Topology("v5e-8", "v5e:2x4", 8, tuple(range(8)), CHIPS["v5e"])
+    shape = dataclasses.replace(GPT2_SMALL, seq_len=128)
+    said = []
+    started = time.monotonic()
+    plan = plan_search.search("fake_plan_job", [], {"trainer": TrainerConfig()}, shape, topo, tmp_path / "out",
+                              chunked=False, compiles=4, timeout=2, say=said.append)  # fmt: skip
+    assert time.monotonic() - started < 120
+    table = said[1].splitlines()[1:-1]
+    timed_out = [line for line in table if line.endswith("compile timed out after 2 s")]
+    ranked = [line for line in table if line.endswith("fits")]
+    assert len(timed_out) == 2 and len(ranked) == 2, said[1]
+    assert all(line.split()[0] == "-" for line in timed_out) and [line.split()[0] for line in ranked] == ["1", "2"]
+    assert plan["libtpu_load"] == "1" and "ALLOW_MULTIPLE_LIBTPU_LOAD" not in os.environ
+    best = yaml.safe_load((tmp_path / "out" / "best_plan.yaml").read_text())["TrainerConfig"]
+    assert plan["estimated_step_seconds"] == 1 / best["per_device_train_batch_size"]
+    assert json.loads((tmp_path / "out" / "plan.json").read_text()) == plan
+    (tmp_path / "fake_plan_job.py").write_text(FAKE_JOB.replace('== "auto"', "is not None"))  # every one hangs
+    refused = "none of the 4 layouts compiled for v5e-8 (the first: compile timed out after 1 s)"
+    with pytest.raises(JaxseqError, match=re.escape(refused)):
+        plan_search.search("fake_plan_job", [], {}, shape, topo, tmp_path / "out2", chunked=False, compiles=2,
+                           timeout=1, say=said.append)  # fmt: skip
