@@ -3,6 +3,7 @@ and scanned layers), export, greedy generation, the router load balancing loss a
 one step's gradients, meshes (experts split over ep, or over fsdp and mp), FLOPs that count only the experts
 each token goes to, and a `jaxseq clm --mesh dp=2,ep=4` run whose loss falls."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -18,6 +19,7 @@ from jaxseq.generation import generate  # noqa: E402
 from jaxseq.mesh import make_mesh  # noqa: E402
 from jaxseq.models import load_pretrained, save_pretrained  # noqa: E402
 from jaxseq.models.execution import Execution  # noqa: E402
+from jaxseq.models.mixtral.modeling import expert_parallel, grouped_experts, route  # noqa: E402
 from jaxseq.models.registry import family_for  # noqa: E402
 from jaxseq.train.objectives import CausalLM  # noqa: E402
 from tests.reference import max_diff_on, padded_batch, perturb, torch_forward  # noqa: E402
@@ -225,3 +227,54 @@ def test_pretraining_with_experts_split_over_ep_lowers_the_loss(tmp_path):
     ]
     assert len(losses) == 40
     assert np.mean(losses[-5:]) < np.mean(losses[:5]) - 1.0, losses
+
+
+def undefined_outside_groups(monkeypatch):
+    """``jax.lax.ragged_dot`` made to leave NaN in the rows outside its groups, as a grouped matmul may leave
+    them undefined (uninitialised memory), in its output and in its input's gradient."""
+    real = jax.lax.ragged_dot
+
+    def poison(out, sizes):
+        return jnp.where((jnp.arange(out.shape[0]) >= sizes.sum())[:, None], jnp.nan, out)
+
+    @jax.custom_vjp
+    def ragged_dot(lhs, rhs, sizes):
+        return poison(real(lhs, rhs, sizes), sizes)
+
+    def backward(saved, g):
+        lhs, rhs, sizes = saved
+        d_lhs, d_rhs = jax.vjp(lambda a, b: real(a, b, sizes), lhs, rhs)[1](g)
+        return poison(d_lhs, sizes), d_rhs, None
+
+    ragged_dot.defvjp(lambda lhs, rhs, sizes: (ragged_dot(lhs, rhs, sizes), (lhs, rhs, sizes)), backward)
+    monkeypatch.setattr(jax.lax, "ragged_dot", ragged_dot)
+
+
+def test_experts_split_over_ep_never_take_other_devices_rows(monkeypatch):
+    """On ep > 1 each device's grouped matmuls hold rows of its ep group's pairs routed to other devices' experts,
+    outside their groups: with a grouped matmul leaving those rows NaN, the output and the gradients of the
+    tokens, route weights and kernels are the one-device ones, all finite (no product of such a row with 0)."""
+    rng = np.random.default_rng(0)
+    experts, hidden, inner, tokens = 8, 16, 24, 32
+    kernels = tuple(jnp.asarray(rng.normal(0, 0.3, (experts, *s)), jnp.float32) for s in
+                    ((hidden, inner), (hidden, inner), (inner, hidden)))  # fmt: skip
+    x = jnp.asarray(rng.normal(size=(tokens, hidden)), jnp.float32)
+    _, weights, ids = route(jnp.asarray(rng.normal(size=(tokens, experts))), 2, True)
+    act = jax.nn.silu
+
+    def through(run):
+        def loss(kernels, x, weights):
+            y = run(kernels, x, weights)
+            return (y * jnp.cos(y)).sum(), y
+
+        (_, y), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(kernels, x, weights)
+        return y, grads
+
+    want = through(lambda k, x, w: grouped_experts(k, act, x, w, ids))
+    undefined_outside_groups(monkeypatch)
+    for spec in ("dp=2,ep=4", "ep=8"):
+        mesh = make_mesh(spec)
+        got = through(lambda k, x, w, mesh=mesh: expert_parallel(mesh, k, act, x, w, ids))
+        for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            assert np.isfinite(np.asarray(g)).all(), spec
+            np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5, err_msg=spec)

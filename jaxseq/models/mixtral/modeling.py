@@ -71,7 +71,9 @@ def grouped_experts(kernels, act, x, weights, ids, first: int = 0):
     the token-expert pairs sorted by expert, each expert's rows multiplied by its kernels alone in one grouped
     matmul (``jax.lax.ragged_dot`` over ``kernels``, the (gate, up, down) stacks ``[experts, in, out]``), then
     weighted and summed back onto their tokens, in float32. ``kernels`` may hold only experts ``first`` to
-    ``first + len``: the pairs of other experts are sorted last, outside every group, and add nothing."""
+    ``first + len``: the pairs of other experts are sorted last, outside every group, their rows zeros going in
+    and each grouped matmul's rows for them selected away (a grouped matmul may leave rows outside its groups
+    undefined, NaN included), so they add exactly nothing, forward and backward."""
     gate, up, down = kernels
     tokens, k = ids.shape
     count = gate.shape[0]
@@ -80,10 +82,14 @@ def grouped_experts(kernels, act, x, weights, ids, first: int = 0):
     order = jnp.argsort(local, stable=True)
     rows = order // k
     sizes = jnp.bincount(local, length=count + 1)[:count].astype(jnp.int32)
-    h = x[rows].astype(gate.dtype)
-    h = act(jax.lax.ragged_dot(h, gate, sizes)) * jax.lax.ragged_dot(h, up, sizes)
-    pair_weights = jnp.where(local[order] < count, weights.reshape(-1)[order], 0.0)
-    y = jax.lax.ragged_dot(h, down, sizes).astype(jnp.float32) * pair_weights[:, None]
+    mine = (local[order] < count)[:, None]  # selects, not products with 0: 0 x NaN is NaN, in gradients too
+
+    def grouped(h, kernel):
+        return jnp.where(mine, jax.lax.ragged_dot(h, kernel, sizes), 0)
+
+    h = jnp.where(mine, x[rows], 0).astype(gate.dtype)
+    h = act(grouped(h, gate)) * grouped(h, up)
+    y = grouped(h, down).astype(jnp.float32) * weights.reshape(-1)[order][:, None]
     return jnp.zeros((tokens, x.shape[-1]), jnp.float32).at[rows].add(y)
 
 
