@@ -17,7 +17,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxseq import plan_search
+from jaxseq.plan import search as plan_search
 from jaxseq.cli import PlanConfig, RuntimeConfig, finish, parse, start
 from jaxseq.config import save_config
 from jaxseq.distributed import DistributedConfig
@@ -197,7 +197,7 @@ def saved_sections(args) -> dict:
 
 
 def search_plans(job: Job, argv, args, spec: RunSpec, prepared: Prepared, topo) -> dict:
-    """``--plan_search``: the fastest layout of this run that fits ``topo`` (``jaxseq.plan_search``)."""
+    """``--plan_search``: the fastest layout of this run that fits ``topo`` (``jaxseq.plan.search``)."""
     trainer = args.trainer
     rows = trainer.per_device_train_batch_size * data_parallel_size(spec.mesh) * trainer.gradient_accumulation_steps
     sections = saved_sections(args)

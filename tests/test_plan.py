@@ -17,9 +17,11 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxseq import plan as planlib
 from jaxseq.errors import JaxseqError
 from jaxseq.mesh import make_mesh
+from jaxseq.plan import buffers, hlo, report
+from jaxseq.plan import chips as plan_chips
+from jaxseq.plan import compile as plan_compile
 
 GiB = 2**30
 PLAN_FIELDS = {
@@ -39,7 +41,7 @@ def require_libtpu():
 @pytest.fixture(scope="module")
 def v5e():
     require_libtpu()
-    return planlib.topology("v5e-8")
+    return plan_chips.topology("v5e-8")
 
 
 # ---------------------------------------------------------------------------------------------- topologies
@@ -68,9 +70,9 @@ def v5e():
 )
 def test_topology_names(name, libtpu_name, accelerator, chips, devices):
     require_libtpu()
-    topo = planlib.topology(name)
+    topo = plan_chips.topology(name)
     assert (topo.name, topo.accelerator, topo.chips, len(topo.devices)) == (libtpu_name, accelerator, chips, devices)
-    assert topo.chip is planlib.CHIPS[accelerator.split("-")[0]]
+    assert topo.chip is plan_chips.CHIPS[accelerator.split("-")[0]]
     # libtpu's budget per device is within 1% of the published HBM (v5p: 95.74 of '95 GiB')
     assert 0.9 < topo.hbm_bytes_per_device / (topo.chip.hbm / topo.chip.devices_per_chip) < 1.01
 
@@ -81,47 +83,53 @@ def test_making_a_topology_leaves_the_environment_as_it_was(monkeypatch):
     require_libtpu()
     from jax.experimental import topologies
 
-    for name in planlib.LIBTPU_ENVIRONMENT:
+    for name in plan_chips.LIBTPU_ENVIRONMENT:
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("TPU_WORKER_HOSTNAMES", "127.0.0.1")  # the user's own
     seen, make = [], topologies.get_topology_desc
-    watch = lambda *a, **k: seen.append({n: os.environ.get(n) for n in planlib.LIBTPU_ENVIRONMENT}) or make(*a, **k)
+    watch = lambda *a, **k: seen.append({n: os.environ.get(n) for n in plan_chips.LIBTPU_ENVIRONMENT}) or make(*a, **k)
     monkeypatch.setattr(topologies, "get_topology_desc", watch)
     before = dict(os.environ)
-    assert len(planlib.topology("v5e-4").devices) == 4
+    assert len(plan_chips.topology("v5e-4").devices) == 4
     assert dict(os.environ) == before
     assert seen == [
         {"ALLOW_MULTIPLE_LIBTPU_LOAD": "1", "TPU_ACCELERATOR_TYPE": "v5litepod-8", "TPU_WORKER_HOSTNAMES": "127.0.0.1"}
     ]
     with pytest.raises(JaxseqError, match="libtpu cannot make topology v5e:3x5"):
-        planlib._abstract_devices("v5e:3x5", [3, 5], {})
+        plan_chips._abstract_devices("v5e:3x5", [3, 5], {})
     assert dict(os.environ) == before and len(seen) == 2
 
 
 @pytest.mark.parametrize("name", ["v9-8", "tpu", "v5e", "v5e-3", "v4-6", "v5e:2x2x2", "v4:2x2", "v5e-512", "h100-8"])
 def test_unknown_topology_is_one_line(name):
     with pytest.raises(JaxseqError) as error:
-        planlib.topology(name)
+        plan_chips.topology(name)
     message = str(error.value)
     assert "\n" not in message and ("v5e-8" in message or f"{name[:2]}" in message)
 
 
 def test_slice_shapes():
-    assert [planlib._slice_shape(n, 2) for n in (1, 4, 8, 16, 32, 64, 128, 256)] == [
+    assert [plan_chips._slice_shape(n, 2) for n in (1, 4, 8, 16, 32, 64, 128, 256)] == [
         [1, 1], [2, 2], [2, 4], [4, 4], [4, 8], [8, 8], [8, 16], [16, 16],
     ]  # fmt: skip
-    assert [planlib._slice_shape(n, 3) for n in (4, 8, 16, 32, 64, 128, 256, 512)] == [
+    assert [plan_chips._slice_shape(n, 3) for n in (4, 8, 16, 32, 64, 128, 256, 512)] == [
         [2, 2, 1], [2, 2, 2], [2, 2, 4], [2, 4, 4], [4, 4, 4], [4, 4, 8], [4, 8, 8], [8, 8, 8],
     ]  # fmt: skip
-    assert planlib._slice_shape(12, 2) is None and planlib._slice_shape(2, 3) is None
+    assert plan_chips._slice_shape(12, 2) is None and plan_chips._slice_shape(2, 3) is None
 
 
 def test_chip_table():
-    assert {g: c.peak_flops for g, c in planlib.CHIPS.items()} == {
+    assert {g: c.peak_flops for g, c in plan_chips.CHIPS.items()} == {
         "v3": 123e12, "v4": 275e12, "v5e": 197e12, "v5p": 459e12, "v6e": 918e12,
     }  # fmt: skip
-    assert {g: c.hbm // GiB for g, c in planlib.CHIPS.items()} == {"v3": 32, "v4": 32, "v5e": 16, "v5p": 95, "v6e": 32}
-    assert planlib.CHIPS["v5e"].usable_hbm == int(15.75 * GiB)
+    assert {g: c.hbm // GiB for g, c in plan_chips.CHIPS.items()} == {
+        "v3": 32,
+        "v4": 32,
+        "v5e": 16,
+        "v5p": 95,
+        "v6e": 32,
+    }
+    assert plan_chips.CHIPS["v5e"].usable_hbm == int(15.75 * GiB)
 
 
 # ---------------------------------------------------------------------------------------------- compiled plans
@@ -135,14 +143,14 @@ def mlp_step(mesh, layers=L, width=D, hidden=H, fsdp=True):
     shard = {"w1": NamedSharding(mesh, spec1), "w2": NamedSharding(mesh, spec2)}
     shapes = {"w1": jax.ShapeDtypeStruct((layers, width, hidden), jnp.float32)}
     shapes["w2"] = jax.ShapeDtypeStruct((layers, hidden, width), jnp.float32)
-    params = planlib.with_shardings(shapes, shard)
+    params = plan_compile.with_shardings(shapes, shard)
     optimizer = optax.adamw(1e-3)
     opt_shapes = jax.eval_shape(optimizer.init, shapes)
     replicated = NamedSharding(mesh, P())
     opt_shard = jax.tree_util.tree_map_with_path(
         lambda path, _: shard[path[-1].key] if hasattr(path[-1], "key") else replicated, opt_shapes
     )
-    opt_state = planlib.with_shardings(opt_shapes, opt_shard)
+    opt_state = plan_compile.with_shardings(opt_shapes, opt_shard)
     batch = jax.ShapeDtypeStruct((B, width), jnp.float32, sharding=NamedSharding(mesh, P(("dp", "fsdp"))))
 
     def loss(p, x):
@@ -169,7 +177,7 @@ def mlp_plan(v5e):
     mesh = make_mesh("fsdp=8", devices=v5e.devices)
     lowered, params, opt_state, batch = mlp_step(mesh)
     flops = 6.0 * 2 * L * D * H * B  # forward and backward of the two matmuls per layer
-    plan = planlib.compile_plan(
+    plan = plan_compile.compile_plan(
         lowered, v5e, parameters=params, optimizer_state=opt_state, batch=batch, model_flops=flops, argument_kinds=KINDS
     )
     return plan, lowered
@@ -206,7 +214,7 @@ def test_plan_roofline(mlp_plan):
     assert plan["model_flops_per_step"] == 6 * 2 * L * D * H * B
     assert plan["estimated_step_seconds"] > 0
     assert 0 < plan["estimated_mfu"] <= 1
-    cost = planlib.hlo_cost(lowered.compile().as_text(), 8)
+    cost = hlo.hlo_cost(lowered.compile().as_text(), 8)
     # fsdp: every layer's weights are all-gathered (forward and backward) and the gradients reduce-scattered
     gathered = 2 * L * D * H * 2 * 7 / 8  # bf16 bytes of all layers' weights, (n-1)/n of them received
     assert 2 * gathered < cost.collective_bytes < 5 * gathered
@@ -216,9 +224,9 @@ def test_plan_roofline(mlp_plan):
 def test_replicated_step_has_no_weight_collectives(v5e):
     mesh = make_mesh("fsdp=8", devices=v5e.devices)
     lowered, *_ = mlp_step(mesh, layers=2, width=256, hidden=512, fsdp=False)
-    cost = planlib.hlo_cost(lowered.compile().as_text(), 8)
+    cost = hlo.hlo_cost(lowered.compile().as_text(), 8)
     sharded, *_ = mlp_step(mesh, layers=2, width=256, hidden=512)
-    assert cost.collective_bytes < planlib.hlo_cost(sharded.compile().as_text(), 8).collective_bytes
+    assert cost.collective_bytes < hlo.hlo_cost(sharded.compile().as_text(), 8).collective_bytes
 
 
 def test_flops_match_cost_analysis_without_loops(v5e):
@@ -226,7 +234,7 @@ def test_flops_match_cost_analysis_without_loops(v5e):
     x = jax.ShapeDtypeStruct((256, 512), jnp.bfloat16, sharding=NamedSharding(mesh, P("fsdp")))
     w = jax.ShapeDtypeStruct((512, 512), jnp.bfloat16, sharding=NamedSharding(mesh, P()))
     compiled = jax.jit(lambda x, a, b: jnp.tanh(x @ a) @ b).lower(x, w, w).compile()
-    flops = planlib.hlo_cost(compiled.as_text(), 8).flops
+    flops = hlo.hlo_cost(compiled.as_text(), 8).flops
     assert flops == 2 * 2 * 32 * 512 * 512
     assert flops == pytest.approx(compiled.cost_analysis()["flops"], rel=0.01)
 
@@ -238,7 +246,7 @@ def test_scan_counts_every_step(v5e, steps):
     ws = jax.ShapeDtypeStruct((steps, 512, 512), jnp.bfloat16, sharding=NamedSharding(mesh, P()))
     scan = lambda x, ws: jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, ws)[0]
     compiled = jax.jit(scan).lower(x, ws).compile()
-    cost = planlib.hlo_cost(compiled.as_text(), 8)
+    cost = hlo.hlo_cost(compiled.as_text(), 8)
     assert cost.flops == steps * 2 * 32 * 512 * 512 and cost.unknown_loops == 0
     assert compiled.cost_analysis()["flops"] < cost.flops  # XLA's own analysis counts a loop body once
 
@@ -311,7 +319,7 @@ ENTRY %main (stack: bf16[4,128,256], h: bf16[64,256], g: f32[1024]) -> (bf16[64,
 def test_hlo_reader_on_a_written_module():
     """A scan of 4 layers with no known_trip_count (read off i < 4), per-layer weights sliced from a stack and
     all-gathered over a mesh axis, and XLA:TPU's reduce-scatter (all-reduce + dynamic-slice in one fusion)."""
-    cost = planlib.hlo_cost(SYNTHETIC_HLO, 8)
+    cost = hlo.hlo_cost(SYNTHETIC_HLO, 8)
     assert cost.flops == 4 * (2 * 64 * 256 * 1024 + 2 * 64 * 1024 * 256) and cost.unknown_loops == 0
     assert cost.collective_bytes == 4 * 1024 * 256 * 2 * 7 / 8 + 1024 * 4 * 7 / 8
     layer = 128 * 256 * 2  # the slice fusion reads one layer of the stack, not all four
@@ -324,7 +332,7 @@ def test_trip_count_on_cpu_hlo():
     x, ws = jax.ShapeDtypeStruct((8, 64), jnp.float32), jax.ShapeDtypeStruct((5, 64, 64), jnp.float32)
     scan = lambda x, ws: jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, ws)[0]
     text = jax.jit(scan).lower(x, ws).compile().as_text()
-    assert planlib.hlo_cost(text, 1).flops == 5 * 2 * 8 * 64 * 64
+    assert hlo.hlo_cost(text, 1).flops == 5 * 2 * 8 * 64 * 64
 
 
 def test_peak_buffers_name_what_the_memory_holds(mlp_plan):
@@ -336,21 +344,21 @@ def test_peak_buffers_name_what_the_memory_holds(mlp_plan):
     assert peak["by_kind"]["optimizer state"] == memory["optimizer_state"]
     assert memory["parameters"] + memory["optimizer_state"] < peak["live_bytes"] <= memory["total"]
     largest = peak["largest"]
-    assert len(largest) == planlib.PEAK_BUFFERS and [b["bytes"] for b in largest] == sorted(
+    assert len(largest) == buffers.PEAK_BUFFERS and [b["bytes"] for b in largest] == sorted(
         (b["bytes"] for b in largest), reverse=True
     )
     named = {b["holds"]: (b["kind"], b["shape"], b["bytes"]) for b in largest}
     assert named["p w1"] == ("parameters", "f32[4,128,2048]", L * D * H * 4 // 8)  # w1's fsdp shard
     assert named["o 0/nu/w2"] == ("optimizer state", "f32[4,2048,128]", L * D * H * 4 // 8)
     assert {b["kind"] for b in largest} >= {"backward", "forward activations"}  # the step's own buffers
-    table = planlib.format_table(plan)
+    table = report.format_table(plan)
     assert re.search(r"^  at the peak +[\d.]+ GiB live: .*optimizer state 0\.02", table, re.M)
 
 
 def test_over_budget_is_refused(v5e):
     mesh = make_mesh("fsdp=8", devices=v5e.devices)
     lowered, params, opt_state, batch = mlp_step(mesh, layers=2, width=16384, hidden=32768, fsdp=False)
-    plan = planlib.compile_plan(
+    plan = plan_compile.compile_plan(
         lowered, v5e, parameters=params, optimizer_state=opt_state, batch=batch, argument_kinds=KINDS
     )
     assert set(plan) == PLAN_FIELDS and plan["fits"] is False
@@ -359,13 +367,13 @@ def test_over_budget_is_refused(v5e):
     assert memory["total"] > plan["hbm_bytes_per_device"]
     assert memory["total"] == sum(memory[k] for k in ("parameters", "optimizer_state", "batch", "temporaries"))
     assert plan["estimated_step_seconds"] is None and plan["attention_kernel"] == "xla"
-    line = planlib.refusal(plan)
+    line = report.refusal(plan)
     assert "\n" not in line and line.startswith(f"needs {memory['total'] / GiB:.2f} GiB per chip of 15.75 GiB on v5e-8")
     assert "LoRA" in line and line.split("; try: ")[1].count(",") <= 2  # the training state is what is too big
     # what it is, from the buffers live at the (refused) program's peak
     assert plan["peak_buffers"]["by_kind"]["parameters"] == memory["parameters"]
     assert "(at the peak: optimizer state 16.00 GiB, " in line
-    assert planlib.refusal(plan, ["--remat full"]).endswith("; try: --remat full")
+    assert report.refusal(plan, ["--remat full"]).endswith("; try: --remat full")
 
 
 def test_total_is_the_compilers_peak(v5e):
@@ -373,7 +381,7 @@ def test_total_is_the_compilers_peak(v5e):
     15.75 and yet it compiles. The plan's total is the compiler's peak, the figure libtpu holds to the budget."""
     mesh = make_mesh("fsdp=8", devices=v5e.devices)
     lowered, params, opt_state, batch = mlp_step(mesh, layers=42, width=4096, hidden=16384)
-    plan = planlib.compile_plan(lowered, v5e, parameters=params, optimizer_state=opt_state, batch=batch)
+    plan = plan_compile.compile_plan(lowered, v5e, parameters=params, optimizer_state=opt_state, batch=batch)
     stats = lowered.compile().memory_analysis()
     naive = stats.argument_size_in_bytes + stats.output_size_in_bytes - stats.alias_size_in_bytes
     assert naive + stats.temp_size_in_bytes > plan["hbm_bytes_per_device"]
@@ -386,11 +394,11 @@ def test_other_compile_errors_propagate():
             raise ValueError("INVALID_ARGUMENT: something else")
 
     with pytest.raises(ValueError, match="something else"):
-        planlib.compile_plan(Broken(), None, parameters={})
+        plan_compile.compile_plan(Broken(), None, parameters={})
 
 
 def test_out_of_memory_messages():
-    parse = planlib._out_of_memory
+    parse = plan_compile._out_of_memory
     needed = parse("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO temporaries "
                    "(18.00G) exceeds available HBM (15.75G).")  # fmt: skip
     assert needed == 18 * GiB
@@ -413,10 +421,10 @@ def test_splash_kernel_is_found(v5e):
     mesh = make_mesh("dp=1", devices=v5e.devices[:1])
     q = jax.ShapeDtypeStruct((heads, length, head_dim), jnp.bfloat16, sharding=NamedSharding(mesh, P()))
     lowered = jax.jit(kernel).lower(q, q, q)
-    plan = planlib.compile_plan(lowered, v5e, parameters=q)
+    plan = plan_compile.compile_plan(lowered, v5e, parameters=q)
     assert plan["attention_kernel"] == "splash"
     assert "custom kernels" in plan["estimate_method"]
-    assert planlib.attention_kernel(lowered.as_text()) == "splash"  # kernel_name in StableHLO, for refused plans
+    assert hlo.attention_kernel(lowered.as_text()) == "splash"  # kernel_name in StableHLO, for refused plans
 
 
 def test_plain_attention_is_xla(v5e):
@@ -429,15 +437,15 @@ def test_plain_attention_is_xla(v5e):
 
     compiled = jax.jit(attention).lower(q, q, q).compile()
     # XLA:TPU folds softmax(.)V into its own "online-softmax" Mosaic kernel: still XLA's attention, not splash
-    assert planlib.attention_kernel(compiled.as_text()) == "xla"
-    cost = planlib.hlo_cost(compiled.as_text(), 1)
+    assert hlo.attention_kernel(compiled.as_text()) == "xla"
+    cost = hlo.hlo_cost(compiled.as_text(), 1)
     # QK^T is a convolution with the heads as a dilated spatial dim; count only the taps that hit real input
     assert cost.flops == 2 * 2 * 256 * 256 * 128 and cost.custom_kernels == 1
 
 
 def test_cudnn_attention_is_named():
     text = 'custom-call(%q, %k, %v), custom_call_target="__cudnn$fmhaSoftmax"'
-    assert planlib.attention_kernel(text) == "cudnn"
+    assert hlo.attention_kernel(text) == "cudnn"
 
 
 # ---------------------------------------------------------------------------------------------- output
@@ -458,16 +466,16 @@ def fake_plan(**overrides):
 
 
 def test_format_table():
-    table = planlib.format_table(fake_plan())
+    table = report.format_table(fake_plan())
     assert "v5e-8" in table and "9.50 GiB of 15.75 GiB" in table and "fits" in table
     assert "1000.00 ms" in table and "63.0 %" in table and "splash" in table
-    refused = planlib.format_table(fake_plan(fits=False, estimated_step_seconds=None, estimated_mfu=None))
+    refused = report.format_table(fake_plan(fits=False, estimated_step_seconds=None, estimated_mfu=None))
     assert "DOES NOT FIT" in refused
 
 
 def test_write_plan_is_atomic_json(tmp_path):
     path = tmp_path / "out" / "plan.json"
-    planlib.write_plan(path, fake_plan())
+    report.write_plan(path, fake_plan())
     assert json.loads(path.read_text())["accelerator"] == "v5e-8"
     assert [p.name for p in path.parent.iterdir()] == ["plan.json"]
 
@@ -476,17 +484,17 @@ def test_derived_suggestions():
     memory = {"parameters": 8 * GiB, "optimizer_state": 16 * GiB, "batch": GiB, "temporaries": 4 * GiB}
     state_bound = fake_plan(mesh={"dp": 8, "fsdp": 1, "mp": 1}, bytes_per_device={**memory, "total": 29 * GiB})
     expected = "needs 29.00 GiB per chip of 15.75 GiB on v5e-8; try: more fsdp (fsdp=8), LoRA, Adafactor"
-    assert planlib.refusal(state_bound) == expected
+    assert report.refusal(state_bound) == expected
     memory = {"parameters": GiB, "optimizer_state": 2 * GiB, "batch": GiB, "temporaries": 20 * GiB, "total": 24 * GiB}
     activation_bound = fake_plan(bytes_per_device=memory)
-    assert planlib.refusal(activation_bound).endswith("try: --remat full, a smaller batch, a bigger topology (v5e-16)")
-    assert planlib.refusal(activation_bound, remat="full").endswith("try: a smaller batch, a bigger topology (v5e-16)")
+    assert report.refusal(activation_bound).endswith("try: --remat full, a smaller batch, a bigger topology (v5e-16)")
+    assert report.refusal(activation_bound, remat="full").endswith("try: a smaller batch, a bigger topology (v5e-16)")
     no_optimizer = {**memory, "parameters": 22 * GiB, "optimizer_state": 0, "temporaries": GiB}
-    assert planlib._suggestions(fake_plan(bytes_per_device=no_optimizer)) == ["LoRA", "a bigger topology (v5e-16)"]
+    assert report._suggestions(fake_plan(bytes_per_device=no_optimizer)) == ["LoRA", "a bigger topology (v5e-16)"]
     one_chip = fake_plan(
         accelerator="v5e-1", devices=1, mesh={"dp": 1, "fsdp": 1, "mp": 1}, bytes_per_device=no_optimizer
     )
-    assert planlib._suggestions(one_chip) == ["LoRA", "a bigger topology (v5e-4)"]  # there is no v5e-2
+    assert report._suggestions(one_chip) == ["LoRA", "a bigger topology (v5e-4)"]  # there is no v5e-2
 
 
 def test_cpu_compiler_options_stay_off_tpu_programs(v5e):

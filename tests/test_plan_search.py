@@ -12,16 +12,19 @@ import time
 from pathlib import Path
 
 import pytest
+import transformers
 import yaml
 
-from jaxseq import plan_search
 from jaxseq.errors import JaxseqError
+from jaxseq.models.registry import model_flops
+from jaxseq.plan import search as plan_search
 from jaxseq.plan import topology
-from jaxseq.plan_search import Candidate, Shape, candidates, estimate
+from jaxseq.plan.search import Candidate, Shape, candidates, estimate
 
 ROOT = Path(__file__).resolve().parents[1]
 GPT2_SMALL = Shape(trained=124_000_000, frozen=0, layers=12, width=768, heads=12, vocab=50257, seq_len=1024,
-                   global_rows=64)  # fmt: skip
+                   global_rows=64,
+                   step_flops=model_flops(transformers.GPT2Config(), "causal-lm", 64, 1024))  # fmt: skip
 
 
 def test_every_layout_keeps_the_global_batch():
@@ -118,10 +121,14 @@ def test_search_writes_the_fastest_fitting_layout_and_it_replans_the_same(tmp_pa
 
 def test_experts_add_ep_layouts_that_split_them():
     """A mixture of experts (8 experts, top 2): layouts with ep dividing the experts and the data shards, whose
-    batch is split over ep too; ep holds less of the experts per chip and counts only the routed experts'
-    FLOPs. A dense model gets no ep layout."""
+    batch is split over ep too; ep holds less of the experts per chip, and the step time is the family's FLOP
+    count (Mixtral's: only the routed experts). A dense model gets no ep layout."""
+    mixtral = dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=8, num_local_experts=8)
+    flops = lambda top: model_flops(
+        transformers.MixtralConfig(**mixtral, num_experts_per_tok=top), "causal-lm", 64, 1024
+    )
     moe = dataclasses.replace(GPT2_SMALL, trained=1_000_000_000, expert_params=900_000_000, experts=8,
-                              experts_per_token=2)  # fmt: skip
+                              step_flops=flops(2))  # fmt: skip
     layouts = candidates(moe, 8, chunked=False)
     assert {c.ep for c in layouts} == {1, 2, 4, 8}
     for c in layouts:
@@ -132,9 +139,9 @@ def test_experts_add_ep_layouts_that_split_them():
     v5e = topology("v5e-8")
     memory = lambda ep, dp: estimate(Candidate((dp, 1, 1), "full", 8, 1, "auto", None, ep=ep), moe, v5e)[0]
     assert memory(ep=8, dp=1) < memory(ep=1, dp=8)  # the experts split 8 ways, not replicated
-    dense = dataclasses.replace(moe, expert_params=0, experts=0, experts_per_token=0)
+    every_expert = dataclasses.replace(moe, step_flops=flops(8))
     c = Candidate((1, 8, 1), "full", 8, 1, "auto", None)
-    assert estimate(c, moe, v5e)[1] < estimate(c, dense, v5e)[1]  # a token meets 2 of 8 experts
+    assert estimate(c, moe, v5e)[1] < estimate(c, every_expert, v5e)[1]  # a token meets 2 of 8 experts
 
 
 FAKE_JOB = """

@@ -29,7 +29,8 @@ from jaxseq.config import save_config
 from jaxseq.errors import JaxseqError
 from jaxseq.mesh import format_mesh
 from jaxseq.models.layers import EXPERTS
-from jaxseq.plan import GiB, Topology
+from jaxseq.models.registry import model_flops
+from jaxseq.plan.chips import GiB, Topology
 from jaxseq.train.objectives import DEFAULT_CHUNK_TOKENS
 
 MEMORY_SLACK = 1.25  # the memory model may be this far under the compiler's figure: prune only beyond it
@@ -77,7 +78,8 @@ class Candidate:
 @dataclasses.dataclass(frozen=True)
 class Shape:
     """What the analytic model needs of the run: parameters (trained and frozen), layers, width, heads,
-    vocabulary, tokens per example, rows per global batch."""
+    vocabulary, tokens per example, rows per global batch, and the model FLOPs of one step (the family's own
+    count, ``models.registry.model_flops``, as a plan's MFU)."""
 
     trained: int
     frozen: int
@@ -87,9 +89,9 @@ class Shape:
     vocab: int
     seq_len: int
     global_rows: int
+    step_flops: float
     expert_params: int = 0  # of the parameters above, the experts' (split over ep)
     experts: int = 0
-    experts_per_token: int = 0
 
 
 def candidates(shape: Shape, devices: int, *, chunked: bool) -> list[Candidate]:
@@ -129,9 +131,9 @@ def estimate(c: Candidate, shape: Shape, topo: Topology) -> tuple[float, float]:
     (12 bytes a trained parameter, 4 a frozen one, split over fsdp x mp) with float32 gradients; bf16
     activations per Korthikanti et al. 2022 (34 s h + 5 a s^2 bytes a token-layer without remat; the dots
     policy keeps about a third; full remat, the block inputs and one block's working set); float32 logits
-    (or the loss's chunks of ``DEFAULT_CHUNK_TOKENS``). Time: 6 x parameters x tokens at the chip's peak (8
-    with full remat), plus fsdp's gathers per micro-step, mp's all-reduces per layer and dp's gradient
-    all-reduce over ICI."""
+    (or the loss's chunks of ``DEFAULT_CHUNK_TOKENS``). Time: the step's model FLOPs at the chip's peak (a
+    third more with full remat, a sixth with dots, for the forward pass computed again), plus fsdp's gathers
+    per micro-step, mp's all-reduces per layer and dp's gradient all-reduce over ICI."""
     dp, fsdp, mp = c.mesh
     ep, chip = c.ep, topo.chip
     weights = shape.trained * 12 + shape.frozen * 4 + shape.trained * 4
@@ -146,11 +148,9 @@ def estimate(c: Candidate, shape: Shape, topo: Topology) -> tuple[float, float]:
     logits = (tokens if not c.loss_chunk_tokens else min(tokens, DEFAULT_CHUNK_TOKENS)) * shape.vocab * 4 / mp
     memory = state + kept + working + logits
     params = shape.trained + shape.frozen
-    routed = shape.expert_params * (1 - shape.experts_per_token / shape.experts) if shape.experts else 0
     forward_backward = 8 if c.remat == "full" else (7 if c.remat == "dots" else 6)
     devices = dp * fsdp * ep * mp
-    step_tokens = shape.global_rows * shape.seq_len
-    compute = forward_backward * (params - routed) * step_tokens / (devices * chip.peak_flops)  # active weights
+    compute = shape.step_flops * forward_backward / 6 / (devices * chip.peak_flops)
     ici = chip.ici_bandwidth / 2
     gathers = 3 * params * 2 * (fsdp - 1) / fsdp / mp / ep * c.accumulation if fsdp > 1 else 0
     reductions = 4 * layers * tokens * width * 2 * (mp - 1) / mp * c.accumulation if mp > 1 else 0
@@ -177,9 +177,9 @@ def shape_of(spec, prepared, global_rows: int) -> Shape:
         vocab=config.vocab_size,
         seq_len=prepared.seq_len + prepared.target_len,
         global_rows=global_rows,
+        step_flops=model_flops(config, spec.task, global_rows, prepared.seq_len, prepared.target_len),
         expert_params=experts,
         experts=getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None) or 0,
-        experts_per_token=getattr(config, "num_experts_per_tok", 0) or 0,
     )
 
 
