@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import re
 import sys
 import types
@@ -253,17 +254,49 @@ def save_config(path: Path, *instances) -> None:
 
 @dataclasses.dataclass
 class Stages:
-    """transformers' --do_train/--do_eval/--do_predict, for a job's data section to inherit."""
+    """The stages of a run, as transformers' TrainingArguments gives every run_* script: ``--do_train``,
+    ``--do_eval`` and, where a job predicts, ``--do_predict``. Every training job has them (``stage_flags``
+    makes a job's section, its help saying what the job does by default)."""
 
-    do_train: bool | None = arg(None, "train (default: train and evaluate unless --do_eval or --do_predict is given)")
-    do_eval: bool | None = arg(
-        None, "evaluate on the validation set; alone, the model of --model_name_or_path (or --resume_from_checkpoint)"
+    do_train: bool | None = arg(None, "train on the training data")
+    do_eval: bool | None = arg(None, "evaluate on the validation data")
+
+    def stages(
+        self, default: tuple[bool, bool] = (True, True), alone: tuple[bool, bool] = (False, False)
+    ) -> tuple[bool, bool, bool]:
+        """(train, evaluate, predict) asked for. Given --do_train or --do_eval: only what they name. Given
+        neither: the job's ``default`` training and evaluation, or with --do_predict ``alone`` (run_glue's:
+        neither, it only predicts), less a stage turned off (``--do_eval false``). Flags that leave nothing to
+        do are an error."""
+        predict = bool(getattr(self, "do_predict", None))
+        if self.do_train or self.do_eval:
+            train, evaluate = bool(self.do_train), bool(self.do_eval)
+        else:
+            train, evaluate = alone if predict else default
+            train, evaluate = train and self.do_train is None, evaluate and self.do_eval is None
+        names = [f.name for f in dataclasses.fields(self)]
+        if not (train or evaluate or predict) and any(getattr(self, name) is not None for name in names):
+            raise JaxseqError(f"nothing to do: pass {' or '.join(f'--{name}' for name in names)}")
+        return train, evaluate, predict
+
+
+@functools.cache
+def stage_flags(default: str, predict: str | None = None, no_eval: str | None = None) -> type[Stages]:
+    """A job's ``Stages`` section (one class per job, so parsed configs compare equal), whose help says what
+    a run does given neither --do_train nor --do_eval (``default``), what --do_predict does (``predict``;
+    None: the job has no --do_predict), and for a job without evaluation why --do_eval is an error
+    (``no_eval``)."""
+    train = (
+        f"train on the training data; given neither --do_train nor --do_eval a run does its default: {default} "
+        "(--no_do_train, --no_do_eval: less that stage)"
     )
-    do_predict: bool | None = arg(None, "predict the test set (--test_file or the dataset's test split)")
-
-    def stages(self) -> tuple[bool, bool, bool]:
-        """(train, evaluate, predict): what the flags ask for; none of them given: train and evaluate."""
-        given = (self.do_train, self.do_eval, self.do_predict)
-        if all(flag is None for flag in given):
-            return True, True, False
-        return tuple(bool(flag) for flag in given)
+    evaluate = (
+        f"not available, an error: {no_eval}"
+        if no_eval
+        else "evaluate on the validation data: after training, or without --do_train the model of "
+        "--model_name_or_path (or the saved step of --resume_from_checkpoint, then exported too)"
+    )
+    fields = [("do_train", bool | None, arg(None, train)), ("do_eval", bool | None, arg(None, evaluate))]
+    if predict:
+        fields.append(("do_predict", bool | None, arg(None, f"predict the test data: {predict}")))
+    return dataclasses.make_dataclass("Stages", fields, bases=(Stages,))

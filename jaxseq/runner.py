@@ -17,9 +17,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxseq.plan import search as plan_search
 from jaxseq.cli import PlanConfig, RuntimeConfig, finish, parse, start
-from jaxseq.config import save_config
+from jaxseq.config import save_config, stage_flags
 from jaxseq.distributed import DistributedConfig
 from jaxseq.errors import JaxseqError
 from jaxseq.hub_push import HubConfig
@@ -27,6 +26,7 @@ from jaxseq.mesh import data_parallel_size, make_mesh, mesh_sizes
 from jaxseq.models.registry import model_flops
 from jaxseq.models.source import check
 from jaxseq.plan import compile_plan, format_table, refusal, topology, write_plan
+from jaxseq.plan import search as plan_search
 from jaxseq.train.feeding import abstract_batch
 from jaxseq.train.lora import LoraConfig
 from jaxseq.train.optim import OptimizerConfig
@@ -45,6 +45,15 @@ SHARED = {
     "distributed": DistributedConfig,
 }
 """Config sections every training job has, by the name ``prepare`` reads them (``args.trainer``, ...)."""
+
+ONLY_PREDICT_ALONE = "train and evaluate; --do_predict alone only predicts (transformers' run_glue, run_ner, run_qa)"
+"""What a predicting job's run does without --do_train and --do_eval (``Stages.stages``' defaults)."""
+STAGE_OF_SPLIT = {
+    "train": "training (--do_train)",
+    "validation": "evaluation (--do_eval)",
+    "test": "prediction (--do_predict)",
+}
+"""The stage that reads each split, for errors naming the data a stage lacks."""
 
 NOT_SAVED = ("plan", "hub", "distributed")
 """Sections left out of a run's config.yaml: how it was launched, not what it trains."""
@@ -83,18 +92,24 @@ class Prepared:
 class Job:
     """A training job: ``doc`` (its --help), the model ``task``, its own ``sections`` (by name: ``source``, a
     ``models.source.ModelSource``, and its data's; optionally ``speed``, a ``throughput.SpeedConfig`` for MFU
-    in the log), ``prepare(args, planning) -> Prepared``, and the ``default_model`` when none is named."""
+    in the log), ``prepare(args, planning) -> Prepared``, and the ``default_model`` when none is named. Its
+    stage flags (``args.stages``, ``config.stage_flags``) say in their help what a run does without
+    --do_train and --do_eval (``default_stages``), what --do_predict does (``predicts``; None: no such flag),
+    and for a job without evaluation why --do_eval is an error (``no_eval``)."""
 
     doc: str
     task: str
     sections: Mapping[str, type]
     prepare: Callable[[types.SimpleNamespace, bool], Prepared]
     default_model: str | None = None
+    default_stages: str = "train and evaluate"
+    predicts: str | None = None
+    no_eval: str | None = None
 
 
 def parse_job(job: Job, argv) -> types.SimpleNamespace:
     """``job``'s config sections by name (``args.source``, ``args.trainer``, ...) from YAML and ``argv``."""
-    sections = {**job.sections, **SHARED}
+    sections = {**job.sections, "stages": stage_flags(job.default_stages, job.predicts, job.no_eval), **SHARED}
     args = types.SimpleNamespace(**dict(zip(sections, parse(job.doc, tuple(sections.values()), argv))))
     check(args.source, default_model=job.default_model)
     return args
@@ -116,8 +131,11 @@ def run(job: Job, argv) -> int:
         else:
             plan(spec, prepared, topo)
         return 0
+    if job.no_eval and args.stages.do_eval:
+        raise JaxseqError(f"--do_eval: {job.no_eval}; drop --do_eval")
     mesh = start(args.runtime, args.distributed)
     prepared = job.prepare(args, False)
+    check_stages(args.stages, prepared)
     spec = spec_of(job, args, mesh, prepared)
     speed = {}
     if "speed" in job.sections:
@@ -170,7 +188,8 @@ def run(job: Job, argv) -> int:
     if jax.process_index() == 0:
         for suffix, predicted in predictions.items():
             log(f"wrote {prepared.write_predictions(trainer.output_dir, suffix, predicted)}")
-    eval_samples = len(next(iter(feed.eval_sets.values()), ()))
+    eval_samples = len(feed.eval_sets[next(iter(prepared.evals))]) if prepared.evals else 0
+    extra_eval = prepared.extra_eval(results) if prepared.extra_eval and prepared.evals else None
     if trains:
         finish(
             trainer,
@@ -180,15 +199,25 @@ def run(job: Job, argv) -> int:
             hub=args.hub,
             train_samples=len(feed.train_data),
             eval_samples=eval_samples,
-            extra_eval=prepared.extra_eval(results) if prepared.extra_eval else None,
+            extra_eval=extra_eval,
         )
     elif prepared.evals:
-        write_results(trainer.output_dir, results, train_samples=0, eval_samples=eval_samples)
+        write_results(trainer.output_dir, results, train_samples=0, eval_samples=eval_samples, extra_eval=extra_eval)
     if restored:  # a saved step, exported: any checkpoint becomes a Hugging Face folder
         export_model(trainer, trainer.output_dir, prepared.tokenizer, base_model=args.source.model_name_or_path)
     if speed and jax.process_index() == 0:
         print(" ".join(f"{k}={results[k]:.4g}" for k in ("train_tokens_per_second", "train_mfu") if k in results))
     return 0
+
+
+def check_stages(stages, prepared: Prepared) -> None:
+    """Every stage flag given finds its data in what ``prepare`` made, and the run has something to do."""
+    found = {"train": prepared.train is not None, "eval": bool(prepared.evals), "predict": bool(prepared.predicts)}
+    for stage, data in (("train", "training"), ("eval", "validation"), ("predict", "test")):
+        if getattr(stages, f"do_{stage}", None) and not found[stage]:
+            raise JaxseqError(f"--do_{stage} needs {data} data and this run has none; see --help for how to give it")
+    if not any(found.values()):
+        raise JaxseqError("nothing to do: no training, validation or test data; see --help for how to give them")
 
 
 def saved_sections(args) -> dict:

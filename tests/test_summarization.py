@@ -111,7 +111,7 @@ def test_beams_default_to_the_models_generation_config(tmp_path):
 
 def test_missing_files_stop_in_one_line(tmp_path):
     with pytest.raises(JaxseqError, match="--do_predict needs --test_file"):
-        load_data(Seq2SeqDataConfig(do_predict=True))
+        load_data(Seq2SeqDataConfig(), (False, False, True))
     with pytest.raises(JaxseqError, match="pass --train_file, --validation_file or --do_predict"):
         load_data(Seq2SeqDataConfig())
     (tmp_path / "a.jsonl").write_text(json.dumps({"text": "a b.", "summary": "a."}) + "\n")

@@ -42,18 +42,23 @@ def prepare(args, planning: bool) -> Prepared:
     check_vocabulary(tokenizer, config)
     main_process = jax.process_index() == 0
     log = print if main_process else (lambda *_: None)
-    train, valid = load_chat_rows(data, tokenizer, seq, progress=main_process, log=log)
-    rows, learned = len(train["input_ids"]), int(train["loss_mask"].sum())
+    do_train, do_eval, _ = args.stages.stages()
+    train, valid = load_chat_rows(
+        data, tokenizer, seq, progress=main_process, log=log, train=do_train, evaluate=do_eval
+    )
+    rows = 0 if train is None else len(train["input_ids"])
+    learned = 0 if train is None else int(train["loss_mask"].sum())
     return Prepared(
         **common,
         train=train,
-        evals={"": valid},
+        evals={} if valid is None else {"": valid},
         checkpoint=folder if source.model_name_or_path else None,
         overrides=overrides,
         tokenizer=tokenizer,
         summary=lambda _: (
-            f"{rows:,} training rows of {seq} tokens ({learned:,} assistant tokens, {learned / (rows * seq):.0%} "
-            f"of the rows), {len(valid['input_ids']):,} validation rows"
+            f"{rows:,} training rows of {seq} tokens ({learned:,} assistant tokens, "
+            f"{learned / max(rows * seq, 1):.0%} of the rows), "
+            f"{0 if valid is None else len(valid['input_ids']):,} validation rows"
         ),
         extra_eval=lambda results: {"perplexity": results["eval_perplexity"]},
     )

@@ -18,7 +18,7 @@ from __future__ import annotations
 import jax
 
 from jaxseq.cli import script
-from jaxseq.data.text import TextDataConfig, check_sources, load_blocks, token_dtype
+from jaxseq.data.text import TextDataConfig, check_sources, count, load_blocks, token_dtype
 from jaxseq.models.registry import family_names
 from jaxseq.models.source import ModelSource, check_vocabulary, load_tokenizer, model_config, sequence_length
 from jaxseq.runner import Job, Prepared, run
@@ -40,19 +40,22 @@ def prepare(args, planning: bool) -> Prepared:
     vocabulary = config.vocab_size if tokenizer is None else len(tokenizer)
     if planning:  # blocks of token ids, stored as the run stores them
         return Prepared(**common, row={"input_ids": ((block_size,), token_dtype(vocabulary))})
-    check_sources(data)
+    do_train, do_eval, _ = args.stages.stages()
+    check_sources(data, train=do_train, evaluate=do_eval)
     check_vocabulary(tokenizer, config)
     main_process = jax.process_index() == 0
     log = print if main_process else (lambda *_: None)
-    train, valid = load_blocks(data, tokenizer, block_size, progress=main_process, log=log)
+    train, valid = load_blocks(
+        data, tokenizer, block_size, progress=main_process, log=log, train=do_train, evaluate=do_eval
+    )
     return Prepared(
         **common,
-        train={"input_ids": train},
-        evals={"": {"input_ids": valid}},
+        train=None if train is None else {"input_ids": train},
+        evals={} if valid is None else {"": {"input_ids": valid}},
         checkpoint=folder if source.model_name_or_path else None,
         overrides=overrides,
         tokenizer=tokenizer,
-        summary=lambda _: f"{len(train):,} training / {len(valid):,} validation blocks of {block_size} tokens",
+        summary=lambda _: f"{count(train):,} training / {count(valid):,} validation blocks of {block_size} tokens",
         extra_eval=lambda results: {"perplexity": results["eval_perplexity"]},  # run_clm's name for it
     )
 

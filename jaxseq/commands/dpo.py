@@ -23,6 +23,7 @@ import numpy as np
 from jaxseq.cli import script
 from jaxseq.data.chat import use_chat_template
 from jaxseq.data.preference import PreferenceDataConfig, load_pair_rows
+from jaxseq.errors import JaxseqError
 from jaxseq.models.source import ModelSource, check_vocabulary, load_tokenizer, model_config
 from jaxseq.runner import Job, Prepared, run
 from jaxseq.train.preference import DPOConfig
@@ -46,10 +47,22 @@ def prepare(args, planning: bool) -> Prepared:
         use_chat_template(tokenizer, data.chat_template)
     check_vocabulary(tokenizer, config)
     main_process = jax.process_index() == 0
+    do_train, do_eval, _ = args.stages.stages()
     train, valid = load_pair_rows(
-        data, tokenizer, progress=main_process, log=print if main_process else (lambda *_: None)
+        data,
+        tokenizer,
+        progress=main_process,
+        log=print if main_process else (lambda *_: None),
+        train=do_train,
+        evaluate=do_eval,
     )
-    pairs, seq = train["input_ids"].shape[0], train["input_ids"].shape[-1]
+    if args.stages.do_eval and valid is None:
+        raise JaxseqError(
+            "--do_eval needs validation pairs: pass --validation_file, a --dataset_name with a validation or test "
+            "split, or --validation_split_percentage"
+        )
+    seq = (valid if train is None else train)["input_ids"].shape[-1]
+    pairs = 0 if train is None else len(train["input_ids"])
     return Prepared(
         **common,
         train=train,
@@ -72,7 +85,13 @@ def prepare(args, planning: bool) -> Prepared:
     )
 
 
-JOB = Job(__doc__, TASK, {"source": ModelSource, "data": PreferenceDataConfig, "dpo": DPOConfig}, prepare)
+JOB = Job(
+    __doc__,
+    TASK,
+    {"source": ModelSource, "data": PreferenceDataConfig, "dpo": DPOConfig},
+    prepare,
+    default_stages="train, and evaluate where there are validation pairs (TRL's DPOTrainer with an eval_dataset)",
+)
 
 
 @script

@@ -36,7 +36,7 @@ from jaxseq.models.source import (
     pad_with_eos,
     sequence_length,
 )
-from jaxseq.runner import Job, Prepared, run
+from jaxseq.runner import ONLY_PREDICT_ALONE, Job, Prepared, run
 from jaxseq.train.objectives import SequenceClassification
 
 DEFAULT_MODEL = "sentence-transformers/all-MiniLM-L6-v2"
@@ -65,29 +65,13 @@ class GlueConfig:
         "(same math per example, much less padding: several times faster on short texts); --no_pack_sequences: "
         "one example per row",
     )
-    do_train: bool | None = arg(None, "train (default: train and evaluate unless --do_eval or --do_predict is given)")
-    do_eval: bool | None = arg(
-        None,
-        "evaluate on the validation split(s); alone, the model of --model_name_or_path "
-        "(or the checkpoint of --resume_from_checkpoint)",
-    )
-    do_predict: bool | None = arg(
-        None, "predict the test split(s) (or --test_file) into OUTPUT_DIR/predict_results_<task>.txt, as run_glue.py"
-    )
-
-    def stages(self) -> tuple[bool, bool, bool]:
-        """(train, evaluate, predict): what the flags ask for; none of them given: train and evaluate."""
-        given = (self.do_train, self.do_eval, self.do_predict)
-        if all(flag is None for flag in given):
-            return True, True, False
-        return tuple(bool(flag) for flag in given)
 
 
-def load_examples(glue: GlueConfig):
-    """(task, training examples or None, eval sets, predict sets) for the stages asked for; sets are keyed
-    by their metric suffix (MNLI mismatched: ``_mm``)."""
+def load_examples(glue: GlueConfig, stages: tuple[bool, bool, bool]):
+    """(task, training examples or None, eval sets, predict sets) for the stages (train, evaluate, predict);
+    sets are keyed by their metric suffix (MNLI mismatched: ``_mm``)."""
     task = get_task(glue.task_name)
-    do_train, do_eval, do_predict = glue.stages()
+    do_train, do_eval, do_predict = stages
 
     def splits(names, file, limit):
         if file:
@@ -156,9 +140,8 @@ def prepare(args, planning: bool) -> Prepared:
     if not task.is_regression:
         overrides["id2label"] = dict(enumerate(task.labels))
         overrides["label2id"] = {name: i for i, name in enumerate(task.labels)}
-    if planning:
-        glue = dataclasses.replace(glue, do_train=True, do_eval=False, do_predict=False)
-    _, train_examples, eval_examples, test_examples = load_examples(glue)
+    stages = (True, False, False) if planning else args.stages.stages()
+    _, train_examples, eval_examples, test_examples = load_examples(glue, stages)
     tokenize = functools.partial(encode, task, tokenizer=tokenizer, max_seq_length=glue.max_seq_length)
     return Prepared(
         apply_overrides(config, **overrides),
@@ -188,7 +171,15 @@ def _row(config, task, glue: GlueConfig) -> dict:
     return row
 
 
-JOB = Job(__doc__, TASK, {"source": ModelSource, "data": GlueConfig}, prepare, default_model=DEFAULT_MODEL)
+JOB = Job(
+    __doc__,
+    TASK,
+    {"source": ModelSource, "data": GlueConfig},
+    prepare,
+    default_model=DEFAULT_MODEL,
+    default_stages=ONLY_PREDICT_ALONE,
+    predicts="the test split(s) (or --test_file) into OUTPUT_DIR/predict_results_<task>.txt, as run_glue.py",
+)
 
 
 @script

@@ -133,6 +133,7 @@ def prepare(args, planning: bool) -> Prepared:
             "jaxseq grpo cannot be planned yet: its batches are sampled in the loop; plan the same model and "
             "--per_device_train_batch_size rows (completions) of prompt + completion tokens with jaxseq clm"
         )
+    args.stages.stages((True, False))  # it only trains: stage flags that ask for nothing end here
     if jax.process_count() > 1:
         raise JaxseqError("jaxseq grpo runs in one process for now (all its devices, --mesh); start it on one host")
     devices = data_parallel_size(make_mesh(args.runtime.mesh or None))  # the mesh cli.start made
@@ -185,7 +186,15 @@ def completion_slots(prompts: int, num_generations: int) -> dict[str, np.ndarray
     return {"input_ids": np.repeat(np.arange(prompts, dtype=np.int32), num_generations)[:, None]}
 
 
-JOB = Job(__doc__, TASK, {"source": ModelSource, "data": PromptDataConfig, "grpo": GRPOConfig}, prepare)
+JOB = Job(
+    __doc__,
+    TASK,
+    {"source": ModelSource, "data": PromptDataConfig, "grpo": GRPOConfig},
+    prepare,
+    default_stages="train",
+    no_eval="jaxseq grpo has no evaluation (no validation prompts, no eval metrics: its figures are the training "
+    "rewards)",
+)
 
 
 @script

@@ -69,21 +69,30 @@ def lines(data: MLMDataConfig, split: str) -> list[str]:
     return [line.strip() for document in documents for line in document.splitlines() if line.strip()]
 
 
-def line_examples(data: MLMDataConfig, tokenizer, length: int) -> tuple[dict, dict]:
-    """(train, validation) arrays of one line each, with special tokens, truncated and padded to ``length``;
-    without validation text, the last --validation_split_percentage of the lines."""
-    train, valid = lines(data, "train"), lines(data, "validation")
+def line_examples(
+    data: MLMDataConfig, tokenizer, length: int, *, train: bool = True, evaluate: bool = True
+) -> tuple[dict | None, dict | None]:
+    """(train, validation) arrays of one line each, with special tokens, truncated and padded to ``length``
+    (None for a stage not asked for); without validation text, the last --validation_split_percentage of the
+    lines."""
+    valid = lines(data, "validation")
+    lines_of_train = lines(data, "train") if train or not valid else []
     if not valid:
-        held_out = max(1, int(len(train) * data.validation_split_percentage / 100))
-        if held_out >= len(train):
-            raise JaxseqError(f"{len(train)} line(s) cannot be split into training and validation; give more text")
-        train, valid = train[:-held_out], train[-held_out:]
+        held_out = max(1, int(len(lines_of_train) * data.validation_split_percentage / 100))
+        if held_out >= len(lines_of_train):
+            raise JaxseqError(
+                f"{len(lines_of_train)} line(s) cannot be split into training and validation; give more text"
+            )
+        lines_of_train, valid = lines_of_train[:-held_out], lines_of_train[-held_out:]
 
     def encode(texts):
         encoded = tokenizer(texts, truncation=True, max_length=length, padding="max_length")
         return {k: np.asarray(encoded[k], np.int32) for k in ("input_ids", "attention_mask")}
 
-    return encode(train[: data.max_train_samples]), encode(valid[: data.max_eval_samples])
+    return (
+        encode(lines_of_train[: data.max_train_samples]) if train else None,
+        encode(valid[: data.max_eval_samples]) if evaluate else None,
+    )
 
 
 def prepare(args, planning: bool) -> Prepared:
@@ -104,28 +113,33 @@ def prepare(args, planning: bool) -> Prepared:
         if data.line_by_line:
             row["attention_mask"] = ((length,), np.int32)
         return Prepared(**common, row=row)
-    check_sources(data)
+    do_train, do_eval, _ = args.stages.stages()
+    check_sources(data, train=do_train, evaluate=do_eval)
     if data.line_by_line:
-        train, valid = line_examples(data, tokenizer, length)
+        train, valid = line_examples(data, tokenizer, length, train=do_train, evaluate=do_eval)
         kind = "lines"
     else:
         main_process = jax.process_index() == 0
         log = print if main_process else (lambda *_: None)
-        blocks = load_blocks(data, separated(tokenizer), length, progress=main_process, log=log)
-        train, valid = ({"input_ids": b} for b in blocks)
+        blocks = load_blocks(
+            data, separated(tokenizer), length, progress=main_process, log=log, train=do_train, evaluate=do_eval
+        )
+        train, valid = (None if b is None else {"input_ids": b} for b in blocks)
         kind = "blocks"
     masking = dict(probability=data.mlm_probability, mask_token_id=tokenizer.mask_token_id, vocab_size=len(tokenizer))
-    valid = mask_examples(valid, args.trainer.seed, tokenizer.all_special_ids, **masking)
+    if valid is not None:
+        valid = mask_examples(valid, args.trainer.seed, tokenizer.all_special_ids, **masking)
+    sizes = [0 if part is None else len(part["input_ids"]) for part in (train, valid)]
     return Prepared(
         **common,
         train=train,
-        evals={"": valid},
+        evals={} if valid is None else {"": valid},
         checkpoint=folder if source.model_name_or_path else None,
         overrides=overrides,
         tokenizer=tokenizer,
         summary=lambda _: (
-            f"{len(train['input_ids']):,} training / {len(valid['input_ids']):,} validation {kind} of {length} "
-            f"tokens, {data.mlm_probability:g} of them masked"
+            f"{sizes[0]:,} training / {sizes[1]:,} validation {kind} of {length} tokens, {data.mlm_probability:g} "
+            "of them masked"
         ),
         extra_eval=lambda results: {"perplexity": results["eval_perplexity"]},  # run_mlm's name for it
     )

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from jaxseq.cli import script
-from jaxseq.config import Stages, arg
+from jaxseq.config import arg
 from jaxseq.data.packing import TOKENS
 from jaxseq.data.records import read_records
 from jaxseq.data.rows import EncodedRows
@@ -41,7 +41,7 @@ from jaxseq.models.source import (
     pad_with_eos,
     sequence_length,
 )
-from jaxseq.runner import Job, Prepared, run
+from jaxseq.runner import ONLY_PREDICT_ALONE, STAGE_OF_SPLIT, Job, Prepared, run
 from jaxseq.train.objectives import TokenClassification
 
 DEFAULT_MODEL = "sentence-transformers/all-MiniLM-L6-v2"
@@ -50,7 +50,7 @@ SPLITS = {"train": "train_file", "validation": "validation_file", "test": "test_
 
 
 @dataclasses.dataclass
-class NerDataConfig(Stages):
+class NerDataConfig:
     dataset_name: str | None = arg(None, "a Hub dataset of words and tags (e.g. conll2003), instead of files")
     dataset_config_name: str | None = arg(None, "the dataset's configuration name")
     train_file: str | None = arg(None, "training examples: csv or json(l), a list of words and their tags a row")
@@ -98,8 +98,8 @@ def load_splits(data: NerDataConfig, wanted: list[str]) -> tuple[dict[str, list[
                 check_example(example, text, label if label in example else None, f"{data.dataset_name} {split} {i}")
         return found, text, label, names
     files = {split: getattr(data, SPLITS[split]) for split in wanted}
-    if missing := [f"--{SPLITS[s]}" for s, f in files.items() if not f]:
-        raise JaxseqError(f"pass {' and '.join(missing)} (or --dataset_name) for the stages asked for")
+    if missing := [f"{STAGE_OF_SPLIT[s]} needs --{SPLITS[s]}" for s, f in files.items() if not f]:
+        raise JaxseqError(f"{' and '.join(missing)} (or --dataset_name)")
     first = read_records(files[wanted[0]])
     text, label = columns(data, list(first[0]) if first else [])
     found = {split: read_examples(path, text, label, tags_required=split != "test") for split, path in files.items()}
@@ -146,12 +146,8 @@ def prepare(args, planning: bool) -> Prepared:
     """The examples of each stage asked for, tokenized when a batch first needs them, one example a row (a
     plan reads only the training examples, for the tag names)."""
     source, data = args.source, args.data
-    do_train, do_eval, do_predict = data.stages()
-    if planning:
-        do_train, do_eval, do_predict = True, False, False
-    wanted = [s for s, on in zip(SPLITS, (do_train, do_eval, do_predict)) if on]
-    if not wanted:
-        raise JaxseqError("nothing to do: pass --do_train, --do_eval or --do_predict")
+    stages = (True, False, False) if planning else args.stages.stages()
+    wanted = [split for split, on in zip(SPLITS, stages) if on]
     found, text, label, names = load_splits(data, wanted)
     if label is None:
         raise JaxseqError("the data has no tag column: pass --label_column_name")
@@ -209,7 +205,15 @@ def prepare(args, planning: bool) -> Prepared:
     )
 
 
-JOB = Job(__doc__, TASK, {"source": ModelSource, "data": NerDataConfig}, prepare, default_model=DEFAULT_MODEL)
+JOB = Job(
+    __doc__,
+    TASK,
+    {"source": ModelSource, "data": NerDataConfig},
+    prepare,
+    default_model=DEFAULT_MODEL,
+    default_stages=ONLY_PREDICT_ALONE,
+    predicts="tag --test_file (or the dataset's test split) into OUTPUT_DIR/predictions.txt and predict_results.json",
+)
 
 
 @script

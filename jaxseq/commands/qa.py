@@ -25,14 +25,14 @@ import jax
 import numpy as np
 
 from jaxseq.cli import script
-from jaxseq.config import Stages, arg
+from jaxseq.config import arg
 from jaxseq.data.rows import ArrayRows
 from jaxseq.data.squad import check_rows, features, postprocess, read_squad, squad_metrics
 from jaxseq.data.text import load_hub_dataset
 from jaxseq.errors import JaxseqError
 from jaxseq.files import atomic_write
 from jaxseq.models.source import ModelSource, check_vocabulary, load_tokenizer, model_config, sequence_length
-from jaxseq.runner import Job, Prepared, run
+from jaxseq.runner import ONLY_PREDICT_ALONE, STAGE_OF_SPLIT, Job, Prepared, run
 from jaxseq.train.objectives import SpanExtraction
 
 DEFAULT_MODEL = "sentence-transformers/all-MiniLM-L6-v2"
@@ -43,7 +43,7 @@ HOST_ONLY = ("example_index", "offsets")
 
 
 @dataclasses.dataclass
-class QaDataConfig(Stages):
+class QaDataConfig:
     dataset_name: str | None = arg(None, "a Hub dataset of squad rows (squad, squad_v2), instead of files")
     dataset_config_name: str | None = arg(None, "the dataset's configuration name")
     train_file: str | None = arg(None, "training questions: the official SQuAD JSON, or flat squad rows (csv/json)")
@@ -75,8 +75,8 @@ def load_splits(data: QaDataConfig, wanted: list[str]) -> dict[str, list[dict]]:
             raise JaxseqError(f"dataset {data.dataset_name} has no {', '.join(missing)} split; it has {', '.join(hub)}")
         return {split: check_rows([dict(r) for r in hub[split]], f"{data.dataset_name} {split}") for split in wanted}
     files = {split: getattr(data, SPLITS[split]) for split in wanted}
-    if missing := [f"--{SPLITS[s]}" for s, f in files.items() if not f]:
-        raise JaxseqError(f"pass {' and '.join(missing)} (or --dataset_name) for the stages asked for")
+    if missing := [f"{STAGE_OF_SPLIT[s]} needs --{SPLITS[s]}" for s, f in files.items() if not f]:
+        raise JaxseqError(f"{' and '.join(missing)} (or --dataset_name)")
     return {split: read_squad(path) for split, path in files.items()}
 
 
@@ -121,12 +121,8 @@ def prepare(args, planning: bool) -> Prepared:
     source, data = args.source, args.data
     if data.doc_stride >= data.max_seq_length:
         raise JaxseqError(f"--doc_stride {data.doc_stride} must be less than --max_seq_length {data.max_seq_length}")
-    do_train, do_eval, do_predict = data.stages()
-    if planning:
-        do_train, do_eval, do_predict = True, False, False
-    wanted = [s for s, on in zip(SPLITS, (do_train, do_eval, do_predict)) if on]
-    if not wanted:
-        raise JaxseqError("nothing to do: pass --do_train, --do_eval or --do_predict")
+    stages = (True, False, False) if planning else args.stages.stages()
+    wanted = [split for split, on in zip(SPLITS, stages) if on]
     found = load_splits(data, wanted)
     limits = {"train": data.max_train_samples, "validation": data.max_eval_samples, "test": data.max_predict_samples}
     found = {split: examples[: limits[split]] for split, examples in found.items()}
@@ -170,7 +166,16 @@ def prepare(args, planning: bool) -> Prepared:
     )
 
 
-JOB = Job(__doc__, TASK, {"source": ModelSource, "data": QaDataConfig}, prepare, default_model=DEFAULT_MODEL)
+JOB = Job(
+    __doc__,
+    TASK,
+    {"source": ModelSource, "data": QaDataConfig},
+    prepare,
+    default_model=DEFAULT_MODEL,
+    default_stages=ONLY_PREDICT_ALONE,
+    predicts="answer the questions of --test_file (or the dataset's test split) into "
+    "OUTPUT_DIR/predict_predictions.json (and predict_results.json where they have answers)",
+)
 
 
 @script

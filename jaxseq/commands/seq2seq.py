@@ -14,7 +14,8 @@ to score eval_rouge1/2/L/Lsum (rouge_score, stemmed, as the script), eval_gen_le
 Writes to --output_dir: eval_results.json, all_results.json, metrics.jsonl, TensorBoard events,
 training_curves.png, the config used, orbax checkpoints (a rerun resumes), and the model with its tokenizer
 as a Hugging Face folder; with --do_predict, generated_predictions.txt (a line a prediction) and
-predict_results.json. Without --train_file it only evaluates and/or predicts.
+predict_results.json. Without --train_file it only evaluates and/or predicts; with --do_train or --do_eval,
+only the stages named.
 """
 
 from __future__ import annotations
@@ -45,7 +46,6 @@ class Seq2SeqDataConfig:
     train_file: str | None = arg(None, "training pairs: csv, tsv, json or jsonl (none: no training)")
     validation_file: str | None = arg(None, "evaluation pairs, same format (none: no evaluation)")
     test_file: str | None = arg(None, "pairs to predict (--do_predict), same format")
-    do_predict: bool = arg(False, "generate for --test_file into generated_predictions.txt and predict_results.json")
     source_column: str = arg("source", "column holding the input text")
     target_column: str = arg("target", "column holding the text to produce")
     text_column: str | None = arg(None, "run_summarization's name for --source_column (wins over it)")
@@ -66,12 +66,17 @@ class Seq2SeqDataConfig:
     )
 
 
-def load_data(data: Seq2SeqDataConfig) -> dict[str, list[tuple[str, str]]]:
-    """The pairs of each file given, by split (``train``, ``eval``, ``predict``)."""
+def load_data(data: Seq2SeqDataConfig, stages: tuple[bool, bool, bool] | None = None) -> dict[str, list[tuple]]:
+    """The pairs of each stage (train, evaluate, predict) by split (``train``, ``eval``, ``predict``); by default
+    of each file given but --test_file (``default_stages``)."""
     columns = (data.text_column or data.source_column, data.summary_column or data.target_column)
-    if data.do_predict and not data.test_file:
+    train, evaluate, predict = stages or (*default_stages(data), False)
+    for asked, file, flag in ((train, "train_file", "do_train"), (evaluate, "validation_file", "do_eval")):
+        if asked and not getattr(data, file):
+            raise JaxseqError(f"--{flag} needs --{file}")
+    if predict and not data.test_file:
         raise JaxseqError("--do_predict needs --test_file")
-    if not (data.train_file or data.validation_file or data.do_predict):
+    if not (train or evaluate or predict):
         raise JaxseqError(
             "pass --train_file, --validation_file or --do_predict with --test_file (csv, tsv, json or jsonl with "
             f"'{columns[0]}' and '{columns[1]}' columns)"
@@ -80,11 +85,17 @@ def load_data(data: Seq2SeqDataConfig) -> dict[str, list[tuple[str, str]]]:
         if getattr(data, name) is not None and getattr(data, name) < 1:
             raise JaxseqError(f"--{name} must be at least 1")
     files = {
-        "train": (data.train_file, data.max_train_samples),
-        "eval": (data.validation_file, data.max_eval_samples),
-        "predict": (data.test_file if data.do_predict else None, data.max_predict_samples),
+        "train": (train and data.train_file, data.max_train_samples),
+        "eval": (evaluate and data.validation_file, data.max_eval_samples),
+        "predict": (predict and data.test_file, data.max_predict_samples),
     }
     return {split: load_pairs(path, *columns)[:limit] for split, (path, limit) in files.items() if path}
+
+
+def default_stages(data: Seq2SeqDataConfig) -> tuple[bool, bool]:
+    """Training and evaluation without --do_train and --do_eval (--do_predict alone too): each where its file
+    is given."""
+    return bool(data.train_file), bool(data.validation_file)
 
 
 def search_settings(folder, num_beams: int | None) -> dict:
@@ -126,7 +137,8 @@ def prepare(args, planning: bool) -> Prepared:
             "decoder_attention_mask": target_row,
         }
         return Prepared(config, Seq2SeqLM(), row=row, **common)
-    pairs = load_data(data)
+    stages = args.stages.stages(default_stages(data), alone=default_stages(data))
+    pairs = load_data(data, stages)
     config, folder, overrides = model_config(source, TASK)
     tokenizer = load_tokenizer(source.tokenizer_name or folder)
     check_vocabulary(tokenizer, config)
@@ -141,7 +153,7 @@ def prepare(args, planning: bool) -> Prepared:
         split: EncodedRows(split_pairs, functools.partial(tokenize, max_target_length=lengths[split]))
         for split, split_pairs in pairs.items()
     }
-    generating = data.predict_with_generate or data.do_predict
+    generating = data.predict_with_generate or stages[2]
     max_new = (data.generation_max_length or val_target_length) if generating else 0
     objective = Seq2SeqLM(tokenizer, max_new_tokens=max_new, **search_settings(folder, data.num_beams))
     return Prepared(
@@ -163,7 +175,16 @@ def prepare(args, planning: bool) -> Prepared:
     )
 
 
-JOB = Job(__doc__, TASK, {"source": ModelSource, "data": Seq2SeqDataConfig}, prepare, default_model=DEFAULT_MODEL)
+JOB = Job(
+    __doc__,
+    TASK,
+    {"source": ModelSource, "data": Seq2SeqDataConfig},
+    prepare,
+    default_model=DEFAULT_MODEL,
+    default_stages="train on --train_file and evaluate on --validation_file, each where given (with --do_predict "
+    "alone too)",
+    predicts="generate for --test_file into OUTPUT_DIR/generated_predictions.txt and predict_results.json",
+)
 
 
 @script

@@ -23,7 +23,7 @@ import jax
 from jaxseq.cli import script
 from jaxseq.config import arg
 from jaxseq.data.spans import SpanCorruption, compute_input_and_target_lengths
-from jaxseq.data.text import TextDataConfig, check_sources, load_blocks, token_dtype
+from jaxseq.data.text import TextDataConfig, check_sources, count, load_blocks, token_dtype
 from jaxseq.errors import JaxseqError
 from jaxseq.models.source import ModelSource, check_vocabulary, load_tokenizer, model_config
 from jaxseq.runner import Job, Prepared, run
@@ -84,18 +84,19 @@ def prepare(args, planning: bool) -> Prepared:
     if planning:
         print(line)
         return Prepared(**common, row={"input_ids": ((raw,), token_dtype(len(tokenizer)))})
-    check_sources(data)
+    do_train, do_eval, _ = args.stages.stages()
+    check_sources(data, train=do_train, evaluate=do_eval)
     main_process = jax.process_index() == 0
     log = print if main_process else (lambda *_: None)
-    train, valid = load_blocks(data, tokenizer, raw, progress=main_process, log=log)
+    train, valid = load_blocks(data, tokenizer, raw, progress=main_process, log=log, train=do_train, evaluate=do_eval)
     return Prepared(
         **common,
-        train={"input_ids": train},
-        evals={"": corruption.corrupt_examples(valid, args.trainer.seed)},
+        train=None if train is None else {"input_ids": train},
+        evals={} if valid is None else {"": corruption.corrupt_examples(valid, args.trainer.seed)},
         checkpoint=folder if source.model_name_or_path else None,
         overrides=overrides,
         tokenizer=tokenizer,
-        summary=lambda _: f"{line}; {len(train):,} training / {len(valid):,} validation blocks",
+        summary=lambda _: f"{line}; {count(train):,} training / {count(valid):,} validation blocks",
         extra_eval=lambda results: {"perplexity": results["eval_perplexity"]},
     )
 

@@ -203,27 +203,48 @@ def chat_rows(encoded: Sequence[tuple[np.ndarray, np.ndarray]], seq: int, pack: 
 
 
 def load_chat_rows(
-    config: ChatDataConfig, tokenizer, seq: int, *, progress: bool = True, log: Log = print
-) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
-    """Training and validation rows of ``seq`` tokens from the configured files or Hub dataset."""
-    if config.dataset_name:
-        splits = load_hub_chats(config.dataset_name, config.dataset_config_name)
-        if "train" not in splits:
-            raise JaxseqError(f"dataset {config.dataset_name!r} has no train split (it has {', '.join(splits)})")
-        train, valid = splits["train"], splits.get("validation") or splits.get("test")
-    elif config.train_file:
-        train, valid = read_chats(config.train_file), None
-    else:
-        raise JaxseqError("give the conversations: --train_file FILE.jsonl or --dataset_name NAME")
+    config: ChatDataConfig,
+    tokenizer,
+    seq: int,
+    *,
+    progress: bool = True,
+    log: Log = print,
+    train: bool = True,
+    evaluate: bool = True,
+) -> tuple[dict[str, np.ndarray] | None, dict[str, np.ndarray] | None]:
+    """Training and validation rows of ``seq`` tokens from the configured files or Hub dataset, None for a stage
+    not asked for (``train``, ``evaluate``). Without validation conversations, --validation_split_percentage of
+    the training ones are held out, whichever stages run."""
+    splits = load_hub_chats(config.dataset_name, config.dataset_config_name) if config.dataset_name else None
+    valid = (splits.get("validation") or splits.get("test")) if splits is not None else None
     if config.validation_file:
         valid = read_chats(config.validation_file)
+    chats = None
+    if train or valid is None:
+        if splits is not None and "train" not in splits:
+            raise JaxseqError(f"dataset {config.dataset_name!r} has no train split (it has {', '.join(splits)})")
+        if splits is not None:
+            chats = splits["train"]
+        elif config.train_file:
+            chats = read_chats(config.train_file)
+        elif train:
+            raise JaxseqError("give the conversations: --train_file FILE.jsonl or --dataset_name NAME")
+        else:
+            raise JaxseqError(
+                "no validation conversations for --do_eval: pass --validation_file (or --train_file or "
+                "--dataset_name, to hold out --validation_split_percentage of them)"
+            )
     if valid is None:
-        held = max(1, int(len(train) * config.validation_split_percentage / 100))
-        if held >= len(train):
-            raise JaxseqError(f"{len(train)} conversations are too few to hold out a validation split; add more")
-        order = np.random.default_rng(0).permutation(len(train))
-        valid, train = [train[i] for i in order[:held]], [train[i] for i in order[held:]]
-    train = train[: config.max_train_samples]
-    valid = valid[: config.max_eval_samples]
-    encode = lambda chats: encode_chats(tokenizer, chats, seq, progress=progress, log=log)
-    return chat_rows(encode(train), seq, config.pack_sequences), chat_rows(encode(valid), seq, config.pack_sequences)
+        held = max(1, int(len(chats) * config.validation_split_percentage / 100))
+        if held >= len(chats):
+            raise JaxseqError(f"{len(chats)} conversations are too few to hold out a validation split; add more")
+        order = np.random.default_rng(0).permutation(len(chats))
+        valid, chats = [chats[i] for i in order[:held]], [chats[i] for i in order[held:]]
+
+    def rows(chats):
+        return chat_rows(encode_chats(tokenizer, chats, seq, progress=progress, log=log), seq, config.pack_sequences)
+
+    return (
+        rows(chats[: config.max_train_samples]) if train else None,
+        rows(valid[: config.max_eval_samples]) if evaluate else None,
+    )

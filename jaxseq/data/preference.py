@@ -181,37 +181,57 @@ def encode_pairs(tokenizer, records: Sequence[dict], *, progress: bool = True) -
 
 
 def load_pair_rows(
-    config: PreferenceDataConfig, tokenizer, *, progress: bool = True, log: Log = print
-) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray] | None]:
-    """Training and validation rows (None: no validation) from the configured files or Hub dataset."""
+    config: PreferenceDataConfig,
+    tokenizer,
+    *,
+    progress: bool = True,
+    log: Log = print,
+    train: bool = True,
+    evaluate: bool = True,
+) -> tuple[dict[str, np.ndarray] | None, dict[str, np.ndarray] | None]:
+    """Training and validation rows from the configured files or Hub dataset; None for a stage not asked for
+    (``train``, ``evaluate``), and for validation where there are no validation pairs. Pairs held out by
+    --validation_split_percentage are held out whichever stages run."""
+    splits = None
     if config.dataset_name:
         splits = {
             k: [dict(r) for r in v]
             for k, v in load_hub_dataset(config.dataset_name, config.dataset_config_name).items()
         }
-        if "train" not in splits:
-            raise JaxseqError(f"dataset {config.dataset_name!r} has no train split (it has {', '.join(splits)})")
-        train, valid = splits["train"], splits.get("validation") or splits.get("test")
-        where = config.dataset_name
-    elif config.train_file:
-        train, valid, where = read_records(config.train_file), None, config.train_file
-    else:
-        raise JaxseqError("give the preference pairs: --train_file FILE.jsonl or --dataset_name NAME")
-    train = check_records(train, where)
+    valid = (splits.get("validation") or splits.get("test")) if splits is not None else None
     if config.validation_file:
         valid = check_records(read_records(config.validation_file), config.validation_file)
-    if valid is None and config.validation_split_percentage > 0:
-        held = max(1, int(len(train) * config.validation_split_percentage / 100))
-        if held >= len(train):
-            raise JaxseqError(f"{len(train)} pairs are too few to hold out a validation split; add more")
-        order = np.random.default_rng(0).permutation(len(train))
-        valid, train = [train[i] for i in order[:held]], [train[i] for i in order[held:]]
-    train = train[: config.max_train_samples]
+    held_out = valid is None and config.validation_split_percentage > 0
+    records = None
+    if train or (evaluate and held_out):
+        if splits is not None:
+            if "train" not in splits:
+                raise JaxseqError(f"dataset {config.dataset_name!r} has no train split (it has {', '.join(splits)})")
+            records, where = splits["train"], config.dataset_name
+        elif config.train_file:
+            records, where = read_records(config.train_file), config.train_file
+        elif train:
+            raise JaxseqError("give the preference pairs: --train_file FILE.jsonl or --dataset_name NAME")
+        else:
+            raise JaxseqError(
+                "no validation pairs for --do_eval: pass --validation_file (or --train_file or --dataset_name "
+                "with --validation_split_percentage)"
+            )
+        records = check_records(records, where)
+        if held_out:
+            held = max(1, int(len(records) * config.validation_split_percentage / 100))
+            if held >= len(records):
+                raise JaxseqError(f"{len(records)} pairs are too few to hold out a validation split; add more")
+            order = np.random.default_rng(0).permutation(len(records))
+            valid, records = [records[i] for i in order[:held]], [records[i] for i in order[held:]]
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    rows = pair_rows(encode_pairs(tokenizer, train, progress=progress), config, pad)
-    if len(rows["input_ids"]) < len(train):
-        log(f"{len(train) - len(rows['input_ids'])} pairs whose prompt fills --max_length were left out")
-    if valid is None:
+    rows = None
+    if train:
+        records = records[: config.max_train_samples]
+        rows = pair_rows(encode_pairs(tokenizer, records, progress=progress), config, pad)
+        if len(rows["input_ids"]) < len(records):
+            log(f"{len(records) - len(rows['input_ids'])} pairs whose prompt fills --max_length were left out")
+    if not evaluate or valid is None:
         return rows, None
     valid = valid[: config.max_eval_samples]
     return rows, pair_rows(encode_pairs(tokenizer, valid, progress=progress), config, pad)

@@ -503,10 +503,21 @@ def split_blocks(blocks: np.ndarray, percentage: float) -> tuple[np.ndarray, np.
     return blocks[:-held_out], blocks[-held_out:]
 
 
-def check_sources(config: TextDataConfig) -> None:
-    """Fail early (before any model is loaded) when there is no training text or a file is missing."""
-    if not (config.train_file or config.dataset_name):
+def count(rows) -> int:
+    """How many rows (blocks, examples) ``rows`` has: 0 for None, a stage's data not read."""
+    return 0 if rows is None else len(rows)
+
+
+def check_sources(config: TextDataConfig, *, train: bool = True, evaluate: bool = True) -> None:
+    """Fail early (before any model is loaded) when a stage asked for (``train``, ``evaluate``) has no text
+    or a file is missing. Evaluation alone reads the validation text, else holds it out of the training text."""
+    if train and not (config.train_file or config.dataset_name):
         raise JaxseqError("no training text: pass --train_file (txt, jsonl, csv) or --dataset_name")
+    if evaluate and not (config.validation_file or config.train_file or config.dataset_name):
+        raise JaxseqError(
+            "no validation text for --do_eval: pass --validation_file (or --train_file or --dataset_name, to hold "
+            "out --validation_split_percentage of it)"
+        )
     if config.train_file and config.dataset_name:
         raise JaxseqError("pass --train_file or --dataset_name, not both")
     for file in (config.train_file, config.validation_file):
@@ -520,41 +531,58 @@ def _has_text(tokens: np.ndarray, eos: int, chunk: int = 1 << 20) -> bool:
 
 
 def load_blocks(
-    config: TextDataConfig, tokenizer, block_size: int, *, progress: bool = True, log: Log = print
-) -> tuple[np.ndarray, np.ndarray]:
-    """(train, validation) blocks ``[n, block_size]`` for ``config``: local files or a Hub dataset."""
-    check_sources(config)
+    config: TextDataConfig,
+    tokenizer,
+    block_size: int,
+    *,
+    progress: bool = True,
+    log: Log = print,
+    train: bool = True,
+    evaluate: bool = True,
+) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """(train, validation) blocks ``[n, block_size]`` for ``config``: local files or a Hub dataset; None for a
+    stage not asked for (``train``, ``evaluate``). Without a validation file or split, the validation blocks
+    are the last --validation_split_percentage of the training text's, held out whichever stages run."""
+    check_sources(config, train=train, evaluate=evaluate)
     cache = TokenCache(config.data_cache_dir, overwrite=config.overwrite_cache)
     kw = dict(text_column=config.text_column, progress=progress, log=log)
     files = dict(kw, streaming=config.streaming)
+    splits, name = None, config.dataset_name
     if config.dataset_name:
-        name = config.dataset_name + (f"/{config.dataset_config_name}" if config.dataset_config_name else "")
+        name += f"/{config.dataset_config_name}" if config.dataset_config_name else ""
         splits = load_hub_dataset(config.dataset_name, config.dataset_config_name, config.streaming)
-        if "train" not in splits:
+    held_out = not config.validation_file and not (splits and "validation" in splits)
+    text, valid = None, None
+    if train or held_out:
+        if splits is None:
+            text = (config.train_file, file_tokens(config.train_file, tokenizer, cache, **files))
+        elif "train" not in splits:
             raise JaxseqError(f"dataset {name} has no train split (it has {', '.join(splits)})")
-        train = (f"{name} train", dataset_tokens(splits["train"], f"{name} train", tokenizer, cache, **kw))
-        if not config.validation_file and "validation" in splits:
-            valid = (
-                f"{name} validation",
-                dataset_tokens(splits["validation"], f"{name} validation", tokenizer, cache, **kw),
-            )
         else:
-            valid = None
-    else:
-        train = (config.train_file, file_tokens(config.train_file, tokenizer, cache, **files))
-        valid = None
-    if config.validation_file:
+            text = (f"{name} train", dataset_tokens(splits["train"], f"{name} train", tokenizer, cache, **kw))
+    if evaluate and config.validation_file:
         valid = (config.validation_file, file_tokens(config.validation_file, tokenizer, cache, **files))
-    for where, tokens in filter(None, (train, valid)):
+    elif evaluate and not held_out:
+        valid = (
+            f"{name} validation",
+            dataset_tokens(splits["validation"], f"{name} validation", tokenizer, cache, **kw),
+        )
+    for where, tokens in filter(None, (text, valid)):
         if not _has_text(tokens, tokenizer.eos_token_id):
             raise JaxseqError(f"{where} has no text")
-    blocks = group_texts(train[1], block_size, train[0])
-    if valid is None:
-        train_blocks, valid_blocks = split_blocks(blocks, config.validation_split_percentage)
-    else:
-        train_blocks, valid_blocks = blocks, group_texts(valid[1], block_size, valid[0])
-    if config.max_train_samples:
+    train_blocks = valid_blocks = None
+    if text is not None:
+        train_blocks = group_texts(text[1], block_size, text[0])
+        if held_out:
+            train_blocks, valid_blocks = split_blocks(train_blocks, config.validation_split_percentage)
+    if valid is not None:
+        valid_blocks = group_texts(valid[1], block_size, valid[0])
+    if not train:
+        train_blocks = None
+    elif config.max_train_samples:
         train_blocks = train_blocks[: config.max_train_samples]
-    if config.max_eval_samples:
+    if not evaluate:
+        valid_blocks = None
+    elif config.max_eval_samples:
         valid_blocks = valid_blocks[: config.max_eval_samples]
     return train_blocks, valid_blocks
