@@ -13,7 +13,6 @@ import os
 import subprocess
 import sys
 import time
-import types
 
 import jax
 import jax.numpy as jnp
@@ -41,6 +40,7 @@ from jaxseq.train.lora import LoraConfig  # noqa: E402
 from jaxseq.train.optim import OptimizerConfig  # noqa: E402
 from jaxseq.train.rl import GRPO, LOSS_TYPES, GRPOConfig, Rollout, group_advantages, prompts_per_step  # noqa: E402
 from jaxseq.train.step import TrainProgram  # noqa: E402
+from jaxseq.train.task import Policy  # noqa: E402
 from tests.reference import perturb  # noqa: E402
 from tests.test_dpo import assert_gradients_match  # noqa: E402
 
@@ -299,22 +299,20 @@ def test_qlora_rollout_samples_the_quantised_kernels_with_their_adapters(tok, mo
     frozen = program.freeze(nnx.state(model))
     noise = lambda x: x + 0.05 * jax.random.normal(jax.random.key(x.size), x.shape, x.dtype)  # B starts at 0
     params = jax.tree.map(noise, program.adapter_init(frozen))
-    trainer = types.SimpleNamespace(
-        config=types.SimpleNamespace(gradient_accumulation_steps=1, per_device_train_batch_size=2),
-        feed=types.SimpleNamespace(dp=4, device_batch=lambda rows, stacked: rows),
-        program=program, state=program.init_state(params), frozen=frozen,
-    )  # fmt: skip
+    weights = [params]
+    policy = Policy(lambda: program.eval_model(weights[-1], frozen), per_device_batch=2, replicas=4, accumulate=1,
+                    place=lambda rows, stacked: rows)  # fmt: skip
     sampled, original = [], rl.generate
     monkeypatch.setattr(rl, "generate", lambda model, *a, **k: sampled.append(model) or original(model, *a, **k))
     monkeypatch.setattr(Lora, "merged", lambda *a, **k: pytest.fail("a full-precision model was built"))
     generation.cached_program.cache_clear()
-    rows, _ = rollout(trainer, None, 0)
+    rows, _ = rollout(policy, None, 0)
     flat = {path: v.get_value() for path, v in nnx.to_flat_state(nnx.state(sampled[0]))}
     quantized = program.lora.quantized
     assert len(quantized) == 7 and all(flat[(*path, "kernel")].size == 0 for path in quantized)
     assert all(flat[(*path, "dot_general", "quantized", "codes")].dtype == jnp.uint8 for path in quantized)
-    trainer.state = program.init_state(jax.tree.map(noise, params))  # new weights: the same compiled sampler
-    rollout(trainer, None, 2)
+    weights.append(jax.tree.map(noise, params))  # new weights: the same compiled sampler
+    rollout(policy, None, 2)
     info = generation.cached_program.cache_info()
     assert info.misses == 1 and info.hits == 1, info
     monkeypatch.undo()

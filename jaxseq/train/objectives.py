@@ -16,6 +16,7 @@ from jaxseq.errors import JaxseqError
 from jaxseq.generation import search_tokens
 from jaxseq.metrics import ROUGE_KEYS, perplexity, rouge, seqeval
 from jaxseq.models.layers import padded_vocab_size
+from jaxseq.train.task import Task
 
 
 class ClassificationTask(Protocol):
@@ -29,7 +30,7 @@ class ClassificationTask(Protocol):
     def metrics(self, predictions: np.ndarray, labels: np.ndarray) -> dict[str, float]: ...
 
 
-class SequenceClassification:
+class SequenceClassification(Task):
     """Cross-entropy over classes, or mean squared error when the task is a regression (STS-B)."""
 
     packed_outputs = True  # its outputs are one per example (pool_index): evaluation packs too
@@ -68,7 +69,7 @@ class SequenceClassification:
         }
 
 
-class TokenLoss:
+class TokenLoss(Task):
     """Cross-entropy over weighted target tokens (``_token_losses``, defined by each job). The loss is the
     mean over every target token of the batch; ``predict`` keeps each example's summed loss and token
     count, so the eval loss and perplexity are exact over all tokens of the eval set, whatever the batching."""
@@ -154,7 +155,7 @@ class TokenClassification(TokenLoss):
         return {"loss": loss, **seqeval(gold, predicted, self.entity_level)}
 
 
-class SpanExtraction:
+class SpanExtraction(Task):
     """Extractive question answering: the mean of the start and end cross-entropies of each window (its
     ``start_positions`` and ``end_positions``, the [CLS] token where it holds no answer), as transformers'
     ``BertForQuestionAnswering``. ``predict`` gives each window's ``[seq, 2]`` start and end logits;

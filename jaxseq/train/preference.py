@@ -15,6 +15,7 @@ import numpy as np
 from jaxseq.config import arg
 from jaxseq.errors import JaxseqError
 from jaxseq.train.objectives import AUTO_CHUNK, CausalLM
+from jaxseq.train.task import Task
 
 LOSS_TYPES = ("sigmoid", "hinge", "ipo", "robust")
 """The losses against a reference model (DPOTrainer's)."""
@@ -132,7 +133,7 @@ class DPOConfig:
         )
 
 
-class DPO:
+class DPO(Task):
     """The preference loss of a batch of pairs: ``input_ids``, ``pair_mask`` and ``completion_mask``, each
     ``[pairs, 2, length]`` (chosen, rejected; ``jaxseq.data.preference``), and ``ref_logps`` ``[pairs, 2]``
     when the reference's log-probs are precomputed. Otherwise the step computes them from the frozen weights

@@ -17,6 +17,7 @@ from jaxseq.config import arg
 from jaxseq.data.batches import train_indices
 from jaxseq.errors import JaxseqError
 from jaxseq.generation import generate
+from jaxseq.train.task import Policy, Task
 
 LOSS_TYPES = ("dapo", "grpo", "bnpo", "dr_grpo")
 SCALE_REWARDS = ("group", "batch", "none")
@@ -203,19 +204,19 @@ def prompts_per_step(per_device: int, devices: int, accumulate: int, num_generat
     return completions // num_generations
 
 
-class GRPO:
+class GRPO(Task):
     """The GRPO loss of a batch of sampled completions: ``input_ids``/``attention_mask`` ``[rows, prompt +
     completion]``, ``completion_mask`` ``[rows, completion]``, ``advantages`` ``[rows]``, and ``old_logps``
     when a batch is reused (``--num_iterations`` > 1; else the ratio is 1 with the gradient of the log-probs).
     With ``beta`` the steps add ``ref_logps`` from the frozen reference (``reference``). ``rollout`` makes
     those batches from batches of prompts, in the Trainer's loop."""
 
-    needs_reference: bool
+    metric_names = ("loss",)
 
     def __init__(self, config: GRPOConfig, rollout: Rollout | None = None):
         self.config, self.rollout_source = config, rollout
         self.needs_reference = config.beta != 0.0
-        self.metric_names = ("loss",)
+        self.samples_in_the_loop = rollout is not None
 
     def per_token(self, model, batch):
         return completion_logps(model, batch, self.config.temperature)
@@ -261,9 +262,9 @@ class GRPO:
     def metrics(self, outputs):
         return {}
 
-    def rollout(self, trainer, batch, step: int):
-        """The batch step ``step`` trains on, from a batch of prompts (the Trainer's hook)."""
-        return self.rollout_source(trainer, batch, step)
+    def rollout(self, policy: Policy, batch, step: int):
+        """The batch step ``step`` trains on, from a batch of prompts."""
+        return self.rollout_source(policy, batch, step)
 
 
 RewardFunc = Callable[..., Sequence[float | None]]
@@ -295,19 +296,16 @@ class Rollout:
         self._logps = None
         self._cached: tuple[int, dict, dict] | None = None
 
-    def __call__(self, trainer, batch, step: int):
-        """The batch of step ``step``: the trainer's global batch counts completions (TRL's), and ``batch``, the
+    def __call__(self, policy: Policy, batch, step: int):
+        """The batch of step ``step``: the run's global batch counts completions (TRL's), and ``batch``, the
         feeder's completion slots, only paces the run; the step's prompts are drawn here (``step_prompts``)."""
         c = self.config
         sampled = step // c.num_iterations  # steps μk .. μk+μ-1 train on the completions of prompt batch k
         if self._cached is not None and self._cached[0] == sampled:
             return self._cached[1], self._cached[2]  # a reused batch, logged again as TRL averages it in
-        accumulate = trainer.config.gradient_accumulation_steps
-        count = prompts_per_step(
-            trainer.config.per_device_train_batch_size, trainer.feed.dp, accumulate, c.num_generations
-        )
-        # QLoRA: the quantised base with the adapters beside it, each layer dequantised inside the sampler's program
-        model = trainer.program.eval_model(trainer.state.params, trainer.frozen)
+        accumulate = policy.accumulate
+        count = prompts_per_step(policy.per_device_batch, policy.replicas, accumulate, c.num_generations)
+        model = policy.model()  # QLoRA: the quantised base with its adapters, dequantised inside the sampler
         rows, figures = self.sample(model, self.step_prompts(sampled, count), seed=self.seed * 1_000_003 + sampled)
         if c.num_iterations > 1:  # the old policy's log-probs, before this batch's first update
             if self._logps is None:
@@ -315,7 +313,7 @@ class Rollout:
             rows["old_logps"] = np.asarray(self._logps(model, rows))
         if accumulate > 1:
             rows = {k: v.reshape(accumulate, -1, *v.shape[1:]) for k, v in rows.items()}
-        device = trainer.feed.device_batch(rows, stacked=accumulate > 1)
+        device = policy.place(rows, stacked=accumulate > 1)
         self._cached = (sampled, device, figures)
         return device, figures
 

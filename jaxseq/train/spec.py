@@ -24,7 +24,8 @@ from jaxseq.models.registry import family_for
 from jaxseq.train.feeding import Feeder
 from jaxseq.train.lora import LoraConfig, quantized_kernels
 from jaxseq.train.optim import OptimizerConfig
-from jaxseq.train.step import Task, TrainProgram
+from jaxseq.train.step import TrainProgram
+from jaxseq.train.task import Task
 
 
 @dataclasses.dataclass(frozen=True)

@@ -5,12 +5,11 @@ a plan (``jaxseq.plan``) compiles the same function for a TPU topology without a
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
-from typing import Any, Protocol
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from flax import nnx, traverse_util
 from jax.sharding import PartitionSpec as P
@@ -25,6 +24,7 @@ from jaxseq.train.lora import Lora, LoraConfig
 from jaxseq.train.optim import OptimizerConfig, ema_update, make_optimizer, needs_value_fn
 from jaxseq.train.precision import LossScale, all_finite, select
 from jaxseq.train.quantize import quantize_onto
+from jaxseq.train.task import Task
 
 
 @jax.tree_util.register_dataclass
@@ -37,48 +37,20 @@ class TrainState:
     ema: Any = None  # moving average of params (--ema_decay), sharded like them
 
 
-class Task(Protocol):
-    """What a job (GLUE, causal LM, seq2seq) tells the trainer."""
-
-    def loss(self, model, batch: Mapping[str, jax.Array], rngs: nnx.Rngs | None) -> jax.Array: ...
-
-    def predict(self, model, batch: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
-        """Per-example outputs (leading batch dimension) that ``metrics`` turns into numbers; they carry what
-        the metrics compare against (labels), so the host needs no copy of the eval data."""
-
-    def metrics(self, outputs: dict[str, np.ndarray]) -> dict[str, float]: ...
-
-    # optional: ``loss_weight(batch) -> scalar``, how much a micro-batch's loss counts when gradients are
-    # accumulated (its number of target tokens for a per-token mean; without it the micro-batches count alike)
-    # optional: ``loss_and_metrics(model, batch, rngs) -> (loss, {name: scalar})``, figures logged with the loss;
-    # ``needs_reference`` and ``reference(model, batch) -> {name: array}``: columns the steps add to each batch
-    # from a frozen reference model (the starting weights; with LoRA the base, adapters off), without gradients;
-    # ``rollout(trainer, batch, step) -> (batch, {name: host scalar})``: the batch a step trains on, made from the
-    # data's batch with the current weights (GRPO's sampled completions), its figures logged with the step's
-
-
 def with_reference(task: Task, graphdef, frozen, batch, lora=None):
     """``batch`` with the task's reference columns (``reference``) from the model of the ``frozen`` weights
     (with ``lora``: its base, adapters off), when the task asks for them (``needs_reference``)."""
-    if not getattr(task, "needs_reference", False):
+    if not task.needs_reference:
         return batch
     model = nnx.merge(graphdef, frozen) if lora is None else lora.training_model(graphdef, None, frozen)
     return {**batch, **jax.lax.stop_gradient(task.reference(model, batch))}
-
-
-def loss_and_metrics(task: Task, model, batch, rngs) -> tuple[jax.Array, dict]:
-    """The task's loss and the figures it logs with it (none unless it has ``loss_and_metrics``)."""
-    if hasattr(task, "loss_and_metrics"):
-        return task.loss_and_metrics(model, batch, rngs)
-    return task.loss(model, batch, rngs), {}
 
 
 def for_mesh(task: Task, mesh: jax.sharding.Mesh) -> Task:
     """``task`` for batches split over ``mesh``'s batch axes: a task whose memory depends on the rows each
     device holds (``CausalLM``'s loss chunks) learns how many devices share the rows and what they are
     (``for_batch_shards``)."""
-    bind = getattr(task, "for_batch_shards", None)
-    return task if bind is None else bind(data_parallel_size(mesh), mesh.devices.flat[0])
+    return task.for_batch_shards(data_parallel_size(mesh), mesh.devices.flat[0])
 
 
 def state_specs(param_specs, state: TrainState) -> TrainState:
@@ -121,7 +93,7 @@ def train_step_fn(
     dropout keys' PRNG, ``dropout_prng``). ``frozen``: the model's own weights when
     ``lora`` (a ``jaxseq.train.lora.Lora``) trains adapters, else None. With ``accumulate`` > 1 the batch is
     ``[accumulate, micro-batch, ...]`` and the losses and gradients of the micro-batches are averaged, each
-    weighted by the task's ``loss_weight`` if it has one (a per-token mean counts every target of the step
+    weighted by the task's ``loss_weight`` (a per-token mean counts every target of the step
     once, as on the whole batch; micro-batches padded differently do not each count half). The dropout key
     of a step is a function of the seed and the step alone (exact resume)."""
     prng = dropout_prng(platform)
@@ -132,8 +104,8 @@ def train_step_fn(
         else:
             key, adapter_key = jax.random.split(key)
             model = lora.training_model(graphdef, params, frozen, adapter_key)
-        loss, metrics = loss_and_metrics(
-            task, model, with_reference(task, graphdef, frozen, batch, lora), nnx.Rngs(dropout=key)
+        loss, metrics = task.loss_and_metrics(
+            model, with_reference(task, graphdef, frozen, batch, lora), nnx.Rngs(dropout=key)
         )
         return (loss if scale is None else loss * scale), metrics
 
@@ -143,8 +115,7 @@ def train_step_fn(
         if accumulate == 1:
             (loss, aux), grads = jax.value_and_grad(loss_of, has_aux=True)(state.params, frozen, batch, key, scale)
         else:
-            weigh = getattr(task, "loss_weight", None)
-            weights = jax.vmap(weigh)(batch) if weigh else jnp.ones((accumulate,), jnp.float32)
+            weights = jax.vmap(task.loss_weight)(batch)
             weights = weights / jnp.maximum(weights.sum(), 1e-30)
 
             def body(carry, xs):
@@ -247,7 +218,7 @@ class TrainProgram:
         self.frozen_shardings = None
         self.adapter_init = None
         trained = frozen = params
-        self.reference_copy = not self.lora and getattr(task, "needs_reference", False)
+        self.reference_copy = not self.lora and task.needs_reference
         if self.reference_copy:  # the reference: a frozen copy of the starting weights, an input of the steps
             sharding.check_divisible(params, param_specs, mesh)
             self.frozen_shardings = sharding.make_shardings(mesh, param_specs)

@@ -33,7 +33,8 @@ from jaxseq.train.checkpoint import Checkpointer
 from jaxseq.train.feeding import with_rows
 from jaxseq.train.logs import Finished, RunLogger
 from jaxseq.train.spec import RunSpec, attention_kernel
-from jaxseq.train.step import Task, TrainState
+from jaxseq.train.step import TrainState
+from jaxseq.train.task import Policy, Task
 from jaxseq.train.throughput import Throughput
 from jaxseq.train.trackers import parse_report_to
 
@@ -243,6 +244,13 @@ class Trainer:
         self.state = program.init_state(params)
         self._train_step = lambda state, batch: program.step(state, self.frozen, batch)
         self._eval_step = program.eval_step
+        self.policy = Policy(  # what a task sampling in the loop gets of the run (GRPO's rollouts)
+            model=lambda: program.eval_model(self.state.params, self.frozen),
+            per_device_batch=config.per_device_train_batch_size,
+            replicas=self.feed.dp,
+            accumulate=config.gradient_accumulation_steps,
+            place=self.feed.device_batch,
+        )
         self._stepped = False  # whether a train step has run (then every step's program is compiled or compiling)
         self.checkpointer = Checkpointer(
             self.output_dir / "checkpoints",
@@ -264,7 +272,7 @@ class Trainer:
             run_config={**dataclasses.asdict(config), **dataclasses.asdict(spec.optimizer)},
         )
         self.logger.write(f"attention kernel: {self.attention}")
-        if getattr(self.task, "precomputes_reference", False):
+        if self.task.precomputes_reference:
             self._precompute_reference()
 
     def _precompute_reference(self) -> None:
@@ -311,7 +319,7 @@ class Trainer:
         fall on an evaluation (so that every checkpoint can compete). Checked before anything is written."""
         config = self.config
         metric = config.metric_for_best_model
-        names = getattr(task, "metric_names", None)
+        names = task.metric_names
         if metric and self.total_steps and not self.eval_names:
             raise JaxseqError(f"--metric_for_best_model {metric} needs evaluations: give the run an eval set")
         if metric and names is not None and self.total_steps:
@@ -417,7 +425,7 @@ class Trainer:
         """The train step for the first step's batch shape, compiling on a background thread (keyed by its
         row count, as ``_compile_ahead``'s), while the model is built: none without training, or when a
         task makes its batches itself (GRPO's rollouts)."""
-        if self.feed.train_data is None or getattr(self.task, "rollout", None):
+        if self.feed.train_data is None or self.task.samples_in_the_loop:
             return {}
         program, batch = self.program, self.feed.abstract_batches()[0]
         state, frozen = program.abstract_state, program.abstract_frozen
@@ -473,8 +481,8 @@ class Trainer:
             if ahead := self._compiling.pop(batch["input_ids"].shape[-2], None):
                 ahead.result()  # its compilation is done (or ends here, or its error is raised here)
             made = {}
-            if rollout := getattr(self.task, "rollout", None):  # the batch made with the current weights (GRPO)
-                batch, made = rollout(self, batch, step)
+            if self.task.samples_in_the_loop:  # the batch made with the current weights (GRPO)
+                batch, made = self.task.rollout(self.policy, batch, step)
             self.state, metrics = self._train_step(self.state, batch)
             metrics = {**made, **metrics}
             self._progress.dispatched(metrics)
