@@ -58,6 +58,10 @@ class PlanConfig:
     plan_search_compiles: int = arg(
         6, "with --plan_search: how many layouts to compile (the fastest by the analytic model that it lets through)"
     )
+    plan_search_timeout: float = arg(
+        1800.0,
+        "with --plan_search: seconds each layout's compile may take; a hung one is stopped and ranked as timed out",
+    )
 
 
 def parse(description: str, sections: tuple[type, ...], argv) -> tuple:

@@ -240,6 +240,7 @@ def search_plans(job: Job, argv, args, spec: RunSpec, prepared: Prepared, topo) 
         Path(trainer.output_dir),
         chunked=chunked,
         compiles=args.plan.plan_search_compiles,
+        timeout=args.plan.plan_search_timeout,
     )
 
 

@@ -57,6 +57,7 @@ def test_the_memory_model_orders_what_each_choice_costs():
 
 def test_the_search_flags_are_not_passed_to_candidates():
     argv = ["--model_type", "gpt2", "--plan_search", "--output_dir", "out", "--plan_search_compiles", "3"]
+    argv += ["--plan_search_timeout", "60"]
     argv += ["--compile_topology", "v5e-8", "--plan_search", "true"]
     assert plan_search._strip(argv) == ["--model_type", "gpt2", "--compile_topology", "v5e-8"]
 
@@ -71,6 +72,24 @@ def test_a_search_without_a_slice_is_one_line(tmp_path):
     assert result.stderr.strip().splitlines() == [
         "error: --plan_search searches the plans of a TPU slice: add --compile_topology (e.g. v5e-8)"
     ]
+
+
+def test_a_search_whose_compiles_all_time_out_is_one_line(tmp_path):
+    """--plan_search_timeout: each layout's compile is stopped after that many seconds; when none finishes, the
+    search ends in one line saying so, and writes no plan."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "HF_HUB_OFFLINE": "1"}
+    env.pop("XLA_FLAGS", None)
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "pretrain_clm.py"), "--model_type", "gpt2", "--config_overrides",
+         "n_layer=2,n_embd=64,n_head=4,vocab_size=256", "--block_size", "64", "--compile_topology", "v5e-8",
+         "--plan_search", "--plan_search_compiles", "2", "--plan_search_timeout", "0.01",
+         "--output_dir", str(tmp_path / "out")],
+        capture_output=True, text=True, cwd=ROOT, timeout=600, env=env,
+    )  # fmt: skip
+    assert result.returncode == 1, result.stderr[-3000:]
+    line = result.stderr.strip().splitlines()[-1]
+    assert line.startswith("error: none of the ") and "timed out after 0.01 s" in line, line
+    assert not (tmp_path / "out" / "best_plan.yaml").exists()
 
 
 @pytest.mark.skipif(

@@ -261,14 +261,15 @@ def search(
 
 
 def _strip(argv: list[str]) -> list[str]:
-    """``argv`` without --plan_search (and a value it was given) and --output_dir (each candidate has its own)."""
+    """``argv`` without the search's flags (--plan_search, with a value it was given) and --output_dir (each
+    candidate has its own)."""
     out, skip = [], False
     for i, arg in enumerate(argv):
         if skip:
             skip = False
             continue
         name = arg.split("=", 1)[0]
-        if name in ("--plan_search", "--plan_search_compiles", "--output_dir"):
+        if name in ("--plan_search", "--plan_search_compiles", "--plan_search_timeout", "--output_dir"):
             has_value = "=" not in arg and i + 1 < len(argv) and not argv[i + 1].startswith("--")
             skip = has_value and (name != "--plan_search" or argv[i + 1].lower() in ("true", "false"))
             continue
