@@ -1,5 +1,5 @@
-"""The whole ``jaxseq ner`` / ``jaxseq qa`` / ``jaxseq mlm`` command against transformers PyTorch's training loop
-(issue #34's speed rows), speed and quality from the same runs.
+"""The whole ``jaxseq ner`` / ``jaxseq qa`` / ``jaxseq mlm`` command against transformers PyTorch's training loop,
+speed and quality from the same runs.
 
     python bench/examples_vs_pytorch.py                 # ner, qa and mlm, each job's two sides back to back
     python bench/examples_vs_pytorch.py --jobs ner,qa   # some of them (the others' rows are kept)
@@ -34,9 +34,9 @@ Data (paths are flags; nothing here is required by jaxseq itself):
   question "Which word comes after X?" (X a word found once in the context, the answer the word after it) and
   one unanswerable of the same form (X a word not in the context); 200 training and 100 dev contexts (400 and
   200 questions); 1 epoch, max_seq_length 384, doc_stride 128 (the defaults), --version_2_with_negative (before
-  session 17 the jaxseq command was killed for memory on this 24 GiB box: QA_NOTE).
+  935fe48, 2026-11-27, the jaxseq command was killed for memory on this 24 GiB box: QA_NOTE).
 - mlm: WikiText-2's valid split to train on (the text file as it is), the first 400 lines of its test split to
-  evaluate; blocks of 128 tokens (--max_seq_length 128), 1 epoch (63 steps of 32 blocks; until session 17,
+  evaluate; blocks of 128 tokens (--max_seq_length 128), 1 epoch (63 steps of 32 blocks; until 2026-11-27,
   12 steps, where the fixed costs of a first run outweighed the training: BENCHMARKS.md). jaxseq reads each
   file as one document and cuts it into blocks; run_mlm tokenizes each line with [CLS] and [SEP] and joins
   them, so the PyTorch side has a few more blocks (the step count is jaxseq's on both sides).
@@ -65,7 +65,7 @@ SEED = 42  # jaxseq's default --seed
 BATCH = 32  # jaxseq's default --per_device_train_batch_size
 LR = 5e-5  # jaxseq's default --learning_rate (linear decay, no warmup, weight decay 0, clip 1.0)
 EVAL_BATCH = 32  # the PyTorch side's evaluation batch (its evaluation is not timed)
-QA_NOTE = (  # before session 17's fix (README: huge pages instead of a heap that kept steps' temporaries)
+QA_NOTE = (  # before 935fe48 (2026-11-27), when the command kept freed host memory in one glibc heap
     "qa: no row. On this 24 GiB box (shared) the jaxseq qa command (batch 32) was killed by the kernel's OOM "
     "killer in every try: 1 epoch at the default 384/128 (anon-rss 20.6 GB, right after the first step, 34.0 s "
     "with compilation), 1 epoch at 256/128 (19.4 GB) and 10 steps at 256/128 (15.1 GB, with more taken by other "
