@@ -14,7 +14,7 @@ $(BIN)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q $(TORCH)
-	$(BIN)/pip install -q -c constraints.txt -e '.[test,bench,tpu]'
+	$(BIN)/pip install -q -c constraints.txt -e '.[test,bench,tpu,docs]'
 	touch $@
 
 demo: $(BIN)/.installed
@@ -24,14 +24,16 @@ demo: $(BIN)/.installed
 test: $(BIN)/.installed
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile
 
-# README's commands as a new user runs them (one CPU device, default flags); part of `make test` too
+# README's and the docs pages' commands as a new user runs them (one CPU device, default flags); part of `make test` too
 newcomer: $(BIN)/.installed
 	$(BIN)/python -m pytest -q tests/test_newcomer.py
 
-# ruff's lint rules and formatting, configured in pyproject.toml (CI runs this before the tests)
+# ruff's lint rules and formatting, configured in pyproject.toml, and the docs site built strictly into site/
+# (mkdocs.yml; a broken link, anchor or page outside the nav fails). CI runs this before the tests.
 lint: $(BIN)/.installed
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
 
 clean:
 	rm -rf $(VENV)

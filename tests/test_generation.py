@@ -451,11 +451,11 @@ def test_script_bad_input_is_one_line_and_exit_1(gpt2_with_tokenizer, tmp_path, 
     assert err.startswith("error: ") and message in err and err.count("\n") == 1
 
 
-def test_readme_generation_example(capsys):
-    from tests.test_readme import section_code
+def test_docs_generation_example(capsys):
+    from tests.test_readme import API_PAGE, section_code
 
     scope = {}
-    exec(compile(section_code("Generation"), "README.md", "exec"), scope)
+    exec(compile(section_code("Generation", API_PAGE), "api.md", "exec"), scope)
     out, sampled, beams = scope["out"], scope["sampled"], scope["beams"]
     assert out.sequences.shape == sampled.logprobs.shape == (2, 16)
     assert beams.sequences.shape == (4, 16) and (np.diff(np.asarray(beams.sequences_scores).reshape(2, 2)) <= 0).all()

@@ -1,11 +1,12 @@
 """The newcomer stage: every `jaxseq` job run as a new user runs it. The installed `jaxseq` console command,
 a fresh process with ONE CPU device (none of the suite's XLA_FLAGS, a fresh home, no cache), default flags,
-tiny models saved by transformers. The commands are README's own text, run in README's order in one folder:
-the Hub ids they name (`gpt2`, `bert-base-uncased`, ...) are tiny local folders of those names there, and
-their files (`input.txt`, `chats.jsonl`, `glue/`, ...) tiny files of those names. Only a few flags are appended,
-to keep runs short (`SHORTER`). So README and this stage cannot drift apart: every `jaxseq` command in
-README's bash and console blocks runs here unless it elides flags (`...`) or its line says what it needs
-that CI lacks (`# needs the Hub`, `# needs 8 devices`, `# not run in CI: why`).
+tiny models saved by transformers. The commands are the text of README and of the docs site's pages, run in
+that order (README, then the pages in mkdocs.yml's navigation) in one folder, each distinct command once: the
+Hub ids they name (`gpt2`, `bert-base-uncased`, ...) are tiny local folders of those names there, and their
+files (`input.txt`, `chats.jsonl`, `glue/`, ...) tiny files of those names. Only a few flags are appended, to
+keep runs short (`SHORTER`). So the documentation and this stage cannot drift apart: every `jaxseq` command
+in the bash and console blocks of README and the docs runs here unless it elides flags (`...`) or its line
+says what it needs that CI lacks (`# needs the Hub`, `# needs 8 devices`, `# not run in CI: why`).
 Each must exit 0, print no traceback and no third-party noise, and leave the files it documents."""
 
 import json
@@ -19,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import yaml
 
 from tests.conftest import shared_asset
 
@@ -37,11 +39,26 @@ TEMPLATE = (
 )
 
 
-def readme_commands() -> list[tuple[int, str, str | None]]:
-    """``(line, command, why it is not run or None)`` for every command of README's bash and console blocks
-    that runs `jaxseq`, continuation lines joined."""
-    out, block, line_no = [], None, 0
-    lines = (ROOT / "README.md").read_text().splitlines()
+def pages() -> list[Path]:
+    """README, then every page of the docs site in the order of mkdocs.yml's navigation."""
+
+    def walk(item) -> list[str]:
+        if isinstance(item, str):
+            return [item]
+        if isinstance(item, list):
+            return [page for entry in item for page in walk(entry)]
+        return [page for value in item.values() for page in walk(value)]
+
+    nav = yaml.safe_load((ROOT / "mkdocs.yml").read_text())["nav"]
+    return [ROOT / "README.md", *(ROOT / "docs" / page for page in walk(nav))]
+
+
+def page_commands(path: Path) -> list[tuple[str, str, str | None]]:
+    """``(where, command, why it is not run or None)`` for every command of a page's bash and console blocks
+    that runs `jaxseq`, continuation lines joined; ``where`` is ``README.md:LINE``."""
+    out, block = [], None
+    lines = path.read_text().splitlines()
+    name = path.relative_to(ROOT).as_posix()
     i = 0
     while i < len(lines):
         text = lines[i]
@@ -62,12 +79,22 @@ def readme_commands() -> list[tuple[int, str, str | None]]:
         words = shlex.split(command, comments=True)
         why = EXEMPT.search(command)
         why = why.group(1) if why else ("elides flags" if "..." in words or any("..." in w for w in words) else None)
-        out.append((line_no, command, why))
+        out.append((f"{name}:{line_no}", command, why))
     return out
 
 
-COMMANDS = readme_commands()
-RUN = [(line, command) for line, command, why in COMMANDS if why is None]
+def bare(command: str) -> str:
+    """A command without its trailing comment, its whitespace collapsed: what makes two commands the same."""
+    return " ".join(re.sub(r"\s+#[^'\"]*$", "", command).split())
+
+
+PAGES = pages()
+COMMANDS = [entry for page in PAGES for entry in page_commands(page)]
+RUN = []
+"""Each distinct command that runs, once, at its first place (README's, else the first page's)."""
+for _where, _command, _why in COMMANDS:
+    if _why is None and bare(_command) not in {bare(c) for _, c in RUN}:
+        RUN.append((_where, _command))
 
 
 def save_tokenizer_and_model(folder: Path, tokenizer, model) -> None:
@@ -219,11 +246,11 @@ def documented_files(root: Path, command: str) -> list[Path]:
     return files
 
 
-@pytest.mark.parametrize(("line", "command"), RUN, ids=[f"README:{line}" for line, _ in RUN])
-def test_readme_command_runs_as_a_newcomer_runs_it(world, line, command):
+@pytest.mark.parametrize(("where", "command"), RUN, ids=[where for where, _ in RUN])
+def test_documented_command_runs_as_a_newcomer_runs_it(world, where, command):
     result = run(world, command)
     missing = [str(p.relative_to(world[0])) for p in documented_files(world[0], command) if not p.exists()]
-    assert not missing, f"README:{line} `{command}` left no {missing}\n{result.stdout[-2000:]}"
+    assert not missing, f"{where} `{command}` left no {missing}\n{result.stdout[-2000:]}"
     if "--help" in command.split():
         assert result.stdout.startswith("usage: jaxseq"), result.stdout[:300]
         job = JOB.search(command).group(1)
@@ -238,15 +265,24 @@ def test_the_demo_config_runs_as_a_newcomer_runs_it(world):
     assert 0.0 <= results["eval_accuracy"] <= 1.0
 
 
-def test_readme_and_the_stage_cannot_drift_apart():
-    """Every job has a README command that this stage runs; an exempt command says why; the parser sees
-    every `jaxseq` line of README's command blocks."""
+def test_the_docs_and_the_stage_cannot_drift_apart():
+    """README shows every job; every job has a command that this stage runs; an exempt command says why; two
+    commands never share an output folder; the parser sees every `jaxseq` line of the command blocks."""
+    from jaxseq.commands import COMMANDS as JOBS
+
+    readme = {JOB.search(command).group(1) for where, command, _ in COMMANDS if where.startswith("README.md:")}
+    assert readme >= set(JOBS), f"README shows no example of {sorted(set(JOBS) - readme)}"
     jobs = {JOB.search(command).group(1) for _, command in RUN}
-    assert {"glue", "clm", "chat", "seq2seq", "generate", "push"} <= jobs, jobs
+    assert jobs >= set(JOBS), f"no command of {sorted(set(JOBS) - jobs)} runs here"
     runs_from_checkpoint = [c for _, c in RUN if "jaxseq clm" in c and "--model_name_or_path" in c]
     assert runs_from_checkpoint, "README should show (and this stage run) clm from a checkpoint"
-    text = (ROOT / "README.md").read_text()
-    in_blocks = re.findall(r"```(?:bash|console)\n(.*?)```", text, re.S)
-    lines = [ln for block in in_blocks for ln in block.splitlines() if JOB.search(ln) and not ln.startswith("#")]
-    assert len(lines) == len(COMMANDS), (len(lines), len(COMMANDS))
-    assert len(RUN) >= len(COMMANDS) // 2, [(line, why) for line, _, why in COMMANDS if why]
+    outputs = [shlex.split(bare(c)) for _, c in RUN]
+    outputs = [w[w.index("--output_dir") + 1] for w in outputs if "--output_dir" in w]
+    assert len(outputs) == len(set(outputs)), sorted(o for o in outputs if outputs.count(o) > 1)
+    for page in PAGES:
+        text = page.read_text()
+        in_blocks = re.findall(r"```(?:bash|console)\n(.*?)```", text, re.S)
+        lines = [ln for block in in_blocks for ln in block.splitlines() if JOB.search(ln) and not ln.startswith("#")]
+        assert len(lines) == len(page_commands(page)), (page.name, len(lines), len(page_commands(page)))
+    distinct = {bare(command) for _, command, _ in COMMANDS}
+    assert len(RUN) >= len(distinct) // 2, [(where, why) for where, _, why in COMMANDS if why]
