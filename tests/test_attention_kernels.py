@@ -17,42 +17,38 @@ from jaxseq.errors import JaxseqError  # noqa: E402
 from jaxseq.mesh import make_mesh  # noqa: E402
 from jaxseq.models.attention import AttentionKernel, use_attention  # noqa: E402
 from jaxseq.models.hub import from_config  # noqa: E402
+from tests.tiny import tiny_config  # noqa: E402
 
 SEQ = 256  # two 128-position splash tiles
 
 
+WIDE = dict(hidden_size=64, intermediate_size=96, max_position_embeddings=SEQ, vocab_size=300)
+
+
 def gpt2(**kw):
-    return transformers.GPT2Config(
-        n_layer=2, n_embd=64, n_head=4, n_positions=SEQ, vocab_size=300, attn_pdrop=0.0, **kw
-    )
+    return tiny_config("gpt2", n_embd=64, n_positions=SEQ, vocab_size=300, attn_pdrop=0.0, **kw)
 
 
 def gptj():
-    return transformers.GPTJConfig(
-        n_layer=2, n_embd=64, n_head=4, rotary_dim=8, n_positions=SEQ, vocab_size=300, attn_pdrop=0.0
-    )
+    return tiny_config("gptj", n_embd=64, rotary_dim=8, n_positions=SEQ, vocab_size=300, attn_pdrop=0.0)
 
 
 def mistral():
     """Two key/value heads for four query heads (one per device on mp=2), every layer sliding over 100."""
-    return transformers.MistralConfig(
-        hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        max_position_embeddings=SEQ, vocab_size=300, sliding_window=100,
-    )  # fmt: skip
+    return tiny_config("mistral", **WIDE, sliding_window=100)
 
 
 def qwen2():
     """One key/value head (fewer than mp=2: repeated for splash), layer 0 full, layer 1 sliding over 70."""
-    return transformers.Qwen2Config(
-        hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1,
-        max_position_embeddings=SEQ, vocab_size=300, use_sliding_window=True, sliding_window=70, max_window_layers=1,
-    )  # fmt: skip
+    return tiny_config(
+        "qwen2", **WIDE, num_key_value_heads=1, use_sliding_window=True, sliding_window=70, max_window_layers=1
+    )
 
 
 def bert():
-    return transformers.BertConfig(
-        vocab_size=300, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
-        max_position_embeddings=SEQ, attention_probs_dropout_prob=0.0, num_labels=3,
+    return tiny_config(
+        "bert", vocab_size=300, hidden_size=64, intermediate_size=128, max_position_embeddings=SEQ,
+        attention_probs_dropout_prob=0.0, num_labels=3,
     )  # fmt: skip
 
 
@@ -134,9 +130,7 @@ def test_auto_falls_back_to_xla_off_tpu_and_explicit_choices_that_cannot_apply_s
     bert_dropping = from_config(bert().__class__(**{**bert().to_dict(), "attention_probs_dropout_prob": 0.1}), "base")
     with pytest.raises(JaxseqError, match=r"--config_overrides attention_probs_dropout_prob=0"):
         use_attention(bert_dropping, "splash", interpret=True)
-    t5 = from_config(
-        transformers.T5Config(vocab_size=128, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=4), "seq2seq-lm"
-    )
+    t5 = from_config(tiny_config("t5", vocab_size=128, num_layers=1), "seq2seq-lm")
     with pytest.raises(JaxseqError, match=r"relative position bias; use --attention xla"):
         use_attention(t5, "splash", interpret=True)
     assert use_attention(t5, "auto") == "xla"

@@ -23,33 +23,23 @@ from jaxseq.generation import ProgramKey, Settings, cached_program, generate, se
 from jaxseq.mesh import make_mesh  # noqa: E402
 from jaxseq.models import load_pretrained  # noqa: E402
 from tests.conftest import shared_asset  # noqa: E402
+from tests.tiny import DEFAULT, tiny_config  # noqa: E402
 
 VOCAB, NEW, PAD = 128, 12, 1  # PAD is not 0: transformers' beam search pads with EOS when pad_token_id is 0
 NOISE = 0.3
 """Every weight gets N(0, NOISE) added: at transformers' init (or with 0.05 added) GPT-2 and T5 repeat one token
 from the first step, leaving the beams nothing to choose between."""
 CONFIGS = {
-    "gpt2": lambda: transformers.GPT2LMHeadModel(
-        transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=VOCAB, n_positions=64)
-    ),
+    "gpt2": lambda: transformers.GPT2LMHeadModel(tiny_config("gpt2", n_embd=64, vocab_size=VOCAB, n_positions=64)),
     "llama": lambda: transformers.LlamaForCausalLM(
-        transformers.LlamaConfig(
-            vocab_size=VOCAB,
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=64,
-        )
+        tiny_config("llama", vocab_size=VOCAB, hidden_size=64, intermediate_size=128, max_position_embeddings=64)
     ),
     "t5": lambda: transformers.T5ForConditionalGeneration(
-        transformers.T5Config(
-            num_layers=2,
+        tiny_config(
+            "t5",
             num_decoder_layers=2,
             d_model=64,
             d_kv=16,
-            num_heads=4,
             d_ff=128,
             vocab_size=VOCAB,
             relative_attention_num_buckets=8,
@@ -236,7 +226,7 @@ def test_traced_best_beam_for_an_evaluation_step(family):
 def test_bad_beam_arguments_are_one_line_errors(kw, message):
     from jaxseq.models import from_config
 
-    model = from_config(transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=VOCAB), "causal-lm")
+    model = from_config(tiny_config("gpt2", n_layer=1, n_head=2, vocab_size=VOCAB, n_positions=DEFAULT), "causal-lm")
     with pytest.raises(JaxseqError) as error:
         generate(model, *prompts(), max_new_tokens=4, **kw)
     assert message in str(error.value) and "\n" not in str(error.value)
@@ -251,9 +241,7 @@ def test_command_beams_match_pytorch_in_a_fresh_process(tmp_path):
     folder = shared_asset("data/tokenizers/gpt2")
     tokenizer = transformers.GPT2TokenizerFast(vocab=str(folder / "vocab.json"), merges=str(folder / "merges.txt"))
     torch.manual_seed(0)
-    ref = perturbed(
-        transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, n_positions=64))
-    )
+    ref = perturbed(transformers.GPT2LMHeadModel(tiny_config("gpt2", n_embd=64, vocab_size=DEFAULT, n_positions=64)))
     ref.save_pretrained(tmp_path / "model")
     tokenizer.save_pretrained(tmp_path / "model")
     texts = ["The quick brown fox", "Hello", "In 1905, Einstein published four papers that"]

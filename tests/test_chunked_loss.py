@@ -14,15 +14,12 @@ from jaxseq.errors import JaxseqError  # noqa: E402
 from jaxseq.models import from_config  # noqa: E402
 from jaxseq.train.objectives import CausalLM  # noqa: E402
 from tests.reference import padded_batch  # noqa: E402
+from tests.tiny import tiny_config  # noqa: E402
 
 CONFIGS = {
-    "gpt2": lambda: transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=64, n_positions=32),
-    "gptj": lambda: transformers.GPTJConfig(
-        n_layer=2, n_embd=32, n_head=4, rotary_dim=4, vocab_size=64, n_positions=32
-    ),
-    "gptj-tied": lambda: transformers.GPTJConfig(
-        n_layer=2, n_embd=32, n_head=4, rotary_dim=4, vocab_size=64, n_positions=32, tie_word_embeddings=True
-    ),
+    "gpt2": lambda: tiny_config("gpt2"),
+    "gptj": lambda: tiny_config("gptj"),
+    "gptj-tied": lambda: tiny_config("gptj", tie_word_embeddings=True),
 }
 
 

@@ -17,21 +17,12 @@ from jaxseq.models import from_config  # noqa: E402
 from jaxseq.models.layers import WeightGather, enable_remat, gather_layers, without_axis  # noqa: E402
 from jaxseq.train.objectives import CausalLM  # noqa: E402
 from tests.reference import padded_batch  # noqa: E402
+from tests.tiny import DEFAULT, tiny_config  # noqa: E402
 
 CONFIGS = {
-    "gpt2": lambda: transformers.GPT2Config(
-        n_layer=2, n_embd=32, n_head=4, vocab_size=64, n_positions=32, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0
-    ),
-    "gptj": lambda: transformers.GPTJConfig(n_layer=2, n_embd=32, n_head=4, rotary_dim=4, vocab_size=64),
-    "mistral": lambda: transformers.MistralConfig(
-        num_hidden_layers=2,
-        hidden_size=32,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=64,
-        vocab_size=64,
-        sliding_window=4,
-    ),
+    "gpt2": lambda: tiny_config("gpt2", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
+    "gptj": lambda: tiny_config("gptj", n_positions=DEFAULT),
+    "mistral": lambda: tiny_config("mistral", max_position_embeddings=DEFAULT, sliding_window=4),
 }
 # the blocks, a query kernel and a norm scale (replicated) of each family
 BLOCKS = {

@@ -24,36 +24,24 @@ from jaxseq.train.optim import OptimizerConfig, ema_update  # noqa: E402
 from jaxseq.train.results import export_model  # noqa: E402
 from jaxseq.train.spec import RunSpec  # noqa: E402
 from jaxseq.train.trainer import Trainer, TrainerConfig  # noqa: E402
+from tests.tiny import DEFAULT, tiny_config  # noqa: E402
 
 VOCAB, SEQ, HIDDEN, RANK = 128, 16, 64, 4
 
 
 def tiny(task="sequence-classification", family="bert", mesh=None, dropout=0.0):
     if family == "bert":
-        config = transformers.BertConfig(
-            vocab_size=VOCAB,
-            hidden_size=HIDDEN,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            intermediate_size=128,
-            max_position_embeddings=64,
-            num_labels=2,
-            hidden_dropout_prob=dropout,
-            attention_probs_dropout_prob=dropout,
-        )
+        config = tiny_config(
+            "bert", vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=128, max_position_embeddings=64,
+            num_labels=2, hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout,
+        )  # fmt: skip
     elif family == "llama":
         config = FAMILY_CONFIGS["llama"][1]()
     else:
-        config = transformers.GPT2Config(
-            vocab_size=VOCAB,
-            n_embd=HIDDEN,
-            n_layer=2,
-            n_head=4,
-            n_positions=64,
-            resid_pdrop=dropout,
-            embd_pdrop=dropout,
+        config = tiny_config(
+            "gpt2", vocab_size=VOCAB, n_embd=HIDDEN, n_positions=64, resid_pdrop=dropout, embd_pdrop=dropout,
             attn_pdrop=dropout,
-        )
+        )  # fmt: skip
     return from_config(config, task, mesh=mesh, seed=0)
 
 
@@ -282,39 +270,27 @@ def test_a_learning_rate_group_moves_by_its_factor(tmp_path):
 FAMILY_CONFIGS = {
     "bert": (
         "sequence-classification",
-        lambda: transformers.BertConfig(
-            vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128
+        lambda: tiny_config(
+            "bert", vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=128, max_position_embeddings=DEFAULT
         ),
     ),
-    "gpt2": ("causal-lm", lambda: transformers.GPT2Config(vocab_size=VOCAB, n_embd=HIDDEN, n_layer=2, n_head=4)),
+    "gpt2": ("causal-lm", lambda: tiny_config("gpt2", vocab_size=VOCAB, n_embd=HIDDEN, n_positions=DEFAULT)),
     "gptj": (
         "causal-lm",
-        lambda: transformers.GPTJConfig(vocab_size=VOCAB, n_embd=HIDDEN, n_layer=2, n_head=4, rotary_dim=8),
+        lambda: tiny_config("gptj", vocab_size=VOCAB, n_embd=HIDDEN, rotary_dim=8, n_positions=DEFAULT),
     ),
     "t5": (
         "seq2seq-lm",
-        lambda: transformers.T5Config(
-            vocab_size=VOCAB, d_model=HIDDEN, d_kv=16, num_heads=4, d_ff=128, num_layers=2, num_decoder_layers=2
-        ),
+        lambda: tiny_config("t5", vocab_size=VOCAB, d_model=HIDDEN, d_kv=16, d_ff=128, num_decoder_layers=2),
     ),
     **{
         family: (
             "causal-lm",
-            lambda config=config: config(
-                vocab_size=VOCAB,
-                hidden_size=HIDDEN,
-                intermediate_size=128,
-                num_hidden_layers=2,
-                num_attention_heads=4,
-                num_key_value_heads=2,
-                max_position_embeddings=64,
+            lambda family=family: tiny_config(
+                family, vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=128, max_position_embeddings=64
             ),
         )
-        for family, config in (
-            ("llama", transformers.LlamaConfig),
-            ("mistral", transformers.MistralConfig),
-            ("qwen2", transformers.Qwen2Config),
-        )
+        for family in ("llama", "mistral", "qwen2")
     },
 }
 

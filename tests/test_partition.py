@@ -18,6 +18,7 @@ from jaxseq.mesh import batch_sharding, data_parallel_size, format_mesh, make_me
 from jaxseq.models import from_config, load_pretrained, save_pretrained  # noqa: E402
 from jaxseq.models.layers import THREEFRY4X32_BITS, dropout_prng  # noqa: E402
 from tests.reference import padded_batch  # noqa: E402
+from tests.tiny import tiny_config  # noqa: E402
 
 MESHES = ["dp=8", "dp=2,mp=4", "fsdp=4,mp=2"]
 VOCAB = 128
@@ -52,30 +53,25 @@ def make_batch(seed=0):
 
 CASES = {
     "gpt2-lm": (
-        lambda: transformers.GPT2Config(
-            n_layer=2, n_embd=64, n_head=4, vocab_size=VOCAB, n_positions=64, pad_token_id=0
-        ),
+        lambda: tiny_config("gpt2", n_embd=64, vocab_size=VOCAB, n_positions=64, pad_token_id=0),
         "causal-lm",
         lm_loss,
     ),
     "gpt2-cls": (
-        lambda: transformers.GPT2Config(
-            n_layer=2, n_embd=64, n_head=4, vocab_size=VOCAB, n_positions=64, pad_token_id=0, num_labels=2
-        ),
+        lambda: tiny_config("gpt2", n_embd=64, vocab_size=VOCAB, n_positions=64, pad_token_id=0, num_labels=2),
         "sequence-classification",
         classification_loss,
     ),
     "gptj-lm": (
-        lambda: transformers.GPTJConfig(n_layer=2, n_embd=64, n_head=4, rotary_dim=8, vocab_size=VOCAB, n_positions=64),
+        lambda: tiny_config("gptj", n_embd=64, rotary_dim=8, vocab_size=VOCAB, n_positions=64),
         "causal-lm",
         lm_loss,
     ),
     "t5": (
-        lambda: transformers.T5Config(
-            num_layers=2,
+        lambda: tiny_config(
+            "t5",
             d_model=64,
             d_kv=16,
-            num_heads=4,
             d_ff=128,
             vocab_size=VOCAB,
             dropout_rate=0.0,
@@ -86,14 +82,8 @@ CASES = {
         seq2seq_loss,
     ),
     "bert-cls": (
-        lambda: transformers.BertConfig(
-            num_hidden_layers=2,
-            hidden_size=64,
-            num_attention_heads=4,
-            intermediate_size=128,
-            vocab_size=VOCAB,
-            max_position_embeddings=64,
-            num_labels=2,
+        lambda: tiny_config(
+            "bert", hidden_size=64, intermediate_size=128, vocab_size=VOCAB, max_position_embeddings=64, num_labels=2
         ),
         "sequence-classification",
         classification_loss,
@@ -101,20 +91,20 @@ CASES = {
 }
 
 LLAMA = dict(
-    hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, vocab_size=VOCAB,
-    max_position_embeddings=64, pad_token_id=0, num_labels=2,
-)  # fmt: skip
+    hidden_size=64, intermediate_size=96, vocab_size=VOCAB, max_position_embeddings=64, pad_token_id=0, num_labels=2
+)
 # Grouped-query attention on a (dp=2, fsdp=2, mp=2) mesh: key/value heads fewer than mp (their features split over
 # mp) and as many as mp (a whole head per device), a sliding window, qkv biases, tied and untied heads.
 LLAMA_CASES = {
-    "llama-kv1-lm": (lambda: transformers.LlamaConfig(**LLAMA, num_key_value_heads=1), "causal-lm", lm_loss),
+    "llama-kv1-lm": (lambda: tiny_config("llama", **LLAMA, num_key_value_heads=1), "causal-lm", lm_loss),
     "mistral-kv2-window-lm": (
-        lambda: transformers.MistralConfig(**LLAMA, num_key_value_heads=2, sliding_window=5),
+        lambda: tiny_config("mistral", **LLAMA, num_key_value_heads=2, sliding_window=5),
         "causal-lm",
         lm_loss,
     ),
     "qwen2-kv2-tied-cls": (
-        lambda: transformers.Qwen2Config(
+        lambda: tiny_config(
+            "qwen2",
             **LLAMA,
             num_key_value_heads=2,
             tie_word_embeddings=True,
@@ -278,7 +268,7 @@ def test_mesh_forms():
 
 
 def test_indivisible_dimension_is_reported():
-    config = transformers.GPT2Config(n_layer=1, n_embd=64, n_head=4, n_inner=102, vocab_size=101, n_positions=64)
+    config = tiny_config("gpt2", n_layer=1, n_embd=64, n_inner=102, vocab_size=101, n_positions=64)
     match = r"transformer/h/0/mlp/c_fc/kernel shape \(64, 102\) spec P\('fsdp', 'mp'\)"
     with pytest.raises(JaxseqError, match=match):
         from_config(config, "causal-lm", mesh=make_mesh("dp=2,mp=4"))

@@ -13,38 +13,15 @@ from jaxseq.errors import JaxseqError  # noqa: E402
 from jaxseq.models import from_config  # noqa: E402
 from jaxseq.models.layers import REMAT_POLICIES, enable_remat  # noqa: E402
 from tests.reference import padded_batch  # noqa: E402
+from tests.tiny import DEFAULT, tiny_config  # noqa: E402
 
 CONFIGS = {
-    "gpt2": lambda: (
-        transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=64, n_positions=32),
-        "causal-lm",
-    ),
-    "gptj": lambda: (
-        transformers.GPTJConfig(n_layer=2, n_embd=32, n_head=4, rotary_dim=4, vocab_size=64, n_positions=32),
-        "causal-lm",
-    ),
-    "t5": lambda: (
-        transformers.T5Config(num_layers=2, d_model=32, d_kv=8, num_heads=4, d_ff=64, vocab_size=64),
-        "seq2seq-lm",
-    ),
-    "mistral": lambda: (  # grouped-query attention, a sliding window shorter than the rows
-        transformers.MistralConfig(
-            num_hidden_layers=2,
-            hidden_size=32,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            intermediate_size=64,
-            vocab_size=64,
-            sliding_window=4,
-        ),
-        "causal-lm",
-    ),
-    "bert": lambda: (
-        transformers.BertConfig(
-            num_hidden_layers=2, hidden_size=32, num_attention_heads=4, intermediate_size=64, vocab_size=64
-        ),
-        "masked-lm",
-    ),
+    "gpt2": lambda: (tiny_config("gpt2"), "causal-lm"),
+    "gptj": lambda: (tiny_config("gptj"), "causal-lm"),
+    "t5": lambda: (tiny_config("t5"), "seq2seq-lm"),
+    # grouped-query attention, a sliding window shorter than the rows
+    "mistral": lambda: (tiny_config("mistral", max_position_embeddings=DEFAULT, sliding_window=4), "causal-lm"),
+    "bert": lambda: (tiny_config("bert", max_position_embeddings=DEFAULT), "masked-lm"),
 }
 
 

@@ -39,91 +39,75 @@ from jaxseq.train.objectives import CausalLM, Seq2SeqLM, SequenceClassification 
 from tests.reference import padded_batch  # noqa: E402
 from tests.test_gather_layers import constraints  # noqa: E402
 from tests.test_step_parity import flat_params, jaxseq_program  # noqa: E402
+from tests.tiny import DEFAULT, tiny_config  # noqa: E402
 
 VOCAB = 64
 
 
+LAYERS = dict(num_hidden_layers=3, intermediate_size=48, vocab_size=VOCAB)  # three blocks to scan
+NO_DROPOUT = dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+
+
 def gpt2_config():
-    return transformers.GPT2Config(
-        n_layer=3, n_embd=32, n_head=4, vocab_size=VOCAB, n_positions=32, resid_pdrop=0.0, embd_pdrop=0.0,
-        attn_pdrop=0.0, scale_attn_by_inverse_layer_idx=True,
-    )  # fmt: skip
+    return tiny_config("gpt2", n_layer=3, vocab_size=VOCAB, **NO_DROPOUT, scale_attn_by_inverse_layer_idx=True)
 
 
 def gptj_config():
-    return transformers.GPTJConfig(
-        n_layer=3, n_embd=32, n_head=4, rotary_dim=4, vocab_size=VOCAB, n_positions=32, resid_pdrop=0.0,
-        embd_pdrop=0.0, attn_pdrop=0.0,
-    )  # fmt: skip
+    return tiny_config("gptj", n_layer=3, vocab_size=VOCAB, **NO_DROPOUT)
 
 
 def llama_config():
-    return transformers.LlamaConfig(
-        num_hidden_layers=3, hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2,
-        vocab_size=VOCAB, max_position_embeddings=32, attention_bias=True, tie_word_embeddings=False,
-    )  # fmt: skip
+    return tiny_config("llama", **LAYERS, attention_bias=True, tie_word_embeddings=False)
 
 
 def mistral_config():
-    return transformers.MistralConfig(
-        num_hidden_layers=3, hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2,
-        vocab_size=VOCAB, max_position_embeddings=32, sliding_window=4,
-    )  # fmt: skip
+    return tiny_config("mistral", **LAYERS, sliding_window=4)
 
 
 def qwen3_config():
-    return transformers.Qwen3Config(
-        num_hidden_layers=3, hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=8, vocab_size=VOCAB, max_position_embeddings=32, attention_bias=True,
-    )  # fmt: skip
+    return tiny_config("qwen3", **LAYERS, attention_bias=True)
 
 
 def gemma2_config():
     """Every layer sliding (a scan needs one window), both soft-caps, tied head."""
-    return transformers.Gemma2Config(
-        num_hidden_layers=3, hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=8, vocab_size=VOCAB, max_position_embeddings=32, sliding_window=4, query_pre_attn_scalar=12,
-        attn_logit_softcapping=3.0, final_logit_softcapping=8.0, layer_types=["sliding_attention"] * 3,
+    return tiny_config(
+        "gemma2", **LAYERS, sliding_window=4, query_pre_attn_scalar=12, attn_logit_softcapping=3.0,
+        final_logit_softcapping=8.0, layer_types=["sliding_attention"] * 3,
     )  # fmt: skip
 
 
 def gemma3_config():
     """Every layer full (a scan needs one window), q/k norms, linear rope scaling."""
-    return transformers.Gemma3TextConfig(
-        num_hidden_layers=3, hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=8, vocab_size=VOCAB, max_position_embeddings=32, sliding_window=4, query_pre_attn_scalar=12,
-        layer_types=["full_attention"] * 3,
+    return tiny_config(
+        "gemma3_text", **LAYERS, sliding_window=4, query_pre_attn_scalar=12, layer_types=["full_attention"] * 3,
         rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000.0}},
     )  # fmt: skip
 
 
 def bert_config():
-    return transformers.BertConfig(
-        num_hidden_layers=3, hidden_size=32, intermediate_size=48, num_attention_heads=4, vocab_size=VOCAB,
-        max_position_embeddings=32, num_labels=3, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+    return tiny_config(
+        "bert", **LAYERS, num_labels=3, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0
     )  # fmt: skip
 
 
 def opt_config():
-    return transformers.OPTConfig(
-        num_hidden_layers=3, hidden_size=32, ffn_dim=48, num_attention_heads=4, word_embed_proj_dim=16,
-        do_layer_norm_before=False, vocab_size=VOCAB, max_position_embeddings=32, dropout=0.0,
+    return tiny_config(
+        "opt", num_hidden_layers=3, ffn_dim=48, word_embed_proj_dim=16, do_layer_norm_before=False, vocab_size=VOCAB,
+        dropout=0.0,
     )  # fmt: skip
 
 
 def roberta_config():
-    return transformers.RobertaConfig(
-        num_hidden_layers=3, hidden_size=32, intermediate_size=48, num_attention_heads=4, vocab_size=VOCAB,
-        max_position_embeddings=34, type_vocab_size=1, num_labels=3, hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0, pad_token_id=0,
+    return tiny_config(
+        "roberta", **LAYERS, num_labels=3, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, pad_token_id=0
     )  # fmt: skip
 
 
 def t5_config(**kw):
-    return transformers.T5Config(
-        num_layers=3, num_decoder_layers=2, d_model=32, d_kv=8, num_heads=4, d_ff=48, vocab_size=VOCAB,
-        relative_attention_num_buckets=8, relative_attention_max_distance=16, dropout_rate=0.0,
-        decoder_start_token_id=0, pad_token_id=0, eos_token_id=1, **kw,
+    return tiny_config(
+        "t5", num_layers=3, num_decoder_layers=2, d_ff=48, vocab_size=VOCAB, relative_attention_num_buckets=8,
+        relative_attention_max_distance=16, dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0,
+        eos_token_id=1, **kw,
     )  # fmt: skip
 
 
@@ -480,9 +464,9 @@ def test_scanned_generation_equals_unrolled(family, folders):
 
 
 def test_configs_that_cannot_scan_say_so():
-    qwen = transformers.Qwen2Config(
-        num_hidden_layers=3, hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2,
-        vocab_size=VOCAB, use_sliding_window=True, sliding_window=4, max_window_layers=1,
+    qwen = tiny_config(
+        "qwen2", **LAYERS, max_position_embeddings=DEFAULT, use_sliding_window=True, sliding_window=4,
+        max_window_layers=1,
     )  # fmt: skip
     with pytest.raises(JaxseqError, match="mixes sliding-window and full layers"):
         abstract_model(qwen, "causal-lm", scan_layers=True)

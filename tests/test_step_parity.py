@@ -26,6 +26,7 @@ from jaxseq.train.objectives import CausalLM, Seq2SeqLM, SequenceClassification 
 from jaxseq.train.optim import OptimizerConfig  # noqa: E402
 from jaxseq.train.step import TrainProgram  # noqa: E402
 from tests.reference import padded_batch, perturb  # noqa: E402
+from tests.tiny import tiny_config  # noqa: E402
 
 VOCAB, SEQ, STEPS = 101, 16, 2
 LENGTHS = (16, 11, 7, 3)  # batch 4, right-padded: the loss must skip the padding targets
@@ -37,73 +38,61 @@ LENGTHS = (16, 11, 7, 3)  # batch 4, right-padded: the loss must skip the paddin
 OPTIMIZER = dict(learning_rate=1e-2, weight_decay=0.1, adam_beta1=0.8, adam_beta2=0.9, adam_epsilon=1e-3)
 
 
+WIDE = dict(hidden_size=64, intermediate_size=96, vocab_size=VOCAB, max_position_embeddings=64, pad_token_id=0)
+NO_DROPOUT = dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+
+
 def gpt2_config():
-    return transformers.GPT2Config(
-        n_layer=2, n_embd=64, n_head=4, vocab_size=VOCAB, n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0,
-        attn_pdrop=0.0, pad_token_id=0,
-    )  # fmt: skip
+    return tiny_config("gpt2", n_embd=64, vocab_size=VOCAB, n_positions=64, **NO_DROPOUT, pad_token_id=0)
 
 
 def gptj_config():
-    return transformers.GPTJConfig(
-        n_layer=2, n_embd=64, n_head=4, rotary_dim=8, vocab_size=VOCAB, n_positions=64, resid_pdrop=0.0,
-        embd_pdrop=0.0, attn_pdrop=0.0, pad_token_id=0,
-    )  # fmt: skip
+    return tiny_config("gptj", n_embd=64, rotary_dim=8, vocab_size=VOCAB, n_positions=64, **NO_DROPOUT, pad_token_id=0)
 
 
 def t5_config(gated: bool):
-    return transformers.T5Config(
-        num_layers=2, num_decoder_layers=2, d_model=64, d_kv=16, num_heads=4, d_ff=128, vocab_size=VOCAB,
-        relative_attention_num_buckets=8, relative_attention_max_distance=20, dropout_rate=0.0,
-        decoder_start_token_id=0, feed_forward_proj="gated-gelu" if gated else "relu", tie_word_embeddings=not gated,
+    return tiny_config(
+        "t5", num_decoder_layers=2, d_model=64, d_kv=16, d_ff=128, vocab_size=VOCAB, relative_attention_num_buckets=8,
+        relative_attention_max_distance=20, dropout_rate=0.0, decoder_start_token_id=0,
+        feed_forward_proj="gated-gelu" if gated else "relu", tie_word_embeddings=not gated,
     )  # fmt: skip
 
 
 def bert_config():
-    return transformers.BertConfig(
-        num_hidden_layers=2, hidden_size=64, num_attention_heads=4, intermediate_size=128, vocab_size=VOCAB,
-        max_position_embeddings=64, num_labels=3, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
-        pad_token_id=0,
+    return tiny_config(
+        "bert", hidden_size=64, intermediate_size=128, vocab_size=VOCAB, max_position_embeddings=64, num_labels=3,
+        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, pad_token_id=0,
     )  # fmt: skip
 
 
 def roberta_config():
-    return transformers.RobertaConfig(
-        num_hidden_layers=2, hidden_size=64, num_attention_heads=4, intermediate_size=128, vocab_size=VOCAB,
-        max_position_embeddings=66, type_vocab_size=1, num_labels=3, hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0, pad_token_id=1,
+    return tiny_config(
+        "roberta", hidden_size=64, intermediate_size=128, vocab_size=VOCAB, max_position_embeddings=66, num_labels=3,
+        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, pad_token_id=1,
     )  # fmt: skip
 
 
 def llama_config():
-    return transformers.LlamaConfig(
-        num_hidden_layers=2, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
-        vocab_size=VOCAB, max_position_embeddings=64, pad_token_id=0, attention_bias=True,
-    )  # fmt: skip
+    return tiny_config("llama", **WIDE, attention_bias=True)
 
 
 def opt_config():
     """350m-style: post-norm, project_in/project_out."""
-    return transformers.OPTConfig(
-        num_hidden_layers=2, hidden_size=64, ffn_dim=96, num_attention_heads=4, word_embed_proj_dim=32,
-        do_layer_norm_before=False, vocab_size=VOCAB, max_position_embeddings=64, pad_token_id=0, dropout=0.0,
+    return tiny_config(
+        "opt", hidden_size=64, ffn_dim=96, word_embed_proj_dim=32, do_layer_norm_before=False, vocab_size=VOCAB,
+        max_position_embeddings=64, pad_token_id=0, dropout=0.0,
     )  # fmt: skip
 
 
 def qwen3_config():
-    return transformers.Qwen3Config(
-        num_hidden_layers=2, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=16, vocab_size=VOCAB, max_position_embeddings=64, pad_token_id=0, tie_word_embeddings=False,
-    )  # fmt: skip
+    return tiny_config("qwen3", **WIDE, head_dim=16, tie_word_embeddings=False)
 
 
 def phi3_config():
     """Fused qkv_proj and gate_up_proj, rotation over half of each head, every layer sliding over 8 positions,
     LongRoPE past an original length of 8 (the 16-token batch takes its long factors and attention factor)."""
-    return transformers.Phi3Config(
-        num_hidden_layers=2, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
-        vocab_size=VOCAB, max_position_embeddings=64, pad_token_id=0, sliding_window=8, partial_rotary_factor=0.5,
-        original_max_position_embeddings=8,
+    return tiny_config(
+        "phi3", **WIDE, sliding_window=8, partial_rotary_factor=0.5, original_max_position_embeddings=8,
         rope_parameters={
             "rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 8,
             "short_factor": [1.0, 1.5, 2.0, 2.5], "long_factor": [2.0, 4.0, 6.0, 8.0],
@@ -113,10 +102,9 @@ def phi3_config():
 
 def gemma2_config():
     """Tied head, both soft-caps, layers sliding over 4 positions and full in turn."""
-    return transformers.Gemma2Config(
-        num_hidden_layers=2, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=16, vocab_size=VOCAB, max_position_embeddings=64, pad_token_id=0, sliding_window=4,
-        query_pre_attn_scalar=24, attn_logit_softcapping=3.0, final_logit_softcapping=8.0, attn_implementation="eager",
+    return tiny_config(
+        "gemma2", **WIDE, head_dim=16, sliding_window=4, query_pre_attn_scalar=24, attn_logit_softcapping=3.0,
+        final_logit_softcapping=8.0, attn_implementation="eager",
     )  # fmt: skip
 
 
@@ -129,11 +117,9 @@ def causal_batch(seed=0, lengths=LENGTHS):
 def gemma3_config():
     """q/k norms, linear rope scaling on the full layer and a local base on the sliding one (window 4), final
     soft-cap, untied head."""
-    return transformers.Gemma3TextConfig(
-        num_hidden_layers=2, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=16, vocab_size=VOCAB, max_position_embeddings=64, pad_token_id=0, sliding_window=4,
-        query_pre_attn_scalar=24, final_logit_softcapping=8.0, tie_word_embeddings=False,
-        layer_types=["sliding_attention", "full_attention"], attn_implementation="eager",
+    return tiny_config(
+        "gemma3_text", **WIDE, head_dim=16, sliding_window=4, query_pre_attn_scalar=24, final_logit_softcapping=8.0,
+        tie_word_embeddings=False, layer_types=["sliding_attention", "full_attention"], attn_implementation="eager",
         rope_parameters={
             "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000.0},
             "sliding_attention": {"rope_type": "default", "rope_theta": 50.0},

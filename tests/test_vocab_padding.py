@@ -18,18 +18,10 @@ from jaxseq.mesh import make_mesh  # noqa: E402
 from jaxseq.models import load_pretrained, save_pretrained  # noqa: E402
 from jaxseq.models.layers import padded_vocab_size  # noqa: E402
 from jaxseq.train.objectives import CausalLM  # noqa: E402
-from tests.reference import max_diff_on, padded_batch, torch_forward  # noqa: E402
+from tests.reference import max_diff_on, padded_batch, perturb, torch_forward  # noqa: E402
+from tests.tiny import DEFAULT, tiny_config  # noqa: E402
 
 MESH = "dp=4,mp=2"
-
-
-def perturbed(model, std=0.05, seed=0):
-    """``model`` with N(0, std) noise on every weight, so that default-init symmetries hide nothing."""
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(std * torch.randn(p.shape, generator=generator))
-    return model.eval()
 
 
 def saved(model, path):
@@ -49,8 +41,8 @@ def exported_equals_original(ours, ref, out):
 def gpt2(tmp_path_factory):
     """GPT-2 with its real 50257-token vocabulary (tiny otherwise), weights perturbed."""
     torch.manual_seed(0)
-    config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, n_positions=64, vocab_size=50257)
-    ref = perturbed(transformers.GPT2LMHeadModel(config))
+    config = tiny_config("gpt2", n_embd=64, n_positions=64, vocab_size=50257)
+    ref = perturb(transformers.GPT2LMHeadModel(config)).eval()
     return ref, saved(ref, tmp_path_factory.mktemp("gpt2"))
 
 
@@ -114,25 +106,24 @@ def test_every_familys_vocabulary_weights_pad_on_load_and_trim_on_export(tmp_pat
     and the exported folder equals the original bitwise."""
     torch.manual_seed(0)
     if name.startswith("gptj"):
-        config = transformers.GPTJConfig(
-            n_layer=2, n_embd=64, n_head=4, rotary_dim=8, n_positions=64, vocab_size=1000,
-            tie_word_embeddings=name == "gptj-tied",
-        )  # fmt: skip
+        config = tiny_config(
+            "gptj", n_embd=64, rotary_dim=8, n_positions=64, vocab_size=1000, tie_word_embeddings=name == "gptj-tied"
+        )
         ref, task = transformers.GPTJForCausalLM(config), "causal-lm"
     elif name.startswith("bert"):
-        config = transformers.BertConfig(
-            vocab_size=30522, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
-            max_position_embeddings=64, tie_word_embeddings=name == "bert-mlm",
+        config = tiny_config(
+            "bert", vocab_size=30522, hidden_size=64, intermediate_size=128, max_position_embeddings=64,
+            tie_word_embeddings=name == "bert-mlm",
         )  # fmt: skip
         ref, task = transformers.BertForMaskedLM(config), "masked-lm"
     else:
-        config = transformers.T5Config(
-            vocab_size=32100, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4,
-            relative_attention_num_buckets=8, dropout_rate=0.0, decoder_start_token_id=0,
-            feed_forward_proj="gated-gelu" if name == "t5-v1_1" else "relu", tie_word_embeddings=name == "t5",
+        config = tiny_config(
+            "t5", vocab_size=32100, d_model=64, d_kv=16, d_ff=128, relative_attention_num_buckets=8, dropout_rate=0.0,
+            decoder_start_token_id=0, feed_forward_proj="gated-gelu" if name == "t5-v1_1" else "relu",
+            tie_word_embeddings=name == "t5",
         )  # fmt: skip
         ref, task = transformers.T5ForConditionalGeneration(config), "seq2seq-lm"
-    ref = perturbed(ref)
+    ref = perturb(ref).eval()
     model = load_pretrained(saved(ref, tmp_path / "ref"), task, mesh=make_mesh(MESH))
     vocab = config.vocab_size
     shapes = {v.shape for _, v in nnx.to_flat_state(nnx.state(model, nnx.Param)) if padded_vocab_size(vocab) in v.shape}
@@ -163,10 +154,8 @@ def test_lora_on_an_untied_lm_head_exports_adapters_peft_loads(tmp_path):
     from jaxseq.train.lora import Lora, LoraConfig
 
     torch.manual_seed(0)
-    config = transformers.GPT2Config(
-        n_layer=1, n_embd=32, n_head=4, n_positions=32, vocab_size=1000, tie_word_embeddings=False
-    )
-    ref = perturbed(transformers.GPT2LMHeadModel(config))
+    config = tiny_config("gpt2", n_layer=1, vocab_size=1000, tie_word_embeddings=False)
+    ref = perturb(transformers.GPT2LMHeadModel(config)).eval()
     base = saved(ref, tmp_path / "base")
     model = load_pretrained(base, "causal-lm")
     graphdef, state = nnx.split(model)
@@ -195,9 +184,9 @@ def test_indivisible_vocabularies_no_longer_stop_a_sharded_run():
     from jaxseq.partition import check_divisible, get_partition_rules, match_partition_rules
 
     for config, task in [
-        (transformers.GPT2Config(n_layer=1, n_embd=64, n_head=8, vocab_size=50257), "causal-lm"),
-        (transformers.BertConfig(hidden_size=64, num_hidden_layers=1, num_attention_heads=8, intermediate_size=128),
-         "masked-lm"),
+        (tiny_config("gpt2", n_layer=1, n_embd=64, n_head=8, vocab_size=50257, n_positions=DEFAULT), "causal-lm"),
+        (tiny_config("bert", hidden_size=64, num_hidden_layers=1, num_attention_heads=8, intermediate_size=128,
+                     vocab_size=DEFAULT, max_position_embeddings=DEFAULT), "masked-lm"),
     ]:  # fmt: skip
         state = nnx.state(abstract_model(config, task), nnx.Param)
         specs = match_partition_rules(get_partition_rules(config.model_type), state)

@@ -1,0 +1,61 @@
+"""Tiny transformers configs of every family in ``jaxseq.models.registry.FAMILIES`` (2 layers, hidden 32, 4
+heads, 64 tokens, 32 positions), one place for the shape the tests build their models from.
+
+``tiny_config("gpt2", n_embd=64)`` is the family's tiny config with those fields changed; a field set to
+``DEFAULT`` is left to transformers' default, so a test keeps exactly the config it had."""
+
+from __future__ import annotations
+
+DEFAULT = object()
+"""An override that drops the tiny value: transformers' own default applies."""
+
+_DECODER = dict(
+    num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+    vocab_size=64, max_position_embeddings=32,
+)  # fmt: skip
+_ENCODER = dict(
+    num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4, vocab_size=64,
+    max_position_embeddings=32,
+)  # fmt: skip
+
+TINY: dict[str, tuple[str, dict]] = {
+    "gpt2": ("GPT2Config", dict(n_layer=2, n_embd=32, n_head=4, vocab_size=64, n_positions=32)),
+    "gptj": ("GPTJConfig", dict(n_layer=2, n_embd=32, n_head=4, rotary_dim=4, vocab_size=64, n_positions=32)),
+    "opt": (
+        "OPTConfig",
+        dict(
+            num_hidden_layers=2,
+            hidden_size=32,
+            ffn_dim=64,
+            num_attention_heads=4,
+            word_embed_proj_dim=32,
+            vocab_size=64,
+            max_position_embeddings=32,
+        ),
+    ),
+    "t5": ("T5Config", dict(num_layers=2, d_model=32, d_kv=8, num_heads=4, d_ff=64, vocab_size=64)),
+    "bert": ("BertConfig", _ENCODER),
+    "roberta": ("RobertaConfig", {**_ENCODER, "max_position_embeddings": 34, "type_vocab_size": 1}),
+    "llama": ("LlamaConfig", _DECODER),
+    "mistral": ("MistralConfig", _DECODER),
+    "mixtral": ("MixtralConfig", {**_DECODER, "num_local_experts": 4, "num_experts_per_tok": 2}),
+    "qwen2": ("Qwen2Config", _DECODER),
+    "qwen3": ("Qwen3Config", {**_DECODER, "head_dim": 8}),
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        {**_DECODER, "head_dim": 8, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32},
+    ),
+    "gemma2": ("Gemma2Config", {**_DECODER, "head_dim": 8}),
+    "gemma3_text": ("Gemma3TextConfig", {**_DECODER, "head_dim": 8}),
+    "phi3": ("Phi3Config", {**_DECODER, "pad_token_id": 0}),  # its default pad id, 32000, is past the vocabulary
+}
+"""model_type -> (transformers config class, its tiny fields)."""
+
+
+def tiny_config(model_type: str, **overrides):
+    """The tiny ``transformers`` config of ``model_type`` with ``overrides`` (``DEFAULT``: transformers' value)."""
+    import transformers
+
+    name, fields = TINY[model_type]
+    kwargs = {k: v for k, v in {**fields, **overrides}.items() if v is not DEFAULT}
+    return getattr(transformers, name)(**kwargs)
