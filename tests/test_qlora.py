@@ -23,7 +23,7 @@ from jaxseq.train.lora import LoraConfig  # noqa: E402
 from jaxseq.train.objectives import CausalLM  # noqa: E402
 from jaxseq.train.optim import OptimizerConfig  # noqa: E402
 from jaxseq.train.quantize import dequantize, quantize  # noqa: E402
-from jaxseq.train.step import TrainProgram, loss_and_metrics  # noqa: E402
+from jaxseq.train.step import TrainProgram  # noqa: E402
 from tests.conftest import shared_asset  # noqa: E402
 
 VOCAB, SEQ, RANK = 128, 16, 4
@@ -114,7 +114,7 @@ def test_qlora_step_is_lora_on_the_dequantised_weights(kind, scan):
     def loss(prog, frozen):
         def f(trainable):
             model = prog.lora.training_model(prog.graphdef, trainable, frozen)
-            return loss_and_metrics(task, model, batch(), nnx.Rngs(dropout=0))[0]
+            return task.loss_and_metrics(model, batch(), nnx.Rngs(dropout=0))[0]
 
         return jax.jit(jax.value_and_grad(f))(trainable)
 
