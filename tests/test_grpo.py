@@ -21,6 +21,7 @@ import pytest
 from flax import nnx
 
 from tests.conftest import shared_asset
+from tests.tiny import LETTERS, letters_gpt2
 
 transformers = pytest.importorskip("transformers")
 torch = pytest.importorskip("torch")
@@ -391,33 +392,12 @@ def fraction_of_a(prompts, completions, completion_ids, **kwargs):
     """The share of the completion's tokens that are "a"."""
     return [sum(t == {a} for t in ids) / max(len(ids), 1) for ids in completion_ids]
 '''
-LETTERS = list("abcdefghijklmnop")
-
-
-def tiny_vocab_folder(root):
-    """A GPT-2 of 20 tokens (16 letters, spaces between them) with a word-level tokenizer, as a folder."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    vocab = {w: i for i, w in enumerate(["<eos>", "<pad>", "<unk>", *LETTERS])}
-    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=backend, eos_token="<eos>", pad_token="<pad>", unk_token="<unk>"
-    )
-    config = transformers.GPT2Config(
-        n_layer=2, n_embd=32, n_head=4, n_positions=64, vocab_size=len(vocab), bos_token_id=0, eos_token_id=0,
-        resid_pdrop=0, embd_pdrop=0, attn_pdrop=0,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    transformers.GPT2LMHeadModel(config).save_pretrained(root)
-    tokenizer.save_pretrained(root)
-    return vocab
 
 
 def test_jaxseq_grpo_raises_a_verifiable_reward(tmp_path):
     """A fresh process on one CPU device: reward = the share of "a" in 8-token completions; uniform at the start
     (about 1/19), it climbs well above within 40 steps, logged every step under TRL's names."""
-    vocab = tiny_vocab_folder(tmp_path / "model")
+    vocab = letters_gpt2(tmp_path / "model")
     (tmp_path / "rewards.py").write_text(REWARD.format(a=vocab["a"]))
     rng = np.random.default_rng(0)
     prompts = [{"prompt": " ".join(rng.choice(LETTERS, 4))} for _ in range(32)]
@@ -461,7 +441,7 @@ def test_per_device_batch_counts_completions_as_trls(tmp_path, capsys):
     """--per_device_train_batch_size counts completions (TRL's): 1 per device on the 8 devices x 2 accumulated
     micro-batches is 16 completions a step, sampled as 16 / --num_generations 4 = 4 prompts with their 4
     completions each (one reward call a step), other prompts each step of an epoch; the log and results say so."""
-    vocab = tiny_vocab_folder(tmp_path / "model")
+    vocab = letters_gpt2(tmp_path / "model")
     assert jax.device_count() == 8 and vocab
     log = tmp_path / "calls.jsonl"
     (tmp_path / "rewards.py").write_text(RECORD_PROMPTS.format(log=str(log)))

@@ -16,12 +16,12 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import shared_asset
+from tests.tiny import LETTERS, letters_gpt2
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 JAXSEQ = Path(sys.executable).with_name("jaxseq")  # the installed console command
-LETTERS = list("abcdefghijklmnop")
 STEPS = 3
 
 REWARDS = """
@@ -48,26 +48,10 @@ def scored(prompts, completions, completion_ids, **kwargs):
 """
 
 
-def tiny_letters_model(root: Path) -> dict[str, int]:
-    """A GPT-2 of 19 tokens (16 letters, eos, pad, unk) with a word-level tokenizer, saved as a folder; and a
-    PyTorch reward model (one score) on the same vocabulary beside it."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    vocab = {w: i for i, w in enumerate(["<eos>", "<pad>", "<unk>", *LETTERS])}
-    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=backend, eos_token="<eos>", pad_token="<pad>", unk_token="<unk>"
-    )
-    config = transformers.GPT2Config(
-        n_layer=2, n_embd=32, n_head=4, n_positions=64, vocab_size=len(vocab), bos_token_id=0, eos_token_id=0,
-        pad_token_id=1,
-    )  # fmt: skip
-    transformers.GPT2LMHeadModel(config).save_pretrained(root / "policy")
-    tokenizer.save_pretrained(root / "policy")
-    scorer = transformers.GPT2Config(**{**config.to_dict(), "num_labels": 1})
-    transformers.GPT2ForSequenceClassification(scorer).save_pretrained(root / "scorer")
-    return vocab
+def reward_model(policy: Path, root: Path) -> None:
+    """A PyTorch reward model (one score) on the policy's vocabulary, saved to ``root``."""
+    config = transformers.GPT2Config.from_pretrained(policy, num_labels=1, pad_token_id=1)
+    transformers.GPT2ForSequenceClassification(config).save_pretrained(root)
 
 
 def plain_env() -> dict[str, str]:
@@ -83,7 +67,8 @@ def test_grpo_reward_functions_run_as_in_plain_python(tmp_path):
     its process and writes to a file it never closes: exit 0, a reward at every step, the process and the
     environment the user started (nothing added, the same process id as the command's), transformers seeing
     torch, every line written kept, the module's atexit handler run."""
-    tiny_letters_model(tmp_path)
+    letters_gpt2(tmp_path / "policy")
+    reward_model(tmp_path / "policy", tmp_path / "scorer")
     seen, log, mark = tmp_path / "seen.json", tmp_path / "scores.jsonl", tmp_path / "atexit"
     module = REWARDS.format(seen=str(seen), log=str(log), atexit_mark=str(mark), scorer=str(tmp_path / "scorer"))
     (tmp_path / "rewards.py").write_text(module)

@@ -59,3 +59,29 @@ def tiny_config(model_type: str, **overrides):
     name, fields = TINY[model_type]
     kwargs = {k: v for k, v in {**fields, **overrides}.items() if v is not DEFAULT}
     return getattr(transformers, name)(**kwargs)
+
+
+LETTERS = list("abcdefghijklmnop")
+
+
+def letters_gpt2(root):
+    """A GPT-2 of 19 tokens (16 letters, eos, pad, unk; spaces between them) with a word-level tokenizer, saved
+    as a folder; its vocabulary."""
+    import torch
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {w: i for i, w in enumerate(["<eos>", "<pad>", "<unk>", *LETTERS])}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=backend, eos_token="<eos>", pad_token="<pad>", unk_token="<unk>"
+    )
+    config = transformers.GPT2Config(
+        n_layer=2, n_embd=32, n_head=4, n_positions=64, vocab_size=len(vocab), bos_token_id=0, eos_token_id=0,
+        resid_pdrop=0, embd_pdrop=0, attn_pdrop=0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    transformers.GPT2LMHeadModel(config).save_pretrained(root)
+    tokenizer.save_pretrained(root)
+    return vocab
