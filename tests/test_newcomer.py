@@ -20,9 +20,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import yaml
 
 from tests.conftest import shared_asset
+from tests.test_docs import nav_pages
 
 transformers = pytest.importorskip("transformers")
 
@@ -41,16 +41,7 @@ TEMPLATE = (
 
 def pages() -> list[Path]:
     """README, then every page of the docs site in the order of mkdocs.yml's navigation."""
-
-    def walk(item) -> list[str]:
-        if isinstance(item, str):
-            return [item]
-        if isinstance(item, list):
-            return [page for entry in item for page in walk(entry)]
-        return [page for value in item.values() for page in walk(value)]
-
-    nav = yaml.safe_load((ROOT / "mkdocs.yml").read_text())["nav"]
-    return [ROOT / "README.md", *(ROOT / "docs" / page for page in walk(nav))]
+    return [ROOT / "README.md", *(ROOT / "docs" / page for page in nav_pages())]
 
 
 def page_commands(path: Path) -> list[tuple[str, str, str | None]]:
