@@ -184,6 +184,16 @@ def world(tmp_path_factory):
             paragraphs.append({"context": context, "qas": qas})
         (root / name).write_text(json.dumps({"version": "v2.0", "data": [{"title": "t", "paragraphs": paragraphs}]}))
 
+    (root / "my_tasks").mkdir()  # jaxseq eval's task of your own: docs/jobs/eval.md's YAML and its data
+    (root / "my_tasks/capitals.yaml").write_text(
+        re.search(r"```yaml\n(.*?)```", (ROOT / "docs/jobs/eval.md").read_text(), re.S)[1]
+    )
+    capitals = [("France", ["Paris", "Rome", "Madrid"], 0), ("Italy", ["Paris", "Rome", "Madrid"], 1),
+                ("Spain", ["Lisbon", "Madrid", "Paris"], 1), ("Japan", ["Tokyo", "Seoul", "Beijing"], 0)]  # fmt: skip
+    (root / "my_tasks/capitals.jsonl").write_text(
+        "".join(json.dumps({"country": c, "choices": choices, "answer": a}) + "\n" for c, choices, a in capitals)
+    )
+
     home = tmp_path_factory.mktemp("home")
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
     env.update(HOME=str(home), XDG_CACHE_HOME=str(home / ".cache"), HF_HOME=str(home / ".cache/huggingface"))
@@ -219,6 +229,9 @@ def documented_files(root: Path, command: str) -> list[Path]:
         return [root / words[words.index("push") + 1] / "hub_dry_run" / "README.md"]
     if job == "generate":
         return [root / flags["--output_file"]] if "--output_file" in flags else []
+    if job == "eval":
+        tasks = flags["--tasks"].split(",") if "--log_samples" in flags else []
+        return [out / "results.json", *(out / f"samples_{task}.jsonl" for task in tasks)]
     if job not in ("glue", "clm", "chat", "seq2seq") or "--help" in words:
         return []
     files = [out / "all_results.json", out / "config.yaml"]

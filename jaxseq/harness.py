@@ -1,0 +1,861 @@
+"""EleutherAI's lm-evaluation-harness with a jaxseq model as its backend: ``JaxseqLM`` answers lm-eval's three
+requests the way its Hugging Face backend (``lm_eval.models.huggingface.HFLM``) does, token for token, and
+``evaluate_tasks`` runs tasks through it as ``lm_eval.simple_evaluate`` does, into lm-eval's own results.
+
+- ``loglikelihood``: each (context, continuation) pair is tokenized as HFLM tokenizes it
+  (``TemplateLM._encode_pair``, HFLM's BOS handling), cut from the left to ``max_length`` + 1 tokens, and
+  scored by one forward pass: the log-probabilities of the continuation's tokens summed, and whether each
+  is the most likely token. Requests whose inputs are the same tokens (multiple choice with one-token
+  answers: the same context, a different last token) share one pass, as HFLM's logits cache shares them.
+  The passes are packed: several short sequences share a row (segment ids, positions restarting at 0, so
+  each sees only itself), rows come in a few widths, and each width's batches hold the same number of
+  tokens, so a whole evaluation compiles a few programs and computes on text, not padding.
+- ``loglikelihood_rolling``: a document's tokens cut into lm-eval's rolling windows
+  (``get_rolling_token_windows``, ``make_disjoint_window``, as HFLM cuts them), scored like the pairs above
+  and summed: documents longer than the model's context are scored whole.
+- ``generate_until``: greedy (or sampled, if the task asks) completion by ``jaxseq.generation.generate`` of
+  the contexts cut from the left to ``max_length - max_gen_toks`` tokens, batched by length, each cut at
+  the first stop string (``until``) as HFLM cuts it; a row stops at the model's EOS tokens (its generation
+  config's, as transformers' ``generate`` stops) or after ``max_gen_toks`` tokens.
+
+lm-eval is the optional ``eval`` extra: without it this module imports, and ``require_lm_eval`` says how to
+install it in one line.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib.util
+import json
+import logging
+import math
+import multiprocessing
+import os
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+from tqdm.auto import tqdm
+
+from jaxseq.data.batches import length_buckets
+from jaxseq.errors import JaxseqError
+from jaxseq.files import atomic_write
+from jaxseq.generation import generate
+from jaxseq.mesh import batch_sharding, data_parallel_size
+from jaxseq.models.layers import padded_vocab_size
+from jaxseq.sharding import gather
+
+try:  # the `eval` extra
+    from lm_eval.api.model import TemplateLM
+except ImportError:  # jaxseq eval says how to install it (require_lm_eval)
+    TemplateLM = object
+
+logger = logging.getLogger("jaxseq")
+
+DEFAULT_MAX_GEN_TOKS = 256  # HFLM.max_gen_toks
+LOGITS_BYTES = 1 << 28  # float32 logits a device holds at a time while scoring: positions are chunked to fit
+
+
+def require_lm_eval() -> None:
+    """Stop in one line when lm-eval is not installed."""
+    if importlib.util.find_spec("lm_eval") is None or TemplateLM is object:
+        raise JaxseqError("jaxseq eval needs lm-evaluation-harness: pip install 'jaxseq[eval]'")
+
+
+# --------------------------------------------------------------------------- scoring packed rows on devices
+
+
+def token_scores(head, h, targets, vocab: int, chunk: int):
+    """For hidden states ``h`` ``[rows, width, hidden]`` and the ``targets`` ``[rows, width]`` they predict:
+    each target's log-probability, the most likely token and the log-normaliser (logsumexp) at every position,
+    float32 over the ``vocab`` real tokens (a padded vocabulary's padding gets no probability), computed
+    ``chunk`` positions of every row at a time."""
+
+    def scores(h, targets):
+        logits = head(h).astype(jnp.float32)
+        if logits.shape[-1] != vocab:
+            logits = jnp.where(jnp.arange(logits.shape[-1]) < vocab, logits, -jnp.inf)
+        lse = jax.nn.logsumexp(logits, axis=-1)
+        picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+        return picked - lse, jnp.argmax(logits, axis=-1).astype(jnp.int32), lse
+
+    rows, width = targets.shape
+    if width <= chunk:
+        return scores(h, targets)
+    chunks = -(-width // chunk)
+    pad = chunks * chunk - width
+    h = jnp.pad(h, ((0, 0), (0, pad), (0, 0))).reshape(rows, chunks, chunk, -1).swapaxes(0, 1)
+    targets = jnp.pad(targets, ((0, 0), (0, pad))).reshape(rows, chunks, chunk).swapaxes(0, 1)
+    out = jax.lax.map(lambda xs: scores(*xs), (h, targets))
+    return tuple(x.swapaxes(0, 1).reshape(rows, chunks * chunk)[:, :width] for x in out)
+
+
+def score_packed(graphdef, vocab: int, chunk: int, state, ids, segments, positions, targets, extra_at, extra_tokens):
+    """One packed batch: per position the target's log-probability and the most likely token (``[rows,
+    width]`` each), and for each extra (``extra_at``: a flat position, ``extra_tokens``: another token scored
+    there) that token's log-probability."""
+    model = nnx.merge(graphdef, state)
+    h = model.hidden_states(ids, segments, positions).last_hidden_state
+    logprobs, best, lse = token_scores(model.logits, h, targets, vocab, chunk)
+    if not extra_at.shape[0]:
+        return logprobs, best, jnp.zeros((0,), jnp.float32)
+    at = h.reshape(-1, h.shape[-1])[extra_at]
+    logits = model.logits(at[None])[0].astype(jnp.float32)
+    extra = jnp.take_along_axis(logits, extra_tokens[:, None], axis=-1)[:, 0] - lse.reshape(-1)[extra_at]
+    return logprobs, best, extra
+
+
+@dataclasses.dataclass
+class Sequence:
+    """The tokens of one forward pass and the requests it answers: those whose model input (context and
+    continuation, cut to ``max_length`` + 1 tokens, less the last token) is ``tokens``. ``targets``: the
+    next token at each position, the last one ``members[0]``'s; ``members``: (request, continuation length,
+    its last token)."""
+
+    tokens: list[int]
+    targets: list[int]
+    members: list[tuple[int, int, int]]
+
+
+@dataclasses.dataclass
+class Batch:
+    """Packed rows: ``[rows, width]`` tokens, segment ids, positions and targets, the flat start of each of its
+    sequences and the extra tokens scored (flat position, token, sequence's member)."""
+
+    ids: np.ndarray
+    segments: np.ndarray
+    positions: np.ndarray
+    targets: np.ndarray
+    starts: dict[int, int]
+    extras: list[tuple[int, int, tuple[int, int]]]
+
+
+def pack_rows(lengths: list[int], widths: list[int]) -> list[tuple[int, list[int]]]:
+    """Sequences of ``lengths`` into rows, first-fit decreasing: each sequence goes into the first row with
+    room left, else opens a row of the narrowest of ``widths`` that holds it. ``(width, sequence indices)``."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    room = np.zeros(max(1, len(lengths)), np.int64)
+    rows: list[tuple[int, list[int]]] = []
+    for i in order:
+        n = lengths[i]
+        fits = room[: len(rows)] >= n
+        if fits.any():
+            r = int(fits.argmax())
+            rows[r][1].append(i)
+            room[r] -= n
+        else:
+            width = next(w for w in widths if w >= n)
+            rows.append((width, [i]))
+            room[len(rows) - 1] = width - n
+    return rows
+
+
+class JaxseqLM(TemplateLM):
+    """lm-eval's model interface (``TemplateLM``) on a jaxseq causal LM, answering as ``HFLM`` does.
+
+    ``model``: a ``causal-lm`` model (``jaxseq.models.load_pretrained``), sharded over ``mesh`` or not;
+    ``tokenizer``: its transformers tokenizer; ``batch_size``: rows of ``max_length`` tokens per device in a
+    scoring batch (narrower rows come more to a batch, as many tokens), prompts per device in a generation
+    batch; ``max_length``: HFLM's ``max_length`` (default: the model's positions, as HFLM reads them);
+    ``eos_token_ids``: where generation stops (default: the model config's EOS); ``name``: the model's
+    folder or Hub id (results' ``model_name``)."""
+
+    backend = "causal"
+
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        *,
+        batch_size: int = 8,
+        max_length: int | None = None,
+        mesh=None,
+        eos_token_ids=None,
+        name: str = "jaxseq",
+        add_bos_token: bool | None = None,
+        seed: int = 0,
+    ):
+        require_lm_eval()
+        from lm_eval.models.utils import configure_pad_token, resolve_max_length
+
+        super().__init__()
+        if hasattr(model, "encode"):
+            raise JaxseqError("jaxseq eval scores causal language models; encoder-decoders (T5) are not supported")
+        if batch_size < 1:
+            raise JaxseqError(f"the batch size must be at least 1, got {batch_size}")
+        self.model, self.config, self.mesh = model, model.config, mesh
+        self.tokenizer = configure_pad_token(tokenizer, model_config=model.config)
+        self.batch_size_per_device = batch_size
+        self._max_length = max_length or resolve_max_length(model.config, tokenizer)
+        self.add_bos_token = add_bos_token
+        self.name, self.seed, self.generated = name, seed, 0
+        eos = model.config.eos_token_id if eos_token_ids is None else eos_token_ids
+        eos = tokenizer.eos_token_id if eos is None else eos
+        self.eos_token_ids = [] if eos is None else [int(e) for e in np.atleast_1d(eos)]
+        self.graphdef, self.state = nnx.split(model)
+        self.replicas = data_parallel_size(mesh) if mesh is not None else 1
+        vocab = model.config.vocab_size
+        self._score = jax.jit(
+            lambda state, *arrays, chunk: score_packed(self.graphdef, vocab, chunk, state, *arrays),
+            static_argnames="chunk",
+        )
+        self.batch_sizes = {}  # results' config lists HFLM's detected batch sizes; there are none to detect
+
+    # ----------------------------------------------------------------------- what lm-eval asks of a model
+
+    @property
+    def eot_token_id(self) -> int:
+        return self.tokenizer.eos_token_id
+
+    @property
+    def prefix_token_id(self) -> int:
+        """The token a continuation without context follows (HFLM's: BOS, else EOS)."""
+        if self.tokenizer.bos_token_id is not None:
+            return self.tokenizer.bos_token_id
+        return self.tokenizer.eos_token_id
+
+    @property
+    def max_length(self) -> int:
+        return self._max_length
+
+    @property
+    def max_gen_toks(self) -> int:
+        return DEFAULT_MAX_GEN_TOKS
+
+    @property
+    def batch_size(self) -> int:
+        return self.batch_size_per_device * self.replicas
+
+    @property
+    def tokenizer_name(self) -> str:
+        return self.tokenizer.name_or_path.replace("/", "__")
+
+    def tok_encode(self, string: str, add_special_tokens: bool | None = None, left_truncate_len=None, **kwargs):
+        """HFLM's: the tokenizer's special tokens unless told otherwise, none when the text already starts
+        with the prefix (BOS) token's text."""
+        from lm_eval.models.utils import _add_special_kwargs, has_bos_prefix
+
+        special = _add_special_kwargs(add_special_tokens, self.add_bos_token)
+        if add_special_tokens is None and has_bos_prefix(string, self.tokenizer.decode(self.prefix_token_id)):
+            special["add_special_tokens"] = False
+        encoding = self.tokenizer.encode(string, **special)
+        return encoding[-left_truncate_len:] if left_truncate_len else encoding
+
+    def tok_prompt(self, string: str) -> list[int]:
+        """A generation prompt's tokens, as HFLM's ``tok_batch_encode`` makes them (a text that starts with
+        the BOS token's text gets no special tokens)."""
+        from lm_eval.models.utils import has_bos_prefix
+
+        special = {}
+        if has_bos_prefix(string, getattr(self.tokenizer, "bos_token", None)):
+            special = {"add_special_tokens": False}
+        elif self.add_bos_token is not None:
+            special = {"add_special_tokens": self.add_bos_token}
+        return self.tokenizer(string, **special)["input_ids"]
+
+    def tok_decode(self, tokens, skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(tokens, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        """The chat as the tokenizer's template writes it (HFLM's; a template that refuses a system turn gets
+        the chat without it)."""
+        import jinja2
+
+        kwargs = dict(tokenize=False, add_generation_prompt=add_generation_prompt)
+        kwargs["continue_final_message"] = not add_generation_prompt
+        try:
+            return self.tokenizer.apply_chat_template(chat_history, **kwargs)
+        except jinja2.exceptions.TemplateError:
+            chat_history = [m for m in chat_history if m["role"] != "system"]
+            return self.tokenizer.apply_chat_template(chat_history, **kwargs)
+
+    def get_model_info(self) -> dict:
+        """HFLM's model fields of the results' config: parameter count and dtype."""
+        leaves = [x for x in jax.tree.leaves(self.state) if hasattr(x, "dtype")]
+        return {"model_num_parameters": int(sum(x.size for x in leaves)), "model_dtype": str(leaves[0].dtype)}
+
+    # ----------------------------------------------------------------------- loglikelihood
+
+    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
+        """(summed log-probability of the continuation, whether every token of it is the most likely one)
+        for each ``(request text or None, context tokens, continuation tokens)``, in their order."""
+        limit = self.max_length
+        sequences: dict[tuple[int, ...], Sequence] = {}
+        truncated = 0
+        for i, (_, context, continuation) in enumerate(requests):
+            if not context or not continuation:
+                raise JaxseqError(f"request {i} has an empty context or continuation after tokenization")
+            if len(continuation) > limit:
+                raise JaxseqError(
+                    f"a continuation of {len(continuation)} tokens is longer than --max_length {limit}; raise it"
+                )
+            whole = (context + continuation)[-(limit + 1) :]
+            truncated += len(context) + len(continuation) > limit + 1
+            tokens = tuple(whole[:-1])
+            seq = sequences.get(tokens)
+            if seq is None:
+                seq = sequences[tokens] = Sequence(list(tokens), whole[1:], [])
+            seq.members.append((i, len(continuation), whole[-1]))
+        if truncated:
+            logger.warning(
+                "%d request(s) longer than --max_length %d tokens were cut from the left, as lm-eval's hf model "
+                "cuts them",
+                truncated,
+                limit,
+            )
+        bar = tqdm(
+            total=len(requests),
+            desc="Running loglikelihood requests",
+            disable=disable_tqdm or jax.process_index() != 0,
+        )
+        results: list[tuple[float, bool] | None] = [None] * len(requests)
+        for seqs, (logprobs, best, extra), batch in self._run_batches(list(sequences.values())):
+            for s in seqs:
+                seq, start = s, batch.starts[id(s)]
+                n = len(seq.tokens)
+                lp = logprobs[start : start + n].astype(np.float64)
+                greedy = best[start : start + n] == np.asarray(seq.targets)
+                for i, length, last in seq.members:
+                    if last == seq.targets[-1]:
+                        total, last_lp, last_greedy = lp[n - length : n - 1].sum(), lp[n - 1], greedy[n - 1]
+                    else:
+                        total = lp[n - length : n - 1].sum()
+                        last_lp, last_greedy = extra[(id(seq), i)], best[start + n - 1] == last
+                    results[i] = (float(total + last_lp), bool(greedy[n - length : n - 1].all() and last_greedy))
+                    text = requests[i][0]
+                    if text is not None:
+                        self.cache_hook.add_partial("loglikelihood", text, results[i])
+                bar.update(len(seq.members))
+        bar.close()
+        return results
+
+    def _widths(self, lengths: list[int]) -> list[int]:
+        top = -(-max(lengths) // 8) * 8
+        return length_buckets(top, multiple=8, halvings=3)
+
+    def _run_batches(self, sequences: list[Sequence]):
+        """Pack ``sequences`` into batches, score them on the devices (the next batch dispatched while this
+        one's scores come back) and yield ``(its sequences, (flat log-probabilities, flat most likely tokens,
+        {(id of sequence, request): log-probability of an extra token}), batch)``."""
+        if not sequences:
+            return
+        lengths = [len(s.tokens) for s in sequences]
+        widths = self._widths(lengths)
+        tokens_per_batch = self.batch_size * widths[-1]
+        rows_of = {w: max(self.replicas, tokens_per_batch // w // self.replicas * self.replicas) for w in widths}
+        rows = pack_rows(lengths, widths)
+        by_width: dict[int, list[list[int]]] = defaultdict(list)
+        for width, members in rows:
+            by_width[width].append(members)
+        for width in sorted(by_width)[:-1]:  # a width with less than half a batch of rows joins the next
+            if len(by_width[width]) < rows_of[width] / 2:
+                wider = min(w for w in by_width if w > width)
+                by_width[wider].extend(by_width.pop(width))
+        extras_needed = sum(
+            sum(1 for _, _, last in s.members if last != s.targets[-1]) for s in sequences
+        )  # tokens scored beside a sequence's own last target
+        batches = []
+        for width in sorted(by_width, reverse=True):
+            chunk_rows = by_width[width]
+            for start in range(0, len(chunk_rows), rows_of[width]):
+                batches.append((width, chunk_rows[start : start + rows_of[width]]))
+        extra_slots = 0
+        if extras_needed:  # one size for every batch: one program per width
+            extra_slots = 1 << max(3, math.ceil(math.log2(1.25 * extras_needed / len(batches) + 1)))
+        pending = []
+        for width, batch_rows in self._split_for_extras(batches, sequences, extra_slots):
+            batch = self._assemble(width, rows_of[width], batch_rows, sequences, extra_slots)
+            pending.append((batch_rows, batch, self._dispatch(batch, extra_slots)))
+            if len(pending) > 1:
+                yield self._collect(*pending.pop(0), sequences)
+        while pending:
+            yield self._collect(*pending.pop(0), sequences)
+
+    @staticmethod
+    def _split_for_extras(batches, sequences: list[Sequence], slots: int):
+        """The batches, each cut where its extra tokens would not fit ``slots``."""
+        for width, batch_rows in batches:
+            taken, count = [], 0
+            for members in batch_rows:
+                need = sum(sum(1 for _, _, last in sequences[i].members if last != sequences[i].targets[-1])
+                           for i in members)  # fmt: skip
+                if taken and count + need > slots:
+                    yield width, taken
+                    taken, count = [], 0
+                taken.append(members)
+                count += need
+            if taken:
+                yield width, taken
+
+    def _assemble(self, width: int, rows: int, batch_rows, sequences: list[Sequence], slots: int) -> Batch:
+        ids = np.zeros((rows, width), np.int32)
+        segments = np.zeros((rows, width), np.int32)
+        positions = np.zeros((rows, width), np.int32)
+        targets = np.zeros((rows, width), np.int32)
+        starts, extras = {}, []
+        for r, members in enumerate(batch_rows):
+            col = 0
+            for segment, i in enumerate(members, 1):
+                seq = sequences[i]
+                n = len(seq.tokens)
+                ids[r, col : col + n] = seq.tokens
+                targets[r, col : col + n] = seq.targets
+                segments[r, col : col + n] = segment
+                positions[r, col : col + n] = np.arange(n)
+                starts[id(seq)] = r * width + col
+                extras += [
+                    (r * width + col + n - 1, last, (id(seq), k))
+                    for k, _, last in seq.members
+                    if last != seq.targets[-1]
+                ]
+                col += n
+        return Batch(ids, segments, positions, targets, starts, extras)
+
+    def _dispatch(self, batch: Batch, slots: int):
+        at = np.zeros((slots,), np.int32)
+        tokens = np.zeros((slots,), np.int32)
+        for k, (flat, token, _) in enumerate(batch.extras):
+            at[k], tokens[k] = flat, token
+        arrays = [batch.ids, batch.segments, batch.positions, batch.targets]
+        if self.mesh is not None:
+            arrays = [jax.device_put(a, batch_sharding(self.mesh)) for a in arrays]
+            at, tokens = (jax.device_put(a, NamedSharding(self.mesh, P())) for a in (at, tokens))
+        rows = batch.ids.shape[0]
+        vocab = padded_vocab_size(self.config.vocab_size)
+        chunk = max(8, LOGITS_BYTES // (4 * vocab * max(1, rows // self.replicas)))
+        return self._score(self.state, *arrays, at, tokens, chunk=chunk)
+
+    @staticmethod
+    def _collect(batch_rows, batch: Batch, outputs, sequences: list[Sequence]):
+        logprobs, best, extra = gather(outputs)
+        extras = {key: float(extra[k]) for k, (_, _, key) in enumerate(batch.extras)}
+        seqs = [sequences[i] for members in batch_rows for i in members]
+        return seqs, (logprobs.reshape(-1), best.reshape(-1), extras), batch
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+        """The log-likelihood of each document, scored in lm-eval's rolling windows of ``max_length`` tokens
+        (HFLM's windows, each predicted token conditioned on as many before it as fit)."""
+        from lm_eval import utils
+
+        windows, owner = [], []
+        for k, (text,) in enumerate(tqdm([r.args for r in requests], disable=disable_tqdm or jax.process_index() != 0)):
+            pairs = utils.get_rolling_token_windows(
+                token_list=self.tok_encode(text),
+                prefix_token=self.prefix_token_id,
+                max_seq_len=self.max_length,
+                context_len=1,
+            )
+            for context, continuation in map(utils.make_disjoint_window, pairs):
+                windows.append((None, context, continuation))
+                owner.append(k)
+        scores = self._loglikelihood_tokens(windows, disable_tqdm=disable_tqdm)
+        totals = [0.0] * len(requests)
+        for k, (logprob, _) in zip(owner, scores):
+            totals[k] += logprob
+        for request, total in zip(requests, totals):
+            self.cache_hook.add_partial("loglikelihood_rolling", request.args, total)
+        return totals
+
+    # ----------------------------------------------------------------------- generate_until
+
+    def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        """Each context's completion up to the first of its stop strings (``until``, and the EOS token's
+        text), at most ``max_gen_toks`` tokens: HFLM's answer. Requests with the same generation settings
+        are batched by prompt length."""
+        from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
+
+        groups: dict[str, list[int]] = defaultdict(list)
+        for i, request in enumerate(requests):
+            groups[json.dumps(request.args[1], sort_keys=True, default=str)].append(i)
+        eos_text = self.tok_decode(self.eot_token_id, skip_special_tokens=False)
+        plans = []
+        for indices in groups.values():
+            kwargs = normalize_gen_kwargs(requests[indices[0]].args[1], self.max_gen_toks)
+            until = handle_stop_sequences(kwargs.pop("until", None), eos=eos_text)
+            max_gen_toks = kwargs.pop("max_gen_toks")
+            room = self.max_length - max_gen_toks
+            if room <= 0:
+                raise JaxseqError(
+                    f"a task generates up to {max_gen_toks} tokens, which leaves no room for its prompt in "
+                    f"--max_length {self.max_length}; raise --max_length"
+                )
+            plans.append((indices, until, max_gen_toks, sampling_settings(kwargs), room))
+        bar = tqdm(
+            total=len(requests),
+            desc="Running generate_until requests",
+            disable=disable_tqdm or jax.process_index() != 0,
+        )
+        out: list[str | None] = [None] * len(requests)
+        for indices, until, max_gen_toks, sampling, room in plans:
+            prompts = {i: self.tok_prompt(requests[i].args[0])[-room:] for i in indices}
+            for batch in self._generate(prompts, max_gen_toks, sampling):
+                for i, text in batch:
+                    context, gen_kwargs = requests[i].args
+                    out[i] = postprocess_generated_text(generation=text, stop=until, think_end_token=None)
+                    self.cache_hook.add_partial("generate_until", (context, gen_kwargs), out[i])
+                bar.update(len(batch))
+        bar.close()
+        return out
+
+    def _generate(self, prompts: dict[int, list[int]], max_new_tokens: int, sampling: dict):
+        """Completions of ``prompts`` (request -> tokens), a batch at a time: ``[(request, text decoded as HFLM
+        decodes it)]`` for batches of ``batch_size`` prompts of like length, left-padded to one of a few
+        widths."""
+        order = sorted(prompts, key=lambda i: -len(prompts[i]))
+        widths = length_buckets(-(-len(prompts[order[0]]) // 32) * 32, multiple=32, halvings=2)
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        size = self.batch_size
+        for k in range(0, len(order), size):
+            batch = order[k : k + size]
+            rows = [prompts[i] for i in batch]
+            rows += [rows[-1]] * (size - len(rows))  # every batch the same size: one program per width
+            width = next(w for w in widths if w >= max(map(len, rows)))
+            ids = np.array([[pad] * (width - len(r)) + r for r in rows], np.int32)
+            mask = np.array([[0] * (width - len(r)) + [1] * len(r) for r in rows], np.int32)
+            seed = int(np.random.SeedSequence([self.seed, k]).generate_state(1)[0])
+            result = generate(
+                self.model,
+                ids,
+                mask,
+                max_new_tokens=max_new_tokens,
+                eos_token_id=self.eos_token_ids or None,
+                pad_token_id=pad,
+                bucket=width,
+                seed=seed,
+                **sampling,
+            )
+            texts = []
+            for i, tokens in zip(batch, gather(result.sequences)):
+                tokens = tokens.tolist()
+                ends = [tokens.index(e) for e in self.eos_token_ids if e in tokens]
+                tokens = tokens[: min(ends) + 1] if ends else tokens  # the EOS kept: decoding drops a special one
+                self.generated += len(tokens)
+                texts.append((i, self.tok_decode(tokens)))
+            yield texts
+
+
+SAMPLING = ("do_sample", "temperature", "top_k", "top_p")
+
+
+def sampling_settings(kwargs: dict) -> dict:
+    """``generate``'s sampling arguments from a task's normalised generation settings (greedy unless
+    ``do_sample``); a setting jaxseq does not have stops in one line."""
+    unknown = sorted(set(kwargs) - set(SAMPLING))
+    if unknown:
+        raise JaxseqError(
+            f"generation setting(s) {', '.join(unknown)} of a task are not supported by jaxseq eval "
+            f"(it takes until, max_gen_toks, {', '.join(SAMPLING)})"
+        )
+    if not kwargs.get("do_sample"):
+        return {}
+    settings = {"do_sample": True, "temperature": float(kwargs.get("temperature") or 1.0)}
+    if kwargs.get("top_k") is not None:
+        settings["top_k"] = int(kwargs["top_k"])
+    if kwargs.get("top_p") is not None:
+        settings["top_p"] = float(kwargs["top_p"])
+    return settings
+
+
+# --------------------------------------------------------------------------- tasks and results
+
+
+def load_tasks(names: list[str], include_path: str | None, metadata: dict):
+    """``TaskManager.load(names)``: lm-eval's tasks and groups of those names. With ``include_path`` only that
+    folder is indexed first (lm-eval's thousands of built-in task files take seconds to index): when it holds
+    every task named, they load from it, as they would with the built-in tasks beside them (an
+    ``include_path`` task overrides a built-in one of its name); otherwise, and for built-in tasks, the whole
+    index. An unknown name stops in one line."""
+    from lm_eval.tasks import TaskManager
+
+    if include_path is not None and not Path(include_path).is_dir():
+        raise JaxseqError(f"--include_path {include_path} is not a folder of task YAML files")
+    if include_path:
+        local = TaskManager(include_path=include_path, include_defaults=False, metadata=metadata)
+        if all(local.match_tasks([name]) for name in names):
+            try:
+                return local.load(expand(local, names))
+            except (KeyError, ValueError, FileNotFoundError):
+                pass  # it names a built-in task somewhere: the whole index below
+    manager = TaskManager(include_path=include_path, metadata=metadata)
+    missing = [name for name in names if not manager.match_tasks([name])]
+    if missing:
+        where = f" (lm-eval's tasks and those in {include_path})" if include_path else ""
+        raise JaxseqError(
+            f"no lm-eval task named {', '.join(missing)}{where}; `lm-eval ls tasks` lists them, "
+            "--include_path adds a folder of your own"
+        )
+    return manager.load(expand(manager, names))
+
+
+def expand(manager, names: list[str]) -> list[str]:
+    """The task names matched (a pattern such as ``mmlu_*`` matches several), each once, in order."""
+    out = []
+    for name in names:
+        out += [m for m in manager.match_tasks([name]) if m not in out]
+    return out
+
+
+@dataclasses.dataclass
+class Settings:
+    """How tasks are run: lm-eval's ``simple_evaluate`` arguments that jaxseq eval takes."""
+
+    num_fewshot: int | None = None
+    limit: float | None = None
+    apply_chat_template: bool = False
+    fewshot_as_multiturn: bool | None = None
+    system_instruction: str | None = None
+    log_samples: bool = False
+    bootstrap_iters: int = 100000
+    random_seed: int = 0
+    numpy_random_seed: int = 1234
+    fewshot_random_seed: int = 1234
+
+
+def prepare_tasks(names: list[str], settings: Settings, *, include_path=None, metadata=None, max_gen_toks=None):
+    """The tasks ``names`` loaded (``load_tasks``), set up as ``lm_eval.simple_evaluate`` sets them up: Python's
+    and NumPy's generators seeded first, ``num_fewshot`` (a task that sets 0 keeps it; one that sets none gets
+    0), the few-shot sampler's seed; a task's generation settings that jaxseq does not have stop in one line
+    (before any model is loaded)."""
+    import random
+
+    random.seed(settings.random_seed)
+    np.random.seed(settings.numpy_random_seed)
+    if settings.fewshot_as_multiturn and not settings.apply_chat_template:
+        raise JaxseqError("--fewshot_as_multiturn needs --apply_chat_template")
+    loaded = load_tasks(names, include_path, metadata or {})
+    for task in loaded["tasks"].values():
+        if task.get_config("output_type") == "generate_until":
+            sampling_settings(
+                normalize(task.get_config("generation_kwargs") or {}, max_gen_toks or DEFAULT_MAX_GEN_TOKS)
+            )
+        if settings.num_fewshot is not None:
+            if task.get_config("num_fewshot") != 0:
+                task.set_config(key="num_fewshot", value=settings.num_fewshot)
+        elif task.get_config("num_fewshot") is None:
+            task.set_config(key="num_fewshot", value=0)
+        task.set_fewshot_seed(seed=settings.fewshot_random_seed)
+    return loaded
+
+
+def evaluate_tasks(lm: JaxseqLM, loaded: dict, settings: Settings, *, model_args: dict | None = None):
+    """lm-eval's results of the tasks ``loaded`` (``prepare_tasks``) with ``lm``: what
+    ``lm_eval.simple_evaluate(lm, ...)`` returns (results, groups, configs, versions, n-shot, higher_is_better,
+    n-samples, samples with ``log_samples``, config, git_hash, date, the environment and tokenizer), and
+    lm-eval's ``GeneralConfigTracker`` (model and chat template, timing) that its ``EvaluationTracker`` saves
+    beside them. The same steps as ``simple_evaluate``, but the environment recorded is JAX's, not PyTorch's."""
+    from lm_eval import evaluator
+    from lm_eval.loggers.evaluation_tracker import GeneralConfigTracker
+    from lm_eval.loggers.utils import add_tokenizer_info
+
+    tracker = GeneralConfigTracker()
+    start_date = time.time()
+    model_args = model_args or {"pretrained": lm.name}
+    multiturn = settings.fewshot_as_multiturn
+    if multiturn is None:
+        multiturn = settings.apply_chat_template
+    chat_template = lm.chat_template(True) if settings.apply_chat_template else None
+    if settings.apply_chat_template and not chat_template:
+        raise JaxseqError("--apply_chat_template: the tokenizer has no chat template")
+    tracker.log_experiment_args(
+        model_source="jaxseq",
+        model_args=model_args,
+        system_instruction=settings.system_instruction,
+        chat_template=chat_template,
+        fewshot_as_multiturn=multiturn,
+    )
+    with pools_without_fork():
+        results = evaluator.evaluate(
+            lm=lm,
+            task_dict=loaded,
+            limit=settings.limit,
+            bootstrap_iters=settings.bootstrap_iters,
+            log_samples=settings.log_samples,
+            system_instruction=settings.system_instruction,
+            apply_chat_template=settings.apply_chat_template,
+            fewshot_as_multiturn=multiturn,
+        )
+    results["config"] = {"model": "jaxseq", "model_args": model_args, **lm.get_model_info()}
+    results["config"].update(
+        {
+            "batch_size": lm.batch_size,
+            "batch_sizes": [],
+            "device": describe_devices(lm.mesh),
+            "use_cache": None,
+            "limit": settings.limit,
+            "bootstrap_iters": settings.bootstrap_iters,
+            "gen_kwargs": None,
+            "random_seed": settings.random_seed,
+            "numpy_seed": settings.numpy_random_seed,
+            "torch_seed": None,
+            "fewshot_seed": settings.fewshot_random_seed,
+        }
+    )
+    results["git_hash"] = git_hash()
+    results["date"] = start_date
+    add_environment(results)
+    add_tokenizer_info(results, lm)
+    tracker.log_end_time()
+    return results, tracker
+
+
+def normalize(gen_kwargs: dict, default_max_gen_toks: int) -> dict:
+    from lm_eval.models.utils import normalize_gen_kwargs
+
+    kwargs = dict(normalize_gen_kwargs(gen_kwargs, default_max_gen_toks))
+    kwargs.pop("until", None)
+    kwargs.pop("max_gen_toks", None)
+    return kwargs
+
+
+def describe_devices(mesh) -> str:
+    devices = mesh.devices.flatten().tolist() if mesh is not None else jax.devices()[:1]
+    return f"{len(devices)} x {devices[0].device_kind} ({devices[0].platform})"
+
+
+def add_environment(results: dict) -> None:
+    """lm-eval's environment fields, describing the JAX that ran the model (``pretty_env_info``: JAX's
+    environment report instead of PyTorch's)."""
+    from importlib.metadata import version
+
+    import transformers
+    from lm_eval.loggers.utils import get_commit_from_path
+
+    results.update(
+        {
+            "pretty_env_info": jax.print_environment_info(return_string=True),
+            "transformers_version": transformers.__version__,
+            "lm_eval_version": version("lm_eval"),
+            "upper_git_hash": get_commit_from_path(Path(os.getcwd(), "..")),
+            "jaxseq_version": version("jaxseq"),
+        }
+    )
+
+
+def save_results(results: dict, tracker, output_dir: str | os.PathLike) -> list[Path]:
+    """``results.json`` (the results as lm-eval's ``EvaluationTracker.save_results_aggregated`` writes them:
+    with each task's samples' hash and the tracker's fields) and, when the results hold samples,
+    ``samples_<task>.jsonl`` (as its ``save_results_samples`` writes them) in ``output_dir``; the paths."""
+    from lm_eval.utils import handle_non_serializable, hash_string, sanitize_list
+
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    samples = results.pop("samples", None)
+    hashes = {}
+    for task, rows in (samples or {}).items():
+        hashes[task] = hash_string("".join(s["doc_hash"] + s["prompt_hash"] + s["target_hash"] for s in rows))
+    results["task_hashes"] = hashes
+    results.update(dataclasses.asdict(tracker))
+    dump = lambda x: json.dumps(x, default=handle_non_serializable, ensure_ascii=False)
+    written = [atomic_write(out / "results.json", json.dumps(results, indent=2, default=handle_non_serializable,
+                                                               ensure_ascii=False))]  # fmt: skip
+    for task in results["configs"] if samples else ():
+        lines = []
+        for sample in samples.get(task, []):
+            arguments = {
+                f"gen_args_{i}": {f"arg_{j}": value for j, value in enumerate(arg)}
+                for i, arg in enumerate(sample["arguments"])
+            }
+            sample = {
+                **sample,
+                "resps": sanitize_list(sample["resps"]),
+                "filtered_resps": sanitize_list(sample["filtered_resps"]),
+                "arguments": arguments,
+                "target": str(sample["target"]),
+            }
+            lines.append(dump(sample) + "\n")
+        written.append(atomic_write(out / f"samples_{task}.jsonl", "".join(lines)))
+    return written
+
+
+def print_table(results: dict, file=None) -> None:
+    """lm-eval's tables of the results (``lm_eval.utils.make_table``): tasks, and groups if any."""
+    from lm_eval.utils import make_table
+
+    file = file or sys.stdout
+    with table_writers():
+        print(make_table(results), file=file)
+        if results.get("groups"):
+            print(make_table(results, "groups"), file=file)
+
+
+class MarkdownTable:
+    """The Markdown table writer lm-eval's ``make_table`` uses (``headers``, ``value_matrix``, ``dumps``), for a
+    pytablewriter older than 1.0, whose writers take ``header_list`` and ignore ``headers`` (lm-eval's header
+    row would be A, B, C, ...) and which convert cells in a pool of forked processes: headers centred,
+    numeric columns right-aligned, as pytablewriter writes them."""
+
+    def __init__(self):
+        self.headers, self.value_matrix = [], []
+
+    def dumps(self) -> str:
+        rows = [[str(v) for v in row] for row in self.value_matrix]
+        columns = list(zip(*rows)) if rows else [()] * len(self.headers)
+        widths = [max([len(h), *map(len, col)]) for h, col in zip(self.headers, columns)]
+        numeric = [bool(col) and all(_number(v) for v in col if v.strip() not in ("", "N/A")) for col in columns]
+
+        def line(cells, header=False):
+            out = []
+            for cell, width, right in zip(cells, widths, numeric):
+                out.append(cell.center(width) if header else cell.rjust(width) if right else cell.ljust(width))
+            return "|" + "|".join(out) + "|"
+
+        rule = "|" + "|".join("-" * (w - 1) + (":" if r else "-") for w, r in zip(widths, numeric)) + "|"
+        return "\n".join([line(self.headers, header=True), rule, *(line(row) for row in rows)]) + "\n"
+
+
+def _number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+@contextlib.contextmanager
+def table_writers():
+    """``make_table`` with pytablewriter's own writers where they take ``headers`` (1.0 on), else with
+    ``MarkdownTable`` meanwhile."""
+    import pytablewriter
+
+    if int(pytablewriter.__version__.split(".")[0]) >= 1:
+        yield
+        return
+    saved = pytablewriter.MarkdownTableWriter, pytablewriter.LatexTableWriter
+    pytablewriter.MarkdownTableWriter = pytablewriter.LatexTableWriter = MarkdownTable
+    try:
+        yield
+    finally:
+        pytablewriter.MarkdownTableWriter, pytablewriter.LatexTableWriter = saved
+
+
+@contextlib.contextmanager
+def pools_without_fork():
+    """lm-eval's bootstrapped standard errors (median, F1, MCC, perplexity, BLEU, ...) run in a
+    ``multiprocessing.Pool``; forked from a process whose JAX runs threads, its workers may deadlock (JAX warns
+    of it): meanwhile pools start their workers from a fresh server process (``forkserver``)."""
+    previous = multiprocessing.get_start_method(allow_none=True)
+    multiprocessing.set_start_method("forkserver", force=True)
+    try:
+        yield
+    finally:
+        multiprocessing.set_start_method(previous, force=True)
+
+
+def git_hash() -> str | None:
+    """The commit of the git repository around the working directory (lm-eval's ``git_hash``), quietly."""
+    from lm_eval.loggers.utils import get_commit_from_path
+
+    try:
+        found = subprocess.run(["git", "describe", "--always"], capture_output=True, text=True, check=True)
+        return found.stdout.strip()
+    except (subprocess.CalledProcessError, OSError):
+        return get_commit_from_path(os.getcwd())
