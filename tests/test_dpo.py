@@ -35,6 +35,7 @@ from jaxseq.train.lora import LoraConfig  # noqa: E402
 from jaxseq.train.optim import OptimizerConfig  # noqa: E402
 from jaxseq.train.preference import DPO, LOSS_TYPES, METRICS, REFERENCE_FREE, DPOConfig  # noqa: E402
 from jaxseq.train.step import TrainProgram  # noqa: E402
+from jaxseq.train.training import Training  # noqa: E402
 from tests.reference import perturb  # noqa: E402
 
 TEMPLATE = (
@@ -265,8 +266,8 @@ def test_lora_reference_is_the_base_with_adapters_off_as_a_frozen_copy(tok, fold
     base = load_pretrained(ref_folder, "causal-lm", mesh=mesh)
     lora = LoraConfig(lora_rank=4, lora_alpha=8.0, lora_dropout=0.0)
     program = TrainProgram(base, objective, mesh, OptimizerConfig(), total_steps=1, seed=0, lora=lora)
-    frozen = sharding.shard(nnx.state(base), program.frozen_shardings)
-    adapters = program.adapter_init(frozen)
+    frozen = program.training.freeze(nnx.state(base))
+    adapters = program.training.init(nnx.state(base))
     leaves, treedef = jax.tree_util.tree_flatten_with_path(adapters)
     keys = jax.random.split(jax.random.key(1), len(leaves))
     adapters = jax.tree.unflatten(
@@ -279,9 +280,9 @@ def test_lora_reference_is_the_base_with_adapters_off_as_a_frozen_copy(tok, fold
     # full weights: the adapters folded in, the reference a frozen copy of the starting (base) weights
     start = load_pretrained(ref_folder, "causal-lm", mesh=mesh)
     full = TrainProgram(start, objective, mesh, OptimizerConfig(), total_steps=1, seed=0)
-    assert full.reference_copy and not program.reference_copy
-    copy = sharding.shard(nnx.state(start), full.frozen_shardings)
-    merged = sharding.shard(program.lora.merged(adapters, frozen), full.state_shardings.params)
+    assert type(full.training) is Training and full.training.frozen_shardings is not None  # a reference copy
+    copy = full.training.freeze(nnx.state(start))
+    merged = sharding.shard(program.training.lora.merged(adapters, frozen), full.state_shardings.params)
     with_copy = full.eval_step(merged, copy, batch)
     assert np.abs(np.asarray(with_lora["rewards/margins"])).max() > 1e-3  # the adapters moved the policy
     for key in ("preference_loss", *METRICS):

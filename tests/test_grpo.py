@@ -42,6 +42,7 @@ from jaxseq.train.optim import OptimizerConfig  # noqa: E402
 from jaxseq.train.rl import GRPO, LOSS_TYPES, GRPOConfig, Rollout, group_advantages, prompts_per_step  # noqa: E402
 from jaxseq.train.step import TrainProgram  # noqa: E402
 from jaxseq.train.task import Policy  # noqa: E402
+from jaxseq.train.training import Training  # noqa: E402
 from tests.reference import perturb  # noqa: E402
 from tests.test_dpo import assert_gradients_match  # noqa: E402
 
@@ -178,8 +179,8 @@ def test_lora_reference_is_the_base_with_adapters_off_as_a_frozen_copy(tok, fold
     batch = {k: v for k, v in given_batch(tok, base, 0.7).items() if k != "ref_logps"}
     lora = LoraConfig(lora_rank=4, lora_alpha=8.0, lora_dropout=0.0)
     program = TrainProgram(base, objective, mesh, OptimizerConfig(), total_steps=1, seed=0, lora=lora)
-    frozen = sharding.shard(nnx.state(base), program.frozen_shardings)
-    adapters = program.adapter_init(frozen)
+    frozen = program.training.freeze(nnx.state(base))
+    adapters = program.training.init(nnx.state(base))
     leaves, treedef = jax.tree_util.tree_flatten_with_path(adapters)
     keys = jax.random.split(jax.random.key(1), len(leaves))
     adapters = jax.tree.unflatten(
@@ -189,9 +190,9 @@ def test_lora_reference_is_the_base_with_adapters_off_as_a_frozen_copy(tok, fold
     )  # fmt: skip
     start = load_pretrained(folder, "causal-lm", mesh=mesh)
     full = TrainProgram(start, objective, mesh, OptimizerConfig(), total_steps=1, seed=0)
-    assert full.reference_copy and not program.reference_copy
-    copy = sharding.shard(nnx.state(start), full.frozen_shardings)
-    merged = sharding.shard(program.lora.merged(adapters, frozen), full.state_shardings.params)
+    assert type(full.training) is Training and full.training.frozen_shardings is not None  # a reference copy
+    copy = full.training.freeze(nnx.state(start))
+    merged = sharding.shard(program.training.lora.merged(adapters, frozen), full.state_shardings.params)
     direct = {**batch, "ref_logps": objective.per_token(start, batch)[0]}
     want, figures = objective.loss_and_metrics(nnx.merge(full.graphdef, merged), direct)
     _, lora_step = program.step(program.init_state(adapters), frozen, batch)
@@ -297,11 +298,12 @@ def test_qlora_rollout_samples_the_quantised_kernels_with_their_adapters(tok, mo
                       prompts=prompts)  # fmt: skip
     lora = LoraConfig(lora_rank=4, lora_targets="q_proj,v_proj,down_proj", quantize="nf4")
     program = TrainProgram(model, GRPO(config, rollout), mesh, OptimizerConfig(), total_steps=2, seed=0, lora=lora)
-    frozen = program.freeze(nnx.state(model))
+    frozen = program.training.freeze(nnx.state(model))
     noise = lambda x: x + 0.05 * jax.random.normal(jax.random.key(x.size), x.shape, x.dtype)  # B starts at 0
-    params = jax.tree.map(noise, program.adapter_init(frozen))
+    params = jax.tree.map(noise, program.training.init(nnx.state(model)))
     weights = [params]
-    policy = Policy(lambda: program.eval_model(weights[-1], frozen), per_device_batch=2, replicas=4, accumulate=1,
+    eval_model = program.training.eval_model
+    policy = Policy(lambda: eval_model(weights[-1], frozen), per_device_batch=2, replicas=4, accumulate=1,
                     place=lambda rows, stacked: rows)  # fmt: skip
     sampled, original = [], rl.generate
     monkeypatch.setattr(rl, "generate", lambda model, *a, **k: sampled.append(model) or original(model, *a, **k))
@@ -309,7 +311,7 @@ def test_qlora_rollout_samples_the_quantised_kernels_with_their_adapters(tok, mo
     generation.cached_program.cache_clear()
     rows, _ = rollout(policy, None, 0)
     flat = {path: v.get_value() for path, v in nnx.to_flat_state(nnx.state(sampled[0]))}
-    quantized = program.lora.quantized
+    quantized = program.training.lora.quantized
     assert len(quantized) == 7 and all(flat[(*path, "kernel")].size == 0 for path in quantized)
     assert all(flat[(*path, "dot_general", "quantized", "codes")].dtype == jnp.uint8 for path in quantized)
     weights.append(jax.tree.map(noise, params))  # new weights: the same compiled sampler
@@ -317,7 +319,7 @@ def test_qlora_rollout_samples_the_quantised_kernels_with_their_adapters(tok, mo
     info = generation.cached_program.cache_info()
     assert info.misses == 1 and info.hits == 1, info
     monkeypatch.undo()
-    merged = program.merged_model(params, frozen)  # the dequantised kernels, the adapters folded in
+    merged = program.training.merged_model(params, frozen)  # the dequantised kernels, the adapters folded in
     want, _ = rollout.sample(merged, rollout.step_prompts(0, 2), seed=0)
     np.testing.assert_array_equal(rows["input_ids"], want["input_ids"])
     np.testing.assert_array_equal(rows["completion_mask"], want["completion_mask"])

@@ -83,7 +83,7 @@ def host(tree):
 
 def lora_logits(trainer, batch):
     """The LoRA model as it trains (adapters as their own branch, no dropout), not the folded weights."""
-    model = trainer.lora.training_model(trainer.graphdef, trainer.state.params, trainer.frozen)
+    model = trainer.training.lora.training_model(trainer.graphdef, trainer.state.params, trainer.frozen)
     out = model(jnp.asarray(batch["input_ids"]), jnp.asarray(batch["attention_mask"]))
     return np.asarray(getattr(out, "logits", out))
 
@@ -118,7 +118,9 @@ def test_lora_trains_only_adapters_and_the_base_stays_bitwise_frozen(tmp_path):
     assert moved["bert/encoder/layer/1/attention/self/value/lora_B"].any()
     assert not np.array_equal(moved["classifier/kernel"], trained["classifier/kernel"])
     batch = arrays(4, seed=5)  # in training, --lora_dropout drops the adapters' input (and nothing else here)
-    model = trainer.lora.training_model(trainer.graphdef, trainer.state.params, trainer.frozen, jax.random.key(1))
+    model = trainer.training.lora.training_model(
+        trainer.graphdef, trainer.state.params, trainer.frozen, jax.random.key(1)
+    )
     dropped = np.asarray(model(batch["input_ids"], batch["attention_mask"]))
     assert np.abs(dropped - lora_logits(trainer, batch)).max() > 1e-5
 

@@ -82,7 +82,7 @@ def test_training_goes_on_from_the_adapter(tmp_path):
     batch = arrays(5, seed=4)
     model = load_pretrained(tmp_path / "base", "sequence-classification", mesh=mesh)
     second = make_trainer(tmp_path / "again", model, mesh, lora=LoraConfig(lora_adapter=str(tmp_path / "adapter")))
-    assert (second.lora.rank, second.lora.scale) == (RANK, 8.0 / RANK)
+    assert (second.training.lora.rank, second.training.lora.scale) == (RANK, 8.0 / RANK)
     saved, loaded = host(first.state.params), host(second.state.params)
     assert saved.keys() == loaded.keys() and all(np.array_equal(saved[k], loaded[k]) for k in saved)
     np.testing.assert_allclose(lora_logits(second, batch), lora_logits(first, batch), atol=1e-6)

@@ -95,10 +95,10 @@ def test_qlora_step_is_lora_on_the_dequantised_weights(kind, scan):
     model = from_config(llama_config(), "causal-lm", mesh=mesh, seed=0, scan_layers=scan)
     qlora = program(model, mesh, kind)
     params = nnx.state(model)
-    frozen = qlora.freeze(params)
+    frozen = qlora.training.freeze(params)
     # the adapters perturbed (B is zero at the start): their branch counts
     trainable = jax.tree.map(
-        lambda x: x + 0.05 * jax.random.normal(jax.random.key(x.size), x.shape, x.dtype), qlora.adapter_init(frozen)
+        lambda x: x + 0.05 * jax.random.normal(jax.random.key(x.size), x.shape, x.dtype), qlora.training.init(params)
     )
     # the frozen tree holds the codes and scales, no float kernel of a block
     flat = {"/".join(map(str, k)): v for k, v in traverse_util.flatten_dict(frozen).items()}
@@ -106,14 +106,14 @@ def test_qlora_step_is_lora_on_the_dequantised_weights(kind, scan):
     assert len(quantised) == 7 * (1 if scan else 2)  # every projection of the blocks
     assert not any(k.endswith("proj/kernel") for k in flat) and "lm_head/kernel" in flat
     # a LoRA program on a model holding the dequantised weights, the same adapters
-    nnx.update(model, qlora.lora.merged({}, frozen))
+    nnx.update(model, qlora.training.lora.merged({}, frozen))
     lora = program(model, mesh, "none")
     dense = nnx.state(model)
     task = lora.task
 
     def loss(prog, frozen):
         def f(trainable):
-            model = prog.lora.training_model(prog.graphdef, trainable, frozen)
+            model = prog.training.lora.training_model(prog.graphdef, trainable, frozen)
             return task.loss_and_metrics(model, batch(), nnx.Rngs(dropout=0))[0]
 
         return jax.jit(jax.value_and_grad(f))(trainable)
@@ -155,12 +155,12 @@ def test_qlora_kernels_reach_the_devices_only_quantised_one_layer_at_a_time(tmp_
     sent = []
     device_put = jax.device_put
     monkeypatch.setattr(jax, "device_put", lambda x, *a, **k: sent.append(np.shape(x)) or device_put(x, *a, **k))
-    frozen = program(model, mesh, "nf4").freeze(nnx.state(model))
+    frozen = program(model, mesh, "nf4").training.freeze(nnx.state(model))
     monkeypatch.undo()
     one_layer = max(int(np.prod(flat[(*p, "kernel")].shape[scan:])) for p in host)
     assert sent and max(int(np.prod(shape)) for shape in sent) <= one_layer
     want = program(on_device, mesh, "nf4")
-    want = jax.jit(want.lora.freeze, out_shardings=want.frozen_shardings)(nnx.state(on_device))
+    want = jax.jit(want.training.lora.freeze, out_shardings=want.training.frozen_shardings)(nnx.state(on_device))
     got, want = traverse_util.flatten_dict(frozen), traverse_util.flatten_dict(want)
     assert got.keys() == want.keys()
     for key in want:

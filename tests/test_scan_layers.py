@@ -520,7 +520,7 @@ def test_lora_on_stacked_kernels_equals_unrolled(folders, tmp_path):
     unrolled_adapters = {}
 
     def unrolled(program, frozen):
-        adapters = program.adapter_init(frozen)
+        adapters = program.training.init(frozen)
         leaves, treedef = jax.tree_util.tree_flatten(adapters)
         keys = jax.random.split(jax.random.key(3), len(leaves))
         adapters = jax.tree.unflatten(treedef, [x + 0.1 * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys)])
@@ -528,7 +528,7 @@ def test_lora_on_stacked_kernels_equals_unrolled(folders, tmp_path):
         return adapters
 
     def stacked(program, frozen):
-        shapes = flat_params(program.adapter_init(frozen))
+        shapes = flat_params(program.training.init(frozen))
         flat = {}
         for name, shape in shapes.items():
             path = tuple(name.split("/"))
@@ -548,9 +548,9 @@ def test_lora_on_stacked_kernels_equals_unrolled(folders, tmp_path):
 
     for side, (_, _, after, program, frozen) in (("unrolled", want), ("scanned", got)):
         trained = traverse_util.unflatten_dict({tuple(k.split("/")): v for k, v in after.items()})
-        save_pretrained(program.merged_model(trained, frozen), tmp_path / side / "merged")
-        program.lora.save_adapter(trained, tmp_path / side / "adapter", base_model=None)
-    assert "on 6 kernels" in got[3].lora.describe(100, 1)  # q and v of 3 layers
+        save_pretrained(program.training.merged_model(trained, frozen), tmp_path / side / "merged")
+        program.training.lora.save_adapter(trained, tmp_path / side / "adapter", base_model=None)
+    assert "on 6 kernels" in got[3].training.lora.describe(100, 1)  # q and v of 3 layers
 
     # and the unrolled model's PEFT adapter merged into a scanned model
     base = load_pretrained(folders["llama"], "causal-lm", scan_layers=True)

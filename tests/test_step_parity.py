@@ -14,7 +14,6 @@ from flax import nnx
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from jaxseq import partition  # noqa: E402
 from jaxseq.data.glue import get_task  # noqa: E402
 from jaxseq.mesh import make_mesh  # noqa: E402
 from jaxseq.models import load_pretrained  # noqa: E402
@@ -413,8 +412,8 @@ def test_lora_step_parity(case, mesh, tmp_path):
     model = load_pretrained(tmp_path, task, mesh=mesh)
     lora = LoraConfig(lora_rank=4, lora_alpha=8.0, lora_dropout=0.0, lora_targets=",".join(targets))
     program = jaxseq_program(model, CASES[case][2](), mesh, max_grad_norm=1.0, lora=lora)
-    frozen = partition.shard(nnx.state(model), program.frozen_shardings)
-    adapters = program.adapter_init(frozen)
+    frozen = program.training.freeze(nnx.state(model))
+    adapters = program.training.init(nnx.state(model))
     leaves, treedef = jax.tree_util.tree_flatten_with_path(adapters)
     keys = jax.random.split(jax.random.key(1), len(leaves))
     adapters = jax.tree.unflatten(

@@ -10,7 +10,6 @@ from pathlib import Path
 import jax
 
 from jaxseq.files import atomic_write
-from jaxseq.models.hub import save_pretrained
 
 
 def write_results(
@@ -41,7 +40,4 @@ def export_model(trainer, output_dir: str | os.PathLike, tokenizer=None, *, base
     """The trained model into ``output_dir``: a Hugging Face folder (LoRA adapters merged into the weights),
     or with ``--lora_export adapter`` the adapter alone in PEFT's format. Evaluated parameters are exported
     (the moving average with ``--ema_decay`` and ``--eval_with_ema``). Every process calls this."""
-    lora = trainer.lora
-    if lora is not None and lora.config.lora_export == "adapter":
-        return lora.save_adapter(trainer.eval_params(), output_dir, base_model=base_model, tokenizer=tokenizer)
-    return save_pretrained(trainer.model(), output_dir, tokenizer=tokenizer)
+    return trainer.training.export(trainer.eval_params(), trainer.frozen, output_dir, tokenizer, base_model=base_model)

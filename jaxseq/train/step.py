@@ -11,7 +11,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import optax
-from flax import nnx, traverse_util
+from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jaxseq import sharding
@@ -20,11 +20,11 @@ from jaxseq.mesh import data_parallel_size, mesh_platform
 from jaxseq.models.layers import dropout_prng
 from jaxseq.models.registry import family_for
 from jaxseq.train.checkpoint import abstract_like
-from jaxseq.train.lora import Lora, LoraConfig
+from jaxseq.train.lora import LoraConfig
 from jaxseq.train.optim import OptimizerConfig, ema_update, make_optimizer, needs_value_fn
 from jaxseq.train.precision import LossScale, all_finite, select
-from jaxseq.train.quantize import quantize_onto
 from jaxseq.train.task import Task
+from jaxseq.train.training import Training, training_for
 
 
 @jax.tree_util.register_dataclass
@@ -37,13 +37,13 @@ class TrainState:
     ema: Any = None  # moving average of params (--ema_decay), sharded like them
 
 
-def with_reference(task: Task, graphdef, frozen, batch, lora=None):
-    """``batch`` with the task's reference columns (``reference``) from the model of the ``frozen`` weights
-    (with ``lora``: its base, adapters off), when the task asks for them (``needs_reference``)."""
+def with_reference(task: Task, training: Training, frozen, batch):
+    """``batch`` with the task's reference columns (``reference``) from ``training``'s reference model of the
+    ``frozen`` weights (the starting weights; with LoRA the base, adapters off), when the task asks for them
+    (``needs_reference``)."""
     if not task.needs_reference:
         return batch
-    model = nnx.merge(graphdef, frozen) if lora is None else lora.training_model(graphdef, None, frozen)
-    return {**batch, **jax.lax.stop_gradient(task.reference(model, batch))}
+    return {**batch, **jax.lax.stop_gradient(task.reference(training.reference_model(frozen), batch))}
 
 
 def for_mesh(task: Task, mesh: jax.sharding.Mesh) -> Task:
@@ -77,35 +77,30 @@ def abstract_state(params, tx: optax.GradientTransformation, loss_scale: LossSca
 
 
 def train_step_fn(
-    graphdef,
+    training: Training,
     task: Task,
     tx: optax.GradientTransformation,
     schedule: Callable,
     *,
     seed: int,
     accumulate: int = 1,
-    lora=None,
     line_search: bool = False,
     ema_decay: float = 0.0,
     platform: str,
 ) -> Callable:
     """``train_step(state, frozen, batch) -> (state, metrics)`` of a program that runs on ``platform`` (its
-    dropout keys' PRNG, ``dropout_prng``). ``frozen``: the model's own weights when
-    ``lora`` (a ``jaxseq.train.lora.Lora``) trains adapters, else None. With ``accumulate`` > 1 the batch is
-    ``[accumulate, micro-batch, ...]`` and the losses and gradients of the micro-batches are averaged, each
-    weighted by the task's ``loss_weight`` (a per-token mean counts every target of the step
+    dropout keys' PRNG, ``dropout_prng``), whose weights train as ``training`` says (``jaxseq.train.training``):
+    ``frozen`` is its frozen tree (LoRA's frozen model, a reference copy), else None. With ``accumulate`` > 1
+    the batch is ``[accumulate, micro-batch, ...]`` and the losses and gradients of the micro-batches are
+    averaged, each weighted by the task's ``loss_weight`` (a per-token mean counts every target of the step
     once, as on the whole batch; micro-batches padded differently do not each count half). The dropout key
     of a step is a function of the seed and the step alone (exact resume)."""
     prng = dropout_prng(platform)
 
     def loss_of(params, frozen, batch, key, scale=None):
-        if lora is None:
-            model = nnx.merge(graphdef, params)
-        else:
-            key, adapter_key = jax.random.split(key)
-            model = lora.training_model(graphdef, params, frozen, adapter_key)
+        model, key = training.train_model(params, frozen, key)
         loss, metrics = task.loss_and_metrics(
-            model, with_reference(task, graphdef, frozen, batch, lora), nnx.Rngs(dropout=key)
+            model, with_reference(task, training, frozen, batch), nnx.Rngs(dropout=key)
         )
         return (loss if scale is None else loss * scale), metrics
 
@@ -189,7 +184,8 @@ def jit_train_step(train_step: Callable, state_shardings: TrainState, frozen_sha
 
 class TrainProgram:
     """A run's train and eval steps and everything about them that needs no weights: the task fitted to the
-    mesh (``for_mesh``), the trained parameters (all, or LoRA's adapters and head) and their specs, the
+    mesh (``for_mesh``), how the weights train (``training``, a ``jaxseq.train.training.Training``: every
+    parameter, or LoRA's adapters and head beside frozen weights) and the trained parameters' specs, the
     optimizer, the state's shapes and shardings, and the jitted steps. ``model`` is built as the run executes
     it (``jaxseq.models.execution``: with fsdp each block gathers its own weights); it may be abstract
     (``nnx.eval_shape``): a plan compiles ``step`` for a topology from ``abstract_state`` alone; the Trainer
@@ -212,30 +208,11 @@ class TrainProgram:
         self.mesh = mesh
         self.task = task = for_mesh(task, mesh)
         rules = family_for(model.config.model_type).partition_rules
-        self.graphdef, params = nnx.split(model)
-        param_specs = sharding.match_partition_rules(rules, params)
-        self.lora = Lora(lora, model, param_specs) if lora is not None and lora.enabled else None
-        self.frozen_shardings = None
-        self.adapter_init = None
-        trained = frozen = params
-        self.reference_copy = not self.lora and task.needs_reference
-        if self.reference_copy:  # the reference: a frozen copy of the starting weights, an input of the steps
-            sharding.check_divisible(params, param_specs, mesh)
-            self.frozen_shardings = sharding.make_shardings(mesh, param_specs)
-        if self.lora:  # the model's weights (QLoRA: quantised) become a frozen input of the steps; the adapters train
-            sharding.check_divisible(params, param_specs, mesh)
-            frozen = jax.eval_shape(self.lora.freeze, params)
-            self.lora.fit_scales(mesh)
-            sharding.check_divisible(frozen, self.lora.frozen_specs, mesh)
-            self.frozen_shardings = sharding.make_shardings(mesh, self.lora.frozen_specs)
-            self._param_shardings = sharding.make_shardings(mesh, param_specs)
-            self.adapter_init = jax.jit(
-                lambda p: self.lora.init(p, seed),
-                in_shardings=(self.frozen_shardings,),
-                out_shardings=sharding.make_shardings(mesh, self.lora.specs),
-            )
-            trained = jax.eval_shape(self.adapter_init, frozen)
-            param_specs = self.lora.specs
+        param_specs = sharding.match_partition_rules(rules, nnx.state(model))
+        self.training = training = training_for(
+            model, param_specs, mesh, lora, reference=task.needs_reference, seed=seed
+        )
+        self.graphdef = training.graphdef
         self.ema_decay, self.eval_with_ema = optimizer.ema_decay, optimizer.eval_with_ema
         self.tx, self.schedule = make_optimizer(optimizer, total_steps)
         line_search = needs_value_fn(optimizer)
@@ -249,70 +226,39 @@ class TrainProgram:
             self.loss_scale = LossScale.create(1.0, factor=1.0)
         else:
             self.loss_scale = None
-        abstract = abstract_state(trained, self.tx, self.loss_scale, ema=bool(self.ema_decay))
-        specs = state_specs(param_specs, abstract)
+        abstract = abstract_state(training.abstract_trained, self.tx, self.loss_scale, ema=bool(self.ema_decay))
+        specs = state_specs(training.specs, abstract)
         sharding.check_divisible(abstract, specs, mesh)
         self.param_specs = specs.params
         self.state_shardings = sharding.make_shardings(mesh, specs)
         self.abstract_state = abstract_like(abstract, self.state_shardings)
-        self.abstract_frozen = None if self.frozen_shardings is None else abstract_like(frozen, self.frozen_shardings)
+        self.abstract_frozen = training.abstract_frozen
         self.step = jit_train_step(
             train_step_fn(
-                self.graphdef,
+                training,
                 task,
                 self.tx,
                 self.schedule,
                 seed=seed,
                 accumulate=accumulate,
-                lora=self.lora,
                 line_search=line_search,
                 ema_decay=self.ema_decay,
                 platform=mesh_platform(mesh),
             ),
             self.state_shardings,
-            self.frozen_shardings,
+            training.frozen_shardings,
         )
 
         def eval_step(params, frozen, batch):
             """The task's per-example outputs (``Task.predict``)."""
-            batch = with_reference(task, self.graphdef, frozen, batch, self.lora)
-            return task.predict(self.eval_model(params, frozen), batch)
+            batch = with_reference(task, training, frozen, batch)
+            return task.predict(training.eval_model(params, frozen), batch)
 
         self.eval_step = jax.jit(
             eval_step,
-            in_shardings=(self.state_shardings.params, self.frozen_shardings, None),
+            in_shardings=(self.state_shardings.params, training.frozen_shardings, None),
             compiler_options=compiler_options(self.state_shardings),
         )
-
-    def merged_model(self, params, frozen) -> nnx.Module:
-        """The model of ``params`` (with LoRA: the frozen weights, adapters folded in, the trained head)."""
-        return nnx.merge(self.graphdef, params if self.lora is None else self.lora.merged(params, frozen))
-
-    def freeze(self, params):
-        """LoRA's frozen tree of the model's state ``params``, on its shardings. QLoRA: each kernel quantised on
-        the devices, one at a time (``quantize_onto``: a kernel on the host, as QLoRA loads them, one layer at a
-        time), so that they never hold the full-precision model."""
-        if not self.lora.quantized:
-            return sharding.shard(params, self.frozen_shardings)
-        flat = {path: v.get_value() for path, v in nnx.to_flat_state(params)}
-        placed = dict(nnx.to_flat_state(self._param_shardings))
-        frozen_shardings = traverse_util.flatten_dict(self.frozen_shardings)
-        out = {}
-        for path in self.lora.quantized:
-            kernel = (*path, "kernel")
-            parts = {part: frozen_shardings[(*kernel, part)] for part in ("codes", "scales")}
-            quantized = quantize_onto(flat.pop(kernel), self.lora.kind, placed[kernel].get_value(), parts)
-            out.update({(*kernel, part): array for part, array in quantized.items()})
-        out.update({path: jax.device_put(value, frozen_shardings[path]) for path, value in flat.items()})
-        return traverse_util.unflatten_dict(out)
-
-    def eval_model(self, params, frozen) -> nnx.Module:
-        """The model evaluation and GRPO's sampler run: ``merged_model``, but with QLoRA the training model
-        without dropout (each layer dequantised where used, inside the program, its adapter beside it), so no
-        full-precision copy of the quantised kernels is ever made."""
-        if self.lora is not None and self.lora.quantized:
-            return self.lora.training_model(self.graphdef, params, frozen)
-        return self.merged_model(params, frozen)
 
     def init_state(self, trained) -> TrainState:
         """The first state, from the parameters that train; the moving average starts at them (a copy: the

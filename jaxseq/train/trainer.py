@@ -17,7 +17,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.experimental import multihost_utils
@@ -229,23 +228,16 @@ class Trainer:
             self._compiling = self._compile_first_step()
             model = build()
         self.task = program.task  # fitted to the mesh (the causal-LM loss's chunks)
-        self.graphdef, self.lora = program.graphdef, program.lora
+        self.graphdef, self.training = program.graphdef, program.training
         self.ema_decay, self.eval_with_ema = program.ema_decay, program.eval_with_ema
         self.skips_nonfinite = program.loss_scale is not None  # else a NaN/inf loss or gradient stops the run
         params = nnx.state(model)
-        self.frozen = None
-        if self.lora:
-            self.frozen = program.freeze(params)
-            params = program.adapter_init(self.frozen)
-            if self.lora.adapter is not None:  # --lora_adapter: go on from its weights
-                params = sharding.shard(self.lora.adapter_weights(), jax.tree.map(lambda x: x.sharding, params))
-        elif program.reference_copy:  # a frozen copy of the starting weights (the state's are donated)
-            self.frozen = jax.jit(lambda p: jax.tree.map(jnp.copy, p), out_shardings=program.frozen_shardings)(params)
-        self.state = program.init_state(params)
+        self.frozen = self.training.freeze(params)  # None: nothing is frozen
+        self.state = program.init_state(self.training.init(params))
         self._train_step = lambda state, batch: program.step(state, self.frozen, batch)
         self._eval_step = program.eval_step
         self.policy = Policy(  # what a task sampling in the loop gets of the run (GRPO's rollouts)
-            model=lambda: program.eval_model(self.state.params, self.frozen),
+            model=lambda: self.training.eval_model(self.state.params, self.frozen),
             per_device_batch=config.per_device_train_batch_size,
             replicas=self.feed.dp,
             accumulate=config.gradient_accumulation_steps,
@@ -279,8 +271,8 @@ class Trainer:
         """Every set's reference columns (the task's ``reference``, e.g. DPO's reference log-probs), once,
         from the starting weights through the evaluation batches: they join the sets' arrays, so no
         reference weights are held while training."""
-        program, feed = self.program, self.feed
-        step = jax.jit(lambda params, frozen, batch: self.task.reference(program.eval_model(params, frozen), batch))
+        feed, eval_model = self.feed, self.training.eval_model
+        step = jax.jit(lambda params, frozen, batch: self.task.reference(eval_model(params, frozen), batch))
         for name in ([None] if feed.train_data is not None else []) + list(feed.eval_sets):
             data = feed.train_data if name is None else feed.eval_sets[name]
             key = f"reference {'train' if name is None else name or 'eval'}"
@@ -678,9 +670,8 @@ class Trainer:
     def describe(self) -> str:
         """Table of every trained parameter's shape, dtype, spec and bytes per device (printed at start)."""
         table = sharding.describe(self.state.params, self.program.param_specs, self.mesh)
-        if self.lora is None:
-            return table
-        return f"{table}\n{self.lora.describe(_count(self.frozen), _count(self.state.params))}"
+        line = self.training.describe(self.state.params, self.frozen)
+        return table if line is None else f"{table}\n{line}"
 
     def sizes(self) -> dict[str, int]:
         """How many parameters train, and the bytes their optimizer state takes (all devices together)."""
@@ -697,7 +688,7 @@ class Trainer:
 
     def model(self) -> nnx.Module:
         """The evaluated parameters as a plain model (LoRA adapters folded into their kernels), for export."""
-        return self.program.merged_model(self.eval_params(), self.frozen)
+        return self.training.merged_model(self.eval_params(), self.frozen)
 
     def close(self) -> None:
         try:
