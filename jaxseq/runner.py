@@ -1,8 +1,9 @@
 """The one runner of every training job. A job (``jaxseq/commands/<job>.py``) is a declaration: its config
-sections by name, the model task, and ``prepare``, which reads its data and model config; ``run`` does the
-rest the same way for every job: parse, start, the run's spec (``train.spec``), then either a plan of the
-run's own train step for a TPU slice (``--compile_topology``) or the run itself (train, evaluate, predict,
-results, export, Hub push)."""
+sections by name, the model task, and ``prepare``, which reads its data; ``run`` does the rest the same way
+for every job: parse, start (the mesh), the model's start every job shares (``Setup``: config, checkpoint,
+tokenizer), the job's ``prepare``, the run's spec (``train.spec``), then either a plan of the run's own train
+step for a TPU slice (``--compile_topology``) or the run itself (train, evaluate, predict, results, export,
+Hub push)."""
 
 from __future__ import annotations
 
@@ -23,8 +24,9 @@ from jaxseq.distributed import DistributedConfig
 from jaxseq.errors import JaxseqError
 from jaxseq.hub_push import HubConfig
 from jaxseq.mesh import data_parallel_size, make_mesh, mesh_sizes
+from jaxseq.models.hub import apply_overrides
 from jaxseq.models.registry import model_flops
-from jaxseq.models.source import check
+from jaxseq.models.source import check, check_vocabulary, load_tokenizer, model_config
 from jaxseq.plan import compile_plan, format_table, refusal, topology, write_plan
 from jaxseq.plan import search as plan_search
 from jaxseq.train.feeding import abstract_batch
@@ -61,23 +63,19 @@ NOT_SAVED = ("plan", "hub", "distributed")
 
 @dataclasses.dataclass
 class Prepared:
-    """What a job's ``prepare`` gives the runner. ``config``: the model's config, overrides applied;
-    ``checkpoint``: the folder whose weights the run starts from (None: fresh weights from ``config``) and
-    the ``overrides`` to load it with. ``train`` (None: no training), ``evals`` and ``predicts`` (sets to
-    predict, by suffix): arrays by name or ``data.rows``. A plan reads only what its batches' shapes depend
-    on: packed data; otherwise ``row``, one example's arrays (name -> (shape, dtype)). ``seq_len`` (and an
-    encoder-decoder's ``target_len``): tokens per example, for FLOPs. ``summary(trainer)``: the job's line in
-    the log; ``extra_eval(results)``: results under other names (run_clm's ``perplexity``);
-    ``write_predictions(output_dir, suffix, predictions)``: where predictions go (returns the path)."""
+    """What a job's ``prepare`` gives the runner besides what its ``Setup`` holds (the model's config,
+    checkpoint and tokenizer). ``objective``: the loss and evaluation (``train.objectives``). ``train`` (None:
+    no training), ``evals`` and ``predicts`` (sets to predict, by suffix): arrays by name or ``data.rows``. A
+    plan reads only what its batches' shapes depend on: packed data; otherwise ``row``, one example's arrays
+    (name -> (shape, dtype)). ``seq_len`` (and an encoder-decoder's ``target_len``): tokens per example, for
+    FLOPs. ``summary(trainer)``: the job's line in the log; ``extra_eval(results)``: results under other names
+    (run_clm's ``perplexity``); ``write_predictions(output_dir, suffix, predictions)``: where predictions go
+    (returns the path)."""
 
-    config: Any
     objective: Any
     train: Any = None
     evals: Mapping = dataclasses.field(default_factory=dict)
     predicts: Mapping = dataclasses.field(default_factory=dict)
-    checkpoint: str | Path | None = None
-    overrides: Mapping = dataclasses.field(default_factory=dict)
-    tokenizer: Any = None
     pack: str | None = None
     packed_rows: bool = False
     row: Mapping[str, tuple[tuple[int, ...], Any]] | None = None
@@ -92,19 +90,93 @@ class Prepared:
 class Job:
     """A training job: ``doc`` (its --help), the model ``task``, its own ``sections`` (by name: ``source``, a
     ``models.source.ModelSource``, and its data's; optionally ``speed``, a ``throughput.SpeedConfig`` for MFU
-    in the log), ``prepare(args, planning) -> Prepared``, and the ``default_model`` when none is named. Its
+    in the log), ``prepare(setup) -> Prepared`` (``Setup``), and the ``default_model`` when none is named. Its
     stage flags (``args.stages``, ``config.stage_flags``) say in their help what a run does without
     --do_train and --do_eval (``default_stages``), what --do_predict does (``predicts``; None: no such flag),
-    and for a job without evaluation why --do_eval is an error (``no_eval``)."""
+    and for a job without evaluation why --do_eval is an error (``no_eval``). ``fast_tokenizer``: whether its
+    tokenizer must be a fast (Rust) one (offsets, word ids; run_glue's slow ones do for GLUE)."""
 
     doc: str
     task: str
     sections: Mapping[str, type]
-    prepare: Callable[[types.SimpleNamespace, bool], Prepared]
+    prepare: Callable[[Setup], Prepared]
     default_model: str | None = None
     default_stages: str = "train and evaluate"
     predicts: str | None = None
     no_eval: str | None = None
+    fast_tokenizer: bool = True
+
+
+class Setup:
+    """What the runner gives a job's ``prepare``: the parsed ``args`` (its sections by name), whether it is
+    ``planning`` (a plan: no weights are read, data only where the batches' shapes depend on it), the run's
+    ``mesh`` (None: --mesh over this process's devices, as ``cli.start`` makes it), and the model's start every
+    job shares, each made when the job first asks for it (so that it checks its own flags and data first):
+    ``config``, the model's transformers config with --config_overrides and the job's own ``override``s;
+    ``checkpoint``, the folder whose weights the run starts from (None: fresh weights from ``config``), loaded
+    with ``overrides``; ``folder``, where the config came from; ``tokenizer`` (--tokenizer_name, else the
+    model's), checked against the model's vocabulary. A job may replace the tokenizer (``tokenizer = ...``);
+    the run exports the one it holds."""
+
+    def __init__(self, job: Job, args: types.SimpleNamespace, *, planning: bool = False, mesh=None):
+        self.job, self.args, self.planning = job, args, planning
+        self.mesh = make_mesh(args.runtime.mesh or None) if mesh is None else mesh
+        self._start = None  # (config, folder, overrides) of --model_name_or_path/--config_name/--model_type
+        self._own: dict = {}  # the job's overrides
+        self._config = None
+        self._tokenizer = None
+
+    def _model(self) -> tuple[Any, Path | None, dict]:
+        if self._start is None:
+            self._start = model_config(self.args.source, self.job.task, weights=not self.planning)
+        return self._start
+
+    @property
+    def config(self):
+        if self._config is None:
+            config = self._model()[0]
+            self._config = apply_overrides(config, **self.overrides) if self._own else config
+        return self._config
+
+    @property
+    def folder(self) -> Path | None:
+        return self._model()[1]
+
+    @property
+    def checkpoint(self) -> Path | None:
+        return self.folder if self.args.source.model_name_or_path else None
+
+    @property
+    def overrides(self) -> dict:
+        return {**self._model()[2], **self._own}
+
+    def override(self, **fields) -> None:
+        """Config fields the job decides (a classifier's labels, from its data): in ``config`` and in the
+        ``overrides`` the checkpoint loads with."""
+        self._own.update(fields)
+        self._config = None
+
+    @property
+    def tokenizer_name(self) -> str | Path | None:
+        """Where the tokenizer comes from: --tokenizer_name, else the model's folder (None: neither)."""
+        return self.args.source.tokenizer_name or self.folder
+
+    @property
+    def tokenizer(self):
+        if self._tokenizer is None:
+            tokenizer = load_tokenizer(self.tokenizer_name, fast=self.job.fast_tokenizer)
+            check_vocabulary(tokenizer, self.config)
+            self._tokenizer = tokenizer
+        return self._tokenizer
+
+    @tokenizer.setter
+    def tokenizer(self, tokenizer) -> None:
+        self._tokenizer = tokenizer
+
+    @property
+    def loaded_tokenizer(self):
+        """The tokenizer if the job asked for one, else None (the runner never loads one itself)."""
+        return self._tokenizer
 
 
 def parse_job(job: Job, argv) -> types.SimpleNamespace:
@@ -124,8 +196,9 @@ def run(job: Job, argv) -> int:
         jax.config.update("jax_platforms", "cpu")  # compiling for the slice needs no accelerator of this machine
         topo = topology(args.plan.compile_topology)
         mesh = make_mesh(args.runtime.mesh or None, devices=topo.devices)
-        prepared = job.prepare(args, True)
-        spec = spec_of(job, args, mesh, prepared)
+        setup = Setup(job, args, planning=True, mesh=mesh)
+        prepared = job.prepare(setup)
+        spec = spec_of(setup, prepared)
         if args.plan.plan_search:
             search_plans(job, argv, args, spec, prepared, topo)
         else:
@@ -134,9 +207,10 @@ def run(job: Job, argv) -> int:
     if job.no_eval and args.stages.do_eval:
         raise JaxseqError(f"--do_eval: {job.no_eval}; drop --do_eval")
     mesh = start(args.runtime, args.distributed)
-    prepared = job.prepare(args, False)
+    setup = Setup(job, args, mesh=mesh)
+    prepared = job.prepare(setup)
     check_stages(args.stages, prepared)
-    spec = spec_of(job, args, mesh, prepared)
+    spec = spec_of(setup, prepared)
     speed = {}
     if "speed" in job.sections:
         peak, peak_source = peak_flops(mesh.devices.flat, spec.dtype, args.speed.peak_flops)
@@ -145,7 +219,7 @@ def run(job: Job, argv) -> int:
             "flops_per_example": model_flops(spec.config, spec.task, 1, prepared.seq_len, prepared.target_len),
             "peak_flops": peak,
         }
-    build = functools.partial(spec.build_model, prepared.checkpoint, prepared.overrides)
+    build = functools.partial(spec.build_model, setup.checkpoint, setup.overrides)
     trainer = Trainer(
         spec, build, prepared.train, prepared.evals, predict_sets=prepared.predicts, **speed
     )  # checks any checkpoint already in output_dir before anything is written there
@@ -194,7 +268,7 @@ def run(job: Job, argv) -> int:
         finish(
             trainer,
             results,
-            tokenizer=prepared.tokenizer,
+            tokenizer=setup.loaded_tokenizer,
             base_model=args.source.model_name_or_path,
             hub=args.hub,
             train_samples=len(feed.train_data),
@@ -204,7 +278,7 @@ def run(job: Job, argv) -> int:
     elif prepared.evals:
         write_results(trainer.output_dir, results, train_samples=0, eval_samples=eval_samples, extra_eval=extra_eval)
     if restored:  # a saved step, exported: any checkpoint becomes a Hugging Face folder
-        export_model(trainer, trainer.output_dir, prepared.tokenizer, base_model=args.source.model_name_or_path)
+        export_model(trainer, trainer.output_dir, setup.loaded_tokenizer, base_model=args.source.model_name_or_path)
     if speed and jax.process_index() == 0:
         print(" ".join(f"{k}={results[k]:.4g}" for k in ("train_tokens_per_second", "train_mfu") if k in results))
     return 0
@@ -244,12 +318,13 @@ def search_plans(job: Job, argv, args, spec: RunSpec, prepared: Prepared, topo) 
     )
 
 
-def spec_of(job: Job, args, mesh, prepared: Prepared) -> RunSpec:
-    """The run's spec, from its parsed ``args`` and what ``prepare`` found."""
+def spec_of(setup: Setup, prepared: Prepared) -> RunSpec:
+    """The run's spec, from its ``setup`` and what ``prepare`` found."""
+    args = setup.args
     return RunSpec(
-        mesh,
-        prepared.config,
-        job.task,
+        setup.mesh,
+        setup.config,
+        setup.job.task,
         prepared.objective,
         args.trainer,
         args.optimizer,

@@ -13,11 +13,16 @@ import pytest
 
 from jaxseq.cli import parse
 from jaxseq.commands import clm, generate, mlm, t5_mlm
-from jaxseq.runner import parse_job
+from jaxseq.runner import Setup, parse_job
 from jaxseq.train.optim import decay_mask, make_optimizer
 from tests.conftest import shared_asset
 
 transformers = pytest.importorskip("transformers")
+
+
+def prepare_job(module, argv):
+    """What ``module``'s job prepares from the command line ``argv`` (its ``prepare`` given a run's ``Setup``)."""
+    return module.prepare(Setup(module.JOB, parse_job(module.JOB, argv)))
 
 
 @pytest.fixture(autouse=True)
@@ -185,7 +190,7 @@ def test_text_jobs_read_the_dataset_config_column_and_share_the_flags_name(job, 
         "--data_cache_dir", tmp_path / "cache", "--output_dir", tmp_path / "out", *extra,
     ]  # fmt: skip
     argv = [str(a) for a in argv]
-    whole = module.prepare(parse_job(module.JOB, argv), False)
+    whole = prepare_job(module, argv)
     train, valid = whole.train["input_ids"], whole.evals[""]["input_ids"]
     blocks = len(train) + len(valid)
     assert len(valid) == max(1, int(blocks * 0.25)) or abs(len(valid) - blocks * 0.25) <= 1
@@ -195,18 +200,18 @@ def test_text_jobs_read_the_dataset_config_column_and_share_the_flags_name(job, 
     first = tokenizer(records[0]["body"], add_special_tokens=False)["input_ids"]
     width = 8 if job != "t5-mlm" else 6  # T5's blocks are raw tokens a little longer than --block_size
     assert train[0][:width].tolist() == first[:width]  # plays, not the novel
-    cut = module.prepare(parse_job(module.JOB, [*argv, "--max_train_samples", "3", "--max_eval_samples", "2"]), False)
+    cut = prepare_job(module, [*argv, "--max_train_samples", "3", "--max_eval_samples", "2"])
     assert len(cut.train["input_ids"]) == 3 and len(cut.evals[""]["input_ids"]) == 2
     np.testing.assert_array_equal(cut.train["input_ids"], train[:3])
     assert "from the cache" in capsys.readouterr().out
-    module.prepare(parse_job(module.JOB, [*argv, "--overwrite_cache"]), False)
+    prepare_job(module, [*argv, "--overwrite_cache"])
     out = capsys.readouterr().out
     assert "cached in" in out and "from the cache" not in out
     if job != "clm":
-        streamed = module.prepare(parse_job(module.JOB, [*argv, "--streaming"]), False)
+        streamed = prepare_job(module, [*argv, "--streaming"])
         np.testing.assert_array_equal(streamed.train["input_ids"], train)
     (tmp_path / "valid.txt").write_text(shared_asset("data/text/botchan.txt").read_text()[:4000])
-    given = module.prepare(parse_job(module.JOB, [*argv, "--validation_file", str(tmp_path / "valid.txt")]), False)
+    given = prepare_job(module, [*argv, "--validation_file", str(tmp_path / "valid.txt")])
     assert len(given.train["input_ids"]) == blocks  # none held out: the validation file's blocks evaluate
     assert 0 < len(given.evals[""]["input_ids"]) != len(valid)
     objective = whole.objective
@@ -275,15 +280,14 @@ def test_chat_flags_pick_the_data_template_and_rows(gpt2_model, tmp_path):
         "--loss_chunk_tokens", "32", "--peak_flops", "2e12", "--output_dir", tmp_path / "out",
     ]  # fmt: skip
     argv = [str(a) for a in argv]
-    rows = chat.prepare(parse_job(chat.JOB, [*argv, "--no_pack_sequences"]), False)
+    rows = prepare_job(chat, [*argv, "--no_pack_sequences"])
     train, valid = rows.train, rows.evals[""]
     assert (len(train["input_ids"]), len(valid["input_ids"])) == (16, 4)  # one chat a row, 20% held out
     text = tokenizer.decode(train["input_ids"][0][train["attention_mask"][0] > 0])
     assert text.startswith("<|user|>\nquestion") and "word word word" in text  # the long config, the template
-    packed = chat.prepare(parse_job(chat.JOB, [*argv, "--pack_sequences"]), False)
+    packed = prepare_job(chat, [*argv, "--pack_sequences"])
     assert len(packed.train["input_ids"]) < 16 and packed.train["attention_mask"].max() > 1
-    cut = chat.prepare(parse_job(chat.JOB, [*argv, "--no_pack_sequences", "--max_train_samples", "5",
-                                            "--max_eval_samples", "2"]), False)  # fmt: skip
+    cut = prepare_job(chat, [*argv, "--no_pack_sequences", "--max_train_samples", "5", "--max_eval_samples", "2"])
     assert (len(cut.train["input_ids"]), len(cut.evals[""]["input_ids"])) == (5, 2)
     assert rows.objective.chunk_tokens == 32
     args = parse_job(chat.JOB, argv)
@@ -312,12 +316,12 @@ def test_dpo_flags_shape_the_pairs_and_the_loss(gpt2_model, tmp_path):
     data = dataset(tmp_path / "pairs", {"plain": PAIRS, "chats": conversations})
     base = ["--model_name_or_path", str(folder), "--dataset_name", str(data), "--output_dir", str(tmp_path / "o")]
     argv = [*base, "--dataset_config_name", "plain", "--validation_split_percentage", "25"]
-    whole = dpo.prepare(parse_job(dpo.JOB, argv), False)
+    whole = prepare_job(dpo, argv)
     assert (len(whole.train["input_ids"]), len(whole.evals[""]["input_ids"])) == (9, 3)
-    cut = dpo.prepare(
-        parse_job(dpo.JOB, [*argv, "--max_train_samples", "4", "--max_eval_samples", "2", "--max_prompt_length", "2",
-                            "--max_completion_length", "3"]),
-        False,
+    cut = prepare_job(
+        dpo,
+        [*argv, "--max_train_samples", "4", "--max_eval_samples", "2", "--max_prompt_length", "2",
+         "--max_completion_length", "3"],
     )  # fmt: skip
     assert (len(cut.train["input_ids"]), len(cut.evals[""]["input_ids"])) == (4, 2)
     prompt = tokenizer(PAIRS[0]["prompt"])["input_ids"]
@@ -325,9 +329,8 @@ def test_dpo_flags_shape_the_pairs_and_the_loss(gpt2_model, tmp_path):
     row, completion = cut.train["input_ids"][0, 0], cut.train["completion_mask"][0, 0] > 0
     assert row[cut.train["pair_mask"][0, 0] > 0][:2].tolist() == prompt[-2:]  # the prompt's last 2 tokens
     assert row[completion].tolist()[:3] == chosen[:3] and completion.sum() <= 4  # 3 (and EOS, if TRL adds one)
-    start = dpo.prepare(
-        parse_job(dpo.JOB, [*argv, "--max_prompt_length", "3", "--max_length", "5", "--truncation_mode", "keep_start"]),
-        False,
+    start = prepare_job(
+        dpo, [*argv, "--max_prompt_length", "3", "--max_length", "5", "--truncation_mode", "keep_start"]
     )
     assert start.train["input_ids"][0, 0][:5].tolist() == prompt[-3:] + chosen[:2]  # the pair's end cut
     loss = parse_job(
@@ -335,14 +338,14 @@ def test_dpo_flags_shape_the_pairs_and_the_loss(gpt2_model, tmp_path):
         [*argv, "--loss_type", "simpo", "--beta", "2.5", "--label_smoothing", "0.1", "--simpo_gamma", "0.7",
          "--cpo_alpha", "0.3", "--loss_chunk_tokens", "64"],
     )  # fmt: skip
-    objective = dpo.prepare(loss, False).objective
+    objective = dpo.prepare(Setup(dpo.JOB, loss)).objective
     assert (objective.loss_type, objective.beta, objective.label_smoothing) == ("simpo", 2.5, 0.1)
     assert (objective.simpo_gamma, objective.nll_weight, objective.lm.chunk_tokens) == (0.7, 0.3, 64)
     assert not objective.needs_reference  # SimPO needs no reference model
     chats_argv = [*base, "--dataset_config_name", "chats", "--validation_split_percentage", "25"]
     with pytest.raises(Exception, match="--chat_template"):
-        dpo.prepare(parse_job(dpo.JOB, chats_argv), False)
-    rendered = dpo.prepare(parse_job(dpo.JOB, [*chats_argv, "--chat_template", TEMPLATE]), False)
+        prepare_job(dpo, chats_argv)
+    rendered = prepare_job(dpo, [*chats_argv, "--chat_template", TEMPLATE])
     assert "<|assistant|>" in tokenizer.decode(rendered.train["input_ids"][0, 0])
 
 
@@ -367,7 +370,7 @@ def test_grpo_flags_reach_the_prompts_the_sampling_and_the_loss(gpt2_model, tmp_
         "--epsilon", "0.1", "--epsilon_high", "0.3", "--num_iterations", "2", "--loss_type", "dr_grpo",
         "--scale_rewards", "batch", "--mask_truncated_completions",
     ]  # fmt: skip
-    prepared = grpo.prepare(parse_job(grpo.JOB, [str(a) for a in argv]), False)
+    prepared = prepare_job(grpo, [str(a) for a in argv])
     rollout = prepared.objective.rollout_source
     assert len(rollout.prompts["input_ids"]) == 12 and rollout.prompts["input_ids"].shape[1] == 5
     rendered = tokenizer.apply_chat_template(prompts[0]["prompt"], chat_template=TEMPLATE, tokenize=False,
@@ -414,18 +417,19 @@ def test_ner_flags_pick_columns_samples_sub_token_tags_packing_and_metrics(tmp_p
         "--max_predict_samples", "2", "--max_seq_length", "16", "--output_dir", tmp_path / "out",
     ]  # fmt: skip
     argv = [str(a) for a in argv]
-    first = ner.prepare(parse_job(ner.JOB, [*argv, "--no_pack_sequences"]), False)
-    every = ner.prepare(parse_job(ner.JOB, [*argv, "--label_all_tokens", "--pack_sequences"]), False)
+    setup = Setup(ner.JOB, parse_job(ner.JOB, [*argv, "--no_pack_sequences"]))
+    first = ner.prepare(setup)
+    every = prepare_job(ner, [*argv, "--label_all_tokens", "--pack_sequences"])
     sizes = (len(first.train), len(first.evals[""]), len(first.predicts[""]))
     assert sizes == (5, 4, 2)
     assert first.pack is None and every.pack is not None
     tagged = [(rows.train.take(np.arange(5))["labels"] >= 0).sum() for rows in (first, every)]
     assert tagged[0] == sum(len(s["words"]) for s in SENTENCES[:5]) < tagged[1]  # sub-tokens of Kenshiro, ...
-    names = first.config.id2label
+    names = setup.config.id2label  # the run's model config: the tags' names
     assert sorted(names.values()) == ["B-LOC", "B-PER", "O"]  # the tags column's names
     labels = first.evals[""].take(np.arange(4))["labels"]
     outputs = {"loss_sum": np.ones(4), "tokens": np.ones(4), "prediction": labels, "labels": labels}
-    entity = ner.prepare(parse_job(ner.JOB, [*argv, "--return_entity_level_metrics"]), False).objective
+    entity = prepare_job(ner, [*argv, "--return_entity_level_metrics"]).objective
     assert "PER_f1" in entity.metrics(outputs) and "PER_f1" not in first.objective.metrics(outputs)
 
 
@@ -456,15 +460,13 @@ def test_qa_flags_pick_the_questions_and_shape_the_answers(tmp_path):
         "--output_dir", out,
     ]  # fmt: skip
     argv = [str(a) for a in argv]
-    unpacked = qa.prepare(parse_job(qa.JOB, [*argv, "--no_pack_sequences"]), False)
-    assert unpacked.pack is None and qa.prepare(parse_job(qa.JOB, [*argv, "--pack_sequences"]), False).pack
+    unpacked = prepare_job(qa, [*argv, "--no_pack_sequences"])
+    assert unpacked.pack is None and prepare_job(qa, [*argv, "--pack_sequences"]).pack
     windows = len(unpacked.evals[""])
     assert len(unpacked.predicts[""]) < windows < len(unpacked.train)  # 3, 4 and 6 questions' windows
     files = [a for a in argv if a not in ("--dataset_name", str(data), "--dataset_config_name", "tiny")]
     test_file = str(data / "tiny" / "test.jsonl")
-    predicting = qa.prepare(
-        parse_job(qa.JOB, [*files, "--test_file", test_file, "--no_do_train", "--no_do_eval"]), False
-    )
+    predicting = prepare_job(qa, [*files, "--test_file", test_file, "--no_do_train", "--no_do_eval"])
     assert predicting.train is None and not predicting.evals
     np.testing.assert_array_equal(
         predicting.predicts[""].take(np.arange(3))["input_ids"], unpacked.predicts[""].take(np.arange(3))["input_ids"]
@@ -472,7 +474,7 @@ def test_qa_flags_pick_the_questions_and_shape_the_answers(tmp_path):
     logits = np.random.default_rng(0).normal(size=(windows, 48, 2)).astype(np.float32)
 
     def answers(*flags):
-        prepared = qa.prepare(parse_job(qa.JOB, [*argv, *flags]), False)
+        prepared = prepare_job(qa, [*argv, *flags])
         prepared.objective.score(logits)
         predicted = json.loads((out / "eval_predictions.json").read_text())
         return predicted, json.loads((out / "eval_nbest_predictions.json").read_text())
@@ -506,7 +508,7 @@ def test_glue_reads_its_validation_file_and_cuts_the_test_set(tmp_path):
         "--test_file", csv("test.csv", [f"a new film {i}" for i in range(6)]), "--max_predict_samples", "4",
         "--do_train", "--do_eval", "--do_predict", "--output_dir", str(tmp_path / "out"),
     ]  # fmt: skip
-    prepared = glue.prepare(parse_job(glue.JOB, argv), False)
+    prepared = prepare_job(glue, argv)
     (valid,) = prepared.evals.values()
     (test,) = prepared.predicts.values()
     assert (len(prepared.train), len(valid), len(test)) == (8, 5, 4)
@@ -530,7 +532,7 @@ def test_seq2seq_reads_its_columns_and_generates_as_long_as_asked(models, tmp_pa
         "--source_column", "question", "--target_column", "answer", "--max_predict_samples", "2",
         "--max_eval_samples", "3", "--generation_max_length", "7", "--output_dir", str(tmp_path / "out"),
     ]  # fmt: skip
-    prepared = seq2seq.prepare(parse_job(seq2seq.JOB, argv), False)
+    prepared = prepare_job(seq2seq, argv)
     assert (len(prepared.train), len(prepared.evals[""]), len(prepared.predicts[""])) == (6, 3, 2)
     assert "generating up to 7 tokens" in prepared.summary(None)
     no_test = [  # training and evaluation, no --test_file
@@ -538,7 +540,7 @@ def test_seq2seq_reads_its_columns_and_generates_as_long_as_asked(models, tmp_pa
         "--target_column", "answer", "--generation_max_length", "7", "--output_dir", str(tmp_path / "out"),
     ]  # fmt: skip
     for flag, generates in (("--predict_with_generate", True), ("--no_predict_with_generate", False)):
-        summary = seq2seq.prepare(parse_job(seq2seq.JOB, [*no_test, flag]), False).summary(None)
+        summary = prepare_job(seq2seq, [*no_test, flag]).summary(None)
         assert ("generating up to 7 tokens" in summary) == generates
     tokenizer = transformers.AutoTokenizer.from_pretrained(models / "t5")
     row = prepared.train.take(np.arange(1))

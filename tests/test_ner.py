@@ -24,7 +24,7 @@ from jaxseq.commands import ner  # noqa: E402
 from jaxseq.data import packing  # noqa: E402
 from jaxseq.data.tokens import IGNORE, b_to_i, encode  # noqa: E402
 from jaxseq.models import load_pretrained, save_pretrained  # noqa: E402
-from jaxseq.runner import parse_job  # noqa: E402
+from jaxseq.runner import Setup, parse_job  # noqa: E402
 from jaxseq.train.objectives import TokenClassification  # noqa: E402
 from tests.conftest import shared_asset  # noqa: E402
 from tests.reference import padded_batch, perturb, scaled_diff, torch_forward  # noqa: E402
@@ -257,8 +257,9 @@ def test_a_datasets_folder_with_int_tags_is_read_with_their_names(tmp_path):
         datasets.Dataset.from_dict(rows, features=features).to_parquet(tmp_path / "data" / f"{split}.parquet")
     argv = ["--model_name_or_path", shared_asset("models/all-MiniLM-L6-v2"), "--dataset_name", tmp_path / "data",
             "--max_seq_length", 64, "--output_dir", tmp_path / "out"]  # fmt: skip
-    prepared = ner.prepare(parse_job(ner.JOB, list(map(str, argv))), False)
-    assert prepared.config.id2label == dict(enumerate(names))
+    setup = Setup(ner.JOB, parse_job(ner.JOB, list(map(str, argv))))
+    prepared = ner.prepare(setup)
+    assert setup.config.id2label == dict(enumerate(names))
     tokenizer = transformers.AutoTokenizer.from_pretrained(shared_asset("models/all-MiniLM-L6-v2"))
     labels = prepared.evals[""].take(np.arange(8))["labels"]
     for example, row in zip(conll[16:24], labels):

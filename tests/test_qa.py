@@ -29,7 +29,7 @@ from jaxseq.data import packing  # noqa: E402
 from jaxseq.data.squad import features, postprocess, read_squad, squad_metrics  # noqa: E402
 from jaxseq.errors import JaxseqError  # noqa: E402
 from jaxseq.models import load_pretrained, save_pretrained  # noqa: E402
-from jaxseq.runner import parse_job  # noqa: E402
+from jaxseq.runner import Setup, parse_job  # noqa: E402
 from jaxseq.train.objectives import SpanExtraction  # noqa: E402
 from tests.conftest import shared_asset  # noqa: E402
 from tests.reference import padded_batch, perturb, scaled_diff, torch_forward  # noqa: E402
@@ -309,7 +309,7 @@ def test_unanswerable_questions_without_the_v2_flag_stop_in_one_line(tmp_path):
     argv = ["--validation_file", tmp_path / "squad.json", "--do_eval", "--output_dir", tmp_path / "out"]
     args = parse_job(qa_job.JOB, list(map(str, argv)))
     with pytest.raises(JaxseqError, match=r"^2 evaluation questions have no answer \(first: r3\).*pass --version_2"):
-        qa_job.prepare(args, False)
+        qa_job.prepare(Setup(qa_job.JOB, args))
     assert not (tmp_path / "out").exists()
 
 

@@ -12,7 +12,7 @@ import transformers
 
 from jaxseq.commands import chat, clm, glue, ner, qa
 from jaxseq.mesh import make_mesh
-from jaxseq.runner import parse_job, plan_programs, spec_of
+from jaxseq.runner import Setup, parse_job, plan_programs, spec_of
 from jaxseq.train.trainer import Trainer
 from tests.conftest import shared_asset
 
@@ -22,9 +22,10 @@ COMMON = ["--max_steps", "6", "--per_device_train_batch_size", "2", "--report_to
 def lowered_texts(job, argv, mesh):
     """(run path's StableHLO per row count, plan path's, the run's batch names)."""
     args = parse_job(job, argv)
-    prepared = job.prepare(args, False)
-    spec = spec_of(job, args, mesh, prepared)
-    trainer = Trainer(spec, spec.build_model(prepared.checkpoint, prepared.overrides), prepared.train, prepared.evals)
+    setup = Setup(job, args, mesh=mesh)
+    prepared = job.prepare(setup)
+    spec = spec_of(setup, prepared)
+    trainer = Trainer(spec, spec.build_model(setup.checkpoint, setup.overrides), prepared.train, prepared.evals)
     try:
         run = {}
         for batch in itertools.islice(trainer.feed.batches(), trainer.total_steps):
@@ -34,8 +35,9 @@ def lowered_texts(job, argv, mesh):
         names = set(batch)
     finally:
         trainer.close()
-    planned = job.prepare(args, True)
-    program, batches = plan_programs(spec_of(job, args, mesh, planned), planned)
+    planning = Setup(job, args, planning=True, mesh=mesh)
+    planned = job.prepare(planning)
+    program, batches = plan_programs(spec_of(planning, planned), planned)
     plan = {
         b["input_ids"].shape[-2]: program.step.lower(program.abstract_state, program.abstract_frozen, b).as_text()
         for b in batches

@@ -19,8 +19,8 @@ import numpy as np
 
 from jaxseq.cli import script
 from jaxseq.data.chat import ChatDataConfig, load_chat_rows, use_chat_template
-from jaxseq.models.source import ModelSource, check_vocabulary, load_tokenizer, model_config, sequence_length
-from jaxseq.runner import Job, Prepared, run
+from jaxseq.models.source import ModelSource, sequence_length
+from jaxseq.runner import Job, Prepared, Setup, run
 from jaxseq.train.objectives import CausalLMConfig
 from jaxseq.train.throughput import SpeedConfig
 
@@ -28,18 +28,16 @@ TASK = "causal-lm"
 ROW = ("input_ids", "attention_mask", "position_ids", "loss_mask")
 
 
-def prepare(args, planning: bool) -> Prepared:
+def prepare(setup: Setup) -> Prepared:
     """Conversations rendered by the chat template into rows of --max_seq_length tokens, packed (a plan reads
     none: its batches are rows of that length)."""
-    source, data = args.source, args.data
-    config, folder, overrides = model_config(source, TASK, weights=not planning)
-    seq = sequence_length(data.max_seq_length, config, "max_seq_length", 2048)
-    common = {"config": config, "objective": args.loss.objective(), "seq_len": seq, "packed_rows": data.pack_sequences}
-    if planning:
+    args, data = setup.args, setup.args.data
+    seq = sequence_length(data.max_seq_length, setup.config, "max_seq_length", 2048)
+    common = {"objective": args.loss.objective(), "seq_len": seq, "packed_rows": data.pack_sequences}
+    if setup.planning:
         return Prepared(**common, row=dict.fromkeys(ROW, ((seq,), np.int32)))
-    tokenizer = load_tokenizer(source.tokenizer_name or folder)
+    tokenizer = setup.tokenizer
     use_chat_template(tokenizer, data.chat_template)
-    check_vocabulary(tokenizer, config)
     main_process = jax.process_index() == 0
     log = print if main_process else (lambda *_: None)
     do_train, do_eval, _ = args.stages.stages()
@@ -52,9 +50,6 @@ def prepare(args, planning: bool) -> Prepared:
         **common,
         train=train,
         evals={} if valid is None else {"": valid},
-        checkpoint=folder if source.model_name_or_path else None,
-        overrides=overrides,
-        tokenizer=tokenizer,
         summary=lambda _: (
             f"{rows:,} training rows of {seq} tokens ({learned:,} assistant tokens, "
             f"{learned / max(rows * seq, 1):.0%} of the rows), "

@@ -20,8 +20,8 @@ import jax
 from jaxseq.cli import script
 from jaxseq.data.text import TextDataConfig, check_sources, count, load_blocks, token_dtype
 from jaxseq.models.registry import family_names
-from jaxseq.models.source import ModelSource, check_vocabulary, load_tokenizer, model_config, sequence_length
-from jaxseq.runner import Job, Prepared, run
+from jaxseq.models.source import ModelSource, sequence_length
+from jaxseq.runner import Job, Prepared, Setup, run
 from jaxseq.train.objectives import CausalLMConfig
 from jaxseq.train.throughput import SpeedConfig
 
@@ -29,20 +29,18 @@ TASK = "causal-lm"
 __doc__ = __doc__.format(families=family_names(TASK))
 
 
-def prepare(args, planning: bool) -> Prepared:
+def prepare(setup: Setup) -> Prepared:
     """Text cut into blocks of --block_size tokens (a plan reads none: its batches are blocks)."""
-    source, data = args.source, args.data
-    config, folder, overrides = model_config(source, TASK, weights=not planning)
+    args, data, planning = setup.args, setup.args.data, setup.planning
+    config = setup.config
     block_size = sequence_length(data.block_size, config, "block_size", 1024)
-    common = {"config": config, "objective": args.loss.objective(), "seq_len": block_size}
-    name = source.tokenizer_name or folder
-    tokenizer = load_tokenizer(name) if name or not planning else None
+    common = {"objective": args.loss.objective(), "seq_len": block_size}
+    tokenizer = setup.tokenizer if setup.tokenizer_name or not planning else None
     vocabulary = config.vocab_size if tokenizer is None else len(tokenizer)
     if planning:  # blocks of token ids, stored as the run stores them
         return Prepared(**common, row={"input_ids": ((block_size,), token_dtype(vocabulary))})
     do_train, do_eval, _ = args.stages.stages()
     check_sources(data, train=do_train, evaluate=do_eval)
-    check_vocabulary(tokenizer, config)
     main_process = jax.process_index() == 0
     log = print if main_process else (lambda *_: None)
     train, valid = load_blocks(
@@ -52,9 +50,6 @@ def prepare(args, planning: bool) -> Prepared:
         **common,
         train=None if train is None else {"input_ids": train},
         evals={} if valid is None else {"": {"input_ids": valid}},
-        checkpoint=folder if source.model_name_or_path else None,
-        overrides=overrides,
-        tokenizer=tokenizer,
         summary=lambda _: f"{count(train):,} training / {count(valid):,} validation blocks of {block_size} tokens",
         extra_eval=lambda results: {"perplexity": results["eval_perplexity"]},  # run_clm's name for it
     )

@@ -24,28 +24,25 @@ from jaxseq.cli import script
 from jaxseq.data.chat import use_chat_template
 from jaxseq.data.preference import PreferenceDataConfig, load_pair_rows
 from jaxseq.errors import JaxseqError
-from jaxseq.models.source import ModelSource, check_vocabulary, load_tokenizer, model_config
-from jaxseq.runner import Job, Prepared, run
+from jaxseq.models.source import ModelSource
+from jaxseq.runner import Job, Prepared, Setup, run
 from jaxseq.train.preference import DPOConfig
 
 TASK = "causal-lm"
 ROW = ("input_ids", "pair_mask", "completion_mask")
 
 
-def prepare(args, planning: bool) -> Prepared:
+def prepare(setup: Setup) -> Prepared:
     """Pairs tokenised as TRL does into ``[2, length]`` rows (a plan reads none: its rows are --max_length)."""
-    source, data, dpo = args.source, args.data, args.dpo
-    config, folder, overrides = model_config(source, TASK, weights=not planning)
+    args, data, dpo = setup.args, setup.args.data, setup.args.dpo
     objective = dpo.objective()
-    common = {"config": config, "objective": objective}
     extra = {"ref_logps": ((2,), np.float32)} if objective.precomputes_reference else {}
-    if planning:
+    if setup.planning:
         seq = data.max_length or 1024
-        return Prepared(**common, seq_len=seq, row={**dict.fromkeys(ROW, ((2, seq), np.int32)), **extra})
-    tokenizer = load_tokenizer(source.tokenizer_name or folder)
+        return Prepared(objective, seq_len=seq, row={**dict.fromkeys(ROW, ((2, seq), np.int32)), **extra})
+    tokenizer = setup.tokenizer
     if data.chat_template or getattr(tokenizer, "chat_template", None):
         use_chat_template(tokenizer, data.chat_template)
-    check_vocabulary(tokenizer, config)
     main_process = jax.process_index() == 0
     do_train, do_eval, _ = args.stages.stages()
     train, valid = load_pair_rows(
@@ -64,12 +61,9 @@ def prepare(args, planning: bool) -> Prepared:
     seq = (valid if train is None else train)["input_ids"].shape[-1]
     pairs = 0 if train is None else len(train["input_ids"])
     return Prepared(
-        **common,
+        objective,
         train=train,
         evals={"": valid} if valid is not None else {},
-        checkpoint=folder if source.model_name_or_path else None,
-        overrides=overrides,
-        tokenizer=tokenizer,
         seq_len=seq,
         summary=lambda _: (
             f"{pairs:,} training pairs of at most {seq} tokens a sequence, loss {dpo.loss_type} with beta "

@@ -26,17 +26,9 @@ from jaxseq.data.glue import SPLIT_SUFFIX, TASKS, encode, get_task, load_split
 from jaxseq.data.rows import EncodedRows
 from jaxseq.errors import JaxseqError
 from jaxseq.files import atomic_write
-from jaxseq.models.hub import apply_overrides
 from jaxseq.models.registry import model_class
-from jaxseq.models.source import (
-    ModelSource,
-    check_vocabulary,
-    load_tokenizer,
-    model_config,
-    pad_with_eos,
-    sequence_length,
-)
-from jaxseq.runner import ONLY_PREDICT_ALONE, Job, Prepared, run
+from jaxseq.models.source import ModelSource, pad_with_eos, sequence_length
+from jaxseq.runner import ONLY_PREDICT_ALONE, Job, Prepared, Setup, run
 from jaxseq.train.objectives import SequenceClassification
 
 DEFAULT_MODEL = "sentence-transformers/all-MiniLM-L6-v2"
@@ -99,11 +91,10 @@ def write_predictions(task, output_dir: Path, suffix: str, predictions: np.ndarr
     return atomic_write(path, "index\tprediction\n" + "".join(line + "\n" for line in lines))
 
 
-def glue_model_config(source: ModelSource, weights: bool = True):
-    """The model's config (with --config_overrides), its folder and the overrides; offline, the error says
-    how to run without the Hub."""
+def glue_model_config(setup: Setup):
+    """The model's config (with --config_overrides); offline, the error says how to run without the Hub."""
     try:
-        return model_config(source, TASK, weights=weights)
+        return setup.config
     except JaxseqError as e:
         if "cannot download" in str(e):
             raise JaxseqError(
@@ -113,45 +104,37 @@ def glue_model_config(source: ModelSource, weights: bool = True):
         raise
 
 
-def prepare(args, planning: bool) -> Prepared:
+def prepare(setup: Setup) -> Prepared:
     """The GLUE task's examples, tokenized when a batch first needs them by the process that takes them, and
     packed several to a row. A plan reads the training examples too (the run's packed row counts depend on
     them), unless it has no tokenizer to read them with and does not pack."""
-    source, glue = args.source, args.data
+    args, glue, planning = setup.args, setup.args.data, setup.planning
     task = get_task(glue.task_name)
-    config, folder, overrides = glue_model_config(source, weights=not planning)
+    config = glue_model_config(setup)
     sequence_length(glue.max_seq_length, config, "max_seq_length", glue.max_seq_length)
-    overrides = {**overrides, "num_labels": task.num_labels}
+    setup.override(num_labels=task.num_labels)
     pool = getattr(model_class(config, TASK), "pooled_token", None) if glue.pack_sequences else None
-    if planning and not (source.tokenizer_name or folder):
+    if planning and not setup.tokenizer_name:
         if pool:
             raise JaxseqError(
                 "a plan of a packed GLUE run packs the training examples: pass --tokenizer_name (or plan the run "
                 "with --no_pack_sequences)"
             )
-        return Prepared(
-            apply_overrides(config, **overrides), SequenceClassification(task), row=_row(config, task, glue)
-        )
-    tokenizer = load_tokenizer(source.tokenizer_name or folder, fast=False)
-    check_vocabulary(tokenizer, config)
+        return Prepared(SequenceClassification(task), row=_row(config, task, glue))
+    tokenizer = setup.tokenizer
     pad_with_eos(tokenizer)  # GPT-2 style: classify at the last real token
     if getattr(config, "pad_token_id", None) is None:
-        overrides["pad_token_id"] = tokenizer.pad_token_id
+        setup.override(pad_token_id=tokenizer.pad_token_id)
     if not task.is_regression:
-        overrides["id2label"] = dict(enumerate(task.labels))
-        overrides["label2id"] = {name: i for i, name in enumerate(task.labels)}
+        setup.override(id2label=dict(enumerate(task.labels)), label2id={name: i for i, name in enumerate(task.labels)})
     stages = (True, False, False) if planning else args.stages.stages()
     _, train_examples, eval_examples, test_examples = load_examples(glue, stages)
     tokenize = functools.partial(encode, task, tokenizer=tokenizer, max_seq_length=glue.max_seq_length)
     return Prepared(
-        apply_overrides(config, **overrides),
         SequenceClassification(task),
         train=None if train_examples is None else EncodedRows(train_examples, tokenize),
         evals={k: EncodedRows(v, tokenize) for k, v in eval_examples.items()},
         predicts={k: EncodedRows(v, tokenize) for k, v in test_examples.items()},
-        checkpoint=folder if source.model_name_or_path else None,
-        overrides=overrides,
-        tokenizer=tokenizer,
         pack=pool,
         seq_len=glue.max_seq_length,
         summary=lambda _: (
@@ -179,6 +162,7 @@ JOB = Job(
     default_model=DEFAULT_MODEL,
     default_stages=ONLY_PREDICT_ALONE,
     predicts="the test split(s) (or --test_file) into OUTPUT_DIR/predict_results_<task>.txt, as run_glue.py",
+    fast_tokenizer=False,
 )
 
 

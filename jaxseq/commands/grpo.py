@@ -38,9 +38,9 @@ from jaxseq.data.chat import use_chat_template
 from jaxseq.data.records import read_records, require_columns
 from jaxseq.data.text import load_hub_dataset
 from jaxseq.errors import JaxseqError
-from jaxseq.mesh import data_parallel_size, make_mesh
-from jaxseq.models.source import ModelSource, check_vocabulary, load_tokenizer, model_config
-from jaxseq.runner import Job, Prepared, run
+from jaxseq.mesh import data_parallel_size
+from jaxseq.models.source import ModelSource
+from jaxseq.runner import Job, Prepared, Setup, run
 from jaxseq.train.rl import GRPO, GRPOConfig, Rollout, prompts_per_step
 
 TASK = "causal-lm"
@@ -125,10 +125,11 @@ def load_reward_funcs(specs: list[str] | None) -> list[tuple[str, object]]:
     return funcs
 
 
-def prepare(args, planning: bool) -> Prepared:
+def prepare(setup: Setup) -> Prepared:
     """Prompt rows and the GRPO objective with its rollout."""
-    source, data, grpo, trainer = args.source, args.data, args.grpo, args.trainer
-    if planning:  # a plan compiles the step of batches it knows; GRPO's are sampled (x --num_generations)
+    args = setup.args
+    data, grpo, trainer = args.data, args.grpo, args.trainer
+    if setup.planning:  # a plan compiles the step of batches it knows; GRPO's are sampled (x --num_generations)
         raise JaxseqError(
             "jaxseq grpo cannot be planned yet: its batches are sampled in the loop; plan the same model and "
             "--per_device_train_batch_size rows (completions) of prompt + completion tokens with jaxseq clm"
@@ -136,16 +137,15 @@ def prepare(args, planning: bool) -> Prepared:
     args.stages.stages((True, False))  # it only trains: stage flags that ask for nothing end here
     if jax.process_count() > 1:
         raise JaxseqError("jaxseq grpo runs in one process for now (all its devices, --mesh); start it on one host")
-    devices = data_parallel_size(make_mesh(args.runtime.mesh or None))  # the mesh cli.start made
+    devices = data_parallel_size(setup.mesh)
     accumulate = trainer.gradient_accumulation_steps
     step_prompts = prompts_per_step(trainer.per_device_train_batch_size, devices, accumulate, grpo.num_generations)
-    config, folder, overrides = model_config(source, TASK, weights=True)
+    config = setup.config
     funcs = load_reward_funcs(grpo.reward_funcs)
-    tokenizer = load_tokenizer(source.tokenizer_name or folder)
+    tokenizer = setup.tokenizer
     records = load_prompts(data)
     if isinstance(records[0]["prompt"], list):
         use_chat_template(tokenizer, data.chat_template)
-    check_vocabulary(tokenizer, config)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     train = prompt_rows(tokenizer, records, data.max_prompt_length, pad)
     prompts, width = train["input_ids"].shape
@@ -163,12 +163,8 @@ def prepare(args, planning: bool) -> Prepared:
     if main_process:
         print(f"reward functions: {', '.join(name for name, _ in funcs)}")
     return Prepared(
-        config=config,
         objective=GRPO(grpo, rollout),
         train=completion_slots(prompts, grpo.num_generations),
-        checkpoint=folder if source.model_name_or_path else None,
-        overrides=overrides,
-        tokenizer=tokenizer,
         seq_len=width + grpo.max_completion_length,
         summary=lambda _: (
             f"{prompts:,} prompts of at most {width} tokens, {grpo.num_generations} completions each of at most "

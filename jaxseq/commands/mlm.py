@@ -30,8 +30,8 @@ from jaxseq.data.masking import mask_examples
 from jaxseq.data.text import TextDataConfig, check_sources, load_blocks, load_hub_dataset, read_documents, token_dtype
 from jaxseq.errors import JaxseqError
 from jaxseq.models.registry import family_names
-from jaxseq.models.source import ModelSource, check_vocabulary, load_tokenizer, model_config, sequence_length
-from jaxseq.runner import Job, Prepared, run
+from jaxseq.models.source import ModelSource, sequence_length
+from jaxseq.runner import Job, Prepared, Setup, run
 from jaxseq.train.pretraining import MaskedLM
 
 TASK = "masked-lm"
@@ -95,20 +95,18 @@ def line_examples(
     )
 
 
-def prepare(args, planning: bool) -> Prepared:
+def prepare(setup: Setup) -> Prepared:
     """Blocks of text, or lines (a plan reads none: its batches are rows of --max_seq_length tokens)."""
-    source, data = args.source, args.data
+    args, data = setup.args, setup.args.data
     if not 0 < data.mlm_probability < 1:
         raise JaxseqError(f"--mlm_probability must be between 0 and 1, got {data.mlm_probability}")
-    config, folder, overrides = model_config(source, TASK, weights=not planning)
-    length = sequence_length(data.block_size, config, "max_seq_length", 512)
-    tokenizer = load_tokenizer(source.tokenizer_name or folder)
+    length = sequence_length(data.block_size, setup.config, "max_seq_length", 512)
+    tokenizer = setup.tokenizer
     if tokenizer.mask_token_id is None:
         raise JaxseqError("the tokenizer has no mask token; pass the model's own tokenizer (--tokenizer_name)")
-    check_vocabulary(tokenizer, config)
     objective = MaskedLM(data.mlm_probability, tokenizer.mask_token_id, tokenizer.all_special_ids, len(tokenizer))
-    common = {"config": config, "objective": objective, "seq_len": length}
-    if planning:
+    common = {"objective": objective, "seq_len": length}
+    if setup.planning:
         row = {"input_ids": ((length,), np.int32 if data.line_by_line else token_dtype(len(tokenizer)))}
         if data.line_by_line:
             row["attention_mask"] = ((length,), np.int32)
@@ -134,9 +132,6 @@ def prepare(args, planning: bool) -> Prepared:
         **common,
         train=train,
         evals={} if valid is None else {"": valid},
-        checkpoint=folder if source.model_name_or_path else None,
-        overrides=overrides,
-        tokenizer=tokenizer,
         summary=lambda _: (
             f"{sizes[0]:,} training / {sizes[1]:,} validation {kind} of {length} tokens, {data.mlm_probability:g} "
             "of them masked"

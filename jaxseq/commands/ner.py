@@ -32,16 +32,8 @@ from jaxseq.data.tokens import check_example, encode, label_list, read_examples
 from jaxseq.errors import JaxseqError
 from jaxseq.files import atomic_write
 from jaxseq.metrics import seqeval
-from jaxseq.models.hub import apply_overrides
-from jaxseq.models.source import (
-    ModelSource,
-    check_vocabulary,
-    load_tokenizer,
-    model_config,
-    pad_with_eos,
-    sequence_length,
-)
-from jaxseq.runner import ONLY_PREDICT_ALONE, STAGE_OF_SPLIT, Job, Prepared, run
+from jaxseq.models.source import ModelSource, pad_with_eos, sequence_length
+from jaxseq.runner import ONLY_PREDICT_ALONE, STAGE_OF_SPLIT, Job, Prepared, Setup, run
 from jaxseq.train.objectives import TokenClassification
 
 DEFAULT_MODEL = "sentence-transformers/all-MiniLM-L6-v2"
@@ -142,11 +134,11 @@ def write_predictions(
     return atomic_write(output_dir / f"predictions{suffix}.txt", "".join(" ".join(row) + "\n" for row in tags))
 
 
-def prepare(args, planning: bool) -> Prepared:
+def prepare(setup: Setup) -> Prepared:
     """The examples of each stage asked for, tokenized when a batch first needs them, one example a row (a
     plan reads only the training examples, for the tag names)."""
-    source, data = args.source, args.data
-    stages = (True, False, False) if planning else args.stages.stages()
+    args, data = setup.args, setup.args.data
+    stages = (True, False, False) if setup.planning else args.stages.stages()
     wanted = [split for split, on in zip(SPLITS, stages) if on]
     found, text, label, names = load_splits(data, wanted)
     if label is None:
@@ -158,27 +150,23 @@ def prepare(args, planning: bool) -> Prepared:
                     example[label] = [names[t] for t in example[label]]
     limits = {"train": data.max_train_samples, "validation": data.max_eval_samples, "test": data.max_predict_samples}
     found = {split: examples[: limits[split]] for split, examples in found.items()}
-    config, folder, overrides = model_config(source, TASK, weights=not planning)
+    config = setup.config
     seq = sequence_length(data.max_seq_length, config, "max_seq_length", 128)
     tagged = [e for split, examples in found.items() for e in examples if label in e]
     labels = labels_for(config, names or label_list(tagged, label))
-    overrides = {
-        **overrides,
-        "num_labels": len(labels),
-        "id2label": dict(enumerate(labels)),
-        "label2id": {name: i for i, name in enumerate(labels)},
-    }
-    tokenizer = load_tokenizer(source.tokenizer_name or folder)
+    label2id = {name: i for i, name in enumerate(labels)}
+    setup.override(num_labels=len(labels), id2label=dict(enumerate(labels)), label2id=label2id)
+    tokenizer = setup.tokenizer
     if config.model_type in ("roberta", "gpt2") and not getattr(tokenizer, "add_prefix_space", False):
-        tokenizer = type(tokenizer).from_pretrained(source.tokenizer_name or folder, add_prefix_space=True)
+        tokenizer = type(tokenizer).from_pretrained(setup.tokenizer_name, add_prefix_space=True)
+        setup.tokenizer = tokenizer
     pad_with_eos(tokenizer)
-    check_vocabulary(tokenizer, config)
     tokenize = functools.partial(
         encode,
         tokenizer=tokenizer,
         text_column=text,
         label_column=label,
-        label_to_id=overrides["label2id"],
+        label_to_id=label2id,
         max_seq_length=seq,
         label_all_tokens=data.label_all_tokens,
     )
@@ -186,14 +174,10 @@ def prepare(args, planning: bool) -> Prepared:
     test = rows.get("test")
     gold = test if test is not None and found["test"] and label in found["test"][0] else None
     return Prepared(
-        apply_overrides(config, **overrides),
         TokenClassification(labels, entity_level=data.return_entity_level_metrics),
         train=rows.get("train"),
         evals={"": rows["validation"]} if "validation" in rows else {},
         predicts={"": test} if test is not None else {},
-        checkpoint=folder if source.model_name_or_path else None,
-        overrides=overrides,
-        tokenizer=tokenizer,
         pack=TOKENS if data.pack_sequences else None,
         seq_len=seq,
         summary=lambda _: (

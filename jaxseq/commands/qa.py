@@ -31,8 +31,8 @@ from jaxseq.data.squad import check_rows, features, postprocess, read_squad, squ
 from jaxseq.data.text import load_hub_dataset
 from jaxseq.errors import JaxseqError
 from jaxseq.files import atomic_write
-from jaxseq.models.source import ModelSource, check_vocabulary, load_tokenizer, model_config, sequence_length
-from jaxseq.runner import ONLY_PREDICT_ALONE, STAGE_OF_SPLIT, Job, Prepared, run
+from jaxseq.models.source import ModelSource, sequence_length
+from jaxseq.runner import ONLY_PREDICT_ALONE, STAGE_OF_SPLIT, Job, Prepared, Setup, run
 from jaxseq.train.objectives import SpanExtraction
 
 DEFAULT_MODEL = "sentence-transformers/all-MiniLM-L6-v2"
@@ -116,9 +116,9 @@ def write_predictions(data, examples, windows, output_dir: Path, suffix: str, lo
     return output_dir / "predict_predictions.json"
 
 
-def prepare(args, planning: bool) -> Prepared:
+def prepare(setup: Setup) -> Prepared:
     """Every question's windows, tokenized at the start (their count depends on the contexts), one a row."""
-    source, data = args.source, args.data
+    args, data, planning = setup.args, setup.args.data, setup.planning
     if data.doc_stride >= data.max_seq_length:
         raise JaxseqError(f"--doc_stride {data.doc_stride} must be less than --max_seq_length {data.max_seq_length}")
     stages = (True, False, False) if planning else args.stages.stages()
@@ -132,10 +132,8 @@ def prepare(args, planning: bool) -> Prepared:
             f"{len(unanswered)} evaluation questions have no answer (first: {unanswered[0]}), as in SQuAD v2.0: "
             "pass --version_2_with_negative"
         )
-    config, folder, overrides = model_config(source, TASK, weights=not planning)
-    seq = sequence_length(data.max_seq_length, config, "max_seq_length", data.max_seq_length)
-    tokenizer = load_tokenizer(source.tokenizer_name or folder)
-    check_vocabulary(tokenizer, config)
+    seq = sequence_length(data.max_seq_length, setup.config, "max_seq_length", data.max_seq_length)
+    tokenizer = setup.tokenizer
     windows = {
         split: features(examples, tokenizer, max_seq_length=seq, doc_stride=data.doc_stride)
         for split, examples in found.items()
@@ -149,14 +147,10 @@ def prepare(args, planning: bool) -> Prepared:
         else lambda logits: {}
     )
     return Prepared(
-        config,
         SpanExtraction(score, names),
         train=rows.get("train"),
         evals={"": rows["validation"]} if "validation" in rows else {},
         predicts={"": rows["test"]} if "test" in rows else {},
-        checkpoint=folder if source.model_name_or_path else None,
-        overrides=overrides,
-        tokenizer=tokenizer,
         pack="first" if data.pack_sequences else None,
         seq_len=seq,
         summary=lambda _: " / ".join(f"{len(found[s])} {s} questions ({len(rows[s])} windows)" for s in found),

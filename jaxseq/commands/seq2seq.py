@@ -33,8 +33,8 @@ from jaxseq.data.rows import EncodedRows
 from jaxseq.data.seq2seq import encode_pairs, load_pairs
 from jaxseq.errors import JaxseqError
 from jaxseq.files import atomic_write
-from jaxseq.models.source import ModelSource, check_vocabulary, load_tokenizer, model_config
-from jaxseq.runner import Job, Prepared, run
+from jaxseq.models.source import ModelSource
+from jaxseq.runner import Job, Prepared, Setup, run
 from jaxseq.train.objectives import Seq2SeqLM
 
 DEFAULT_MODEL = "google-t5/t5-small"
@@ -122,13 +122,12 @@ def write_predictions(objective: Seq2SeqLM, gold, output_dir: Path, suffix: str,
     return atomic_write(output_dir / f"generated_predictions{suffix}.txt", "".join(lines))
 
 
-def prepare(args, planning: bool) -> Prepared:
+def prepare(setup: Setup) -> Prepared:
     """Source/target pairs, tokenized when a batch first needs them, by the process that takes them (a plan
     reads none: its batches are pairs of --max_source_length and --max_target_length tokens)."""
-    source, data = args.source, args.data
+    args, data = setup.args, setup.args.data
     common = {"seq_len": data.max_source_length, "target_len": data.max_target_length}
-    if planning:
-        config, _, _ = model_config(source, TASK, weights=False)
+    if setup.planning:
         source_row, target_row = ((data.max_source_length,), np.int32), ((data.max_target_length,), np.int32)
         row = {
             "input_ids": source_row,
@@ -136,12 +135,10 @@ def prepare(args, planning: bool) -> Prepared:
             "labels": target_row,
             "decoder_attention_mask": target_row,
         }
-        return Prepared(config, Seq2SeqLM(), row=row, **common)
+        return Prepared(Seq2SeqLM(), row=row, **common)
     stages = args.stages.stages(default_stages(data), alone=default_stages(data))
     pairs = load_data(data, stages)
-    config, folder, overrides = model_config(source, TASK)
-    tokenizer = load_tokenizer(source.tokenizer_name or folder)
-    check_vocabulary(tokenizer, config)
+    tokenizer = setup.tokenizer
     if tokenizer.pad_token_id is None or tokenizer.eos_token_id is None:
         raise JaxseqError("the tokenizer needs a pad and an EOS token (T5 tokenizers have both); pass a T5 tokenizer")
     val_target_length = data.val_max_target_length or data.max_target_length
@@ -155,16 +152,12 @@ def prepare(args, planning: bool) -> Prepared:
     }
     generating = data.predict_with_generate or stages[2]
     max_new = (data.generation_max_length or val_target_length) if generating else 0
-    objective = Seq2SeqLM(tokenizer, max_new_tokens=max_new, **search_settings(folder, data.num_beams))
+    objective = Seq2SeqLM(tokenizer, max_new_tokens=max_new, **search_settings(setup.folder, data.num_beams))
     return Prepared(
-        config,
         objective,
         train=rows.get("train"),
         evals={"": rows["eval"]} if "eval" in rows else {},
         predicts={"": rows["predict"]} if "predict" in rows else {},
-        checkpoint=folder if source.model_name_or_path else None,
-        overrides=overrides,
-        tokenizer=tokenizer,
         summary=lambda _: (
             " / ".join(f"{len(p)} {split}" for split, p in pairs.items())
             + " pairs"

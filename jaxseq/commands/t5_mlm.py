@@ -25,8 +25,8 @@ from jaxseq.config import arg
 from jaxseq.data.spans import SpanCorruption, compute_input_and_target_lengths
 from jaxseq.data.text import TextDataConfig, check_sources, count, load_blocks, token_dtype
 from jaxseq.errors import JaxseqError
-from jaxseq.models.source import ModelSource, check_vocabulary, load_tokenizer, model_config
-from jaxseq.runner import Job, Prepared, run
+from jaxseq.models.source import ModelSource
+from jaxseq.runner import Job, Prepared, Setup, run
 from jaxseq.train.pretraining import SpanCorruptionLM
 
 TASK = "seq2seq-lm"
@@ -48,20 +48,18 @@ def sentinel_top(tokenizer) -> int:
     return len(tokenizer) if first is None or first == tokenizer.unk_token_id else first + 1
 
 
-def prepare(args, planning: bool) -> Prepared:
+def prepare(setup: Setup) -> Prepared:
     """Blocks of raw text, corrupted in the step (a plan reads none: its batches are raw blocks)."""
-    source, data = args.source, args.data
+    args, data = setup.args, setup.args.data
     if not 0 < data.mlm_probability < 1:
         raise JaxseqError(f"--mlm_probability must be between 0 and 1, got {data.mlm_probability}")
     if data.mean_noise_span_length < 1:
         raise JaxseqError(f"--mean_noise_span_length must be at least 1, got {data.mean_noise_span_length}")
     if data.block_size is None or data.block_size < 2:
         raise JaxseqError(f"--max_seq_length must be at least 2, got {data.block_size}")
-    config, folder, overrides = model_config(source, TASK, weights=not planning)
-    tokenizer = load_tokenizer(source.tokenizer_name or folder)
+    tokenizer = setup.tokenizer
     if tokenizer.eos_token_id is None:
         raise JaxseqError("the tokenizer has no EOS token; pass a T5 tokenizer")
-    check_vocabulary(tokenizer, config)
     raw, targets = compute_input_and_target_lengths(data.block_size, data.mlm_probability, data.mean_noise_span_length)
     corruption = SpanCorruption(
         raw, data.mlm_probability, data.mean_noise_span_length, sentinel_top(tokenizer), tokenizer.eos_token_id
@@ -75,13 +73,12 @@ def prepare(args, planning: bool) -> Prepared:
     if top != len(tokenizer) and tokenizer.convert_tokens_to_ids(f"<extra_id_{spans - 1}>") != top - spans:
         raise JaxseqError(f"a block has {spans} spans but the tokenizer lacks <extra_id_0> .. <extra_id_{spans - 1}>")
     common = {
-        "config": config,
         "objective": SpanCorruptionLM(corruption),
         "seq_len": data.block_size,
         "target_len": targets,
     }
     line = f"span corruption: {raw} tokens -> {data.block_size} input + {targets} target"
-    if planning:
+    if setup.planning:
         print(line)
         return Prepared(**common, row={"input_ids": ((raw,), token_dtype(len(tokenizer)))})
     do_train, do_eval, _ = args.stages.stages()
@@ -93,9 +90,6 @@ def prepare(args, planning: bool) -> Prepared:
         **common,
         train=None if train is None else {"input_ids": train},
         evals={} if valid is None else {"": corruption.corrupt_examples(valid, args.trainer.seed)},
-        checkpoint=folder if source.model_name_or_path else None,
-        overrides=overrides,
-        tokenizer=tokenizer,
         summary=lambda _: f"{line}; {count(train):,} training / {count(valid):,} validation blocks",
         extra_eval=lambda results: {"perplexity": results["eval_perplexity"]},
     )
