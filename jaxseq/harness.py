@@ -9,7 +9,8 @@ requests the way its Hugging Face backend (``lm_eval.models.huggingface.HFLM``) 
   answers: the same context, a different last token) share one pass, as HFLM's logits cache shares them.
   The passes are packed: several short sequences share a row (segment ids, positions restarting at 0, so
   each sees only itself), rows come in a few widths, and each width's batches hold the same number of
-  tokens, so a whole evaluation compiles a few programs and computes on text, not padding.
+  tokens, so a whole evaluation compiles a few programs and computes on text, not padding. Only the scored
+  positions (the continuations') go through the vocabulary projection.
 - ``loglikelihood_rolling``: a document's tokens cut into lm-eval's rolling windows
   (``get_rolling_token_windows``, ``make_disjoint_window``, as HFLM cuts them), scored like the pairs above
   and summed: documents longer than the model's context are scored whole.
@@ -29,7 +30,6 @@ import dataclasses
 import importlib.util
 import json
 import logging
-import math
 import multiprocessing
 import os
 import subprocess
@@ -42,8 +42,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 from tqdm.auto import tqdm
 
 from jaxseq.data.batches import length_buckets
@@ -75,43 +73,37 @@ def require_lm_eval() -> None:
 
 
 def token_scores(head, h, targets, vocab: int, chunk: int):
-    """For hidden states ``h`` ``[rows, width, hidden]`` and the ``targets`` ``[rows, width]`` they predict:
-    each target's log-probability, the most likely token and the log-normaliser (logsumexp) at every position,
-    float32 over the ``vocab`` real tokens (a padded vocabulary's padding gets no probability), computed
-    ``chunk`` positions of every row at a time."""
+    """For hidden states ``h`` ``[rows, n, hidden]`` and the tokens ``targets`` ``[rows, n]`` scored there: each
+    token's log-probability and the most likely token, float32 over the ``vocab`` real tokens (a padded
+    vocabulary's padding gets no probability), computed ``chunk`` positions of every row at a time."""
 
     def scores(h, targets):
         logits = head(h).astype(jnp.float32)
         if logits.shape[-1] != vocab:
             logits = jnp.where(jnp.arange(logits.shape[-1]) < vocab, logits, -jnp.inf)
-        lse = jax.nn.logsumexp(logits, axis=-1)
         picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
-        return picked - lse, jnp.argmax(logits, axis=-1).astype(jnp.int32), lse
+        return picked - jax.nn.logsumexp(logits, axis=-1), jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
-    rows, width = targets.shape
-    if width <= chunk:
+    rows, n = targets.shape
+    if n <= chunk:
         return scores(h, targets)
-    chunks = -(-width // chunk)
-    pad = chunks * chunk - width
+    chunks = -(-n // chunk)
+    pad = chunks * chunk - n
     h = jnp.pad(h, ((0, 0), (0, pad), (0, 0))).reshape(rows, chunks, chunk, -1).swapaxes(0, 1)
     targets = jnp.pad(targets, ((0, 0), (0, pad))).reshape(rows, chunks, chunk).swapaxes(0, 1)
     out = jax.lax.map(lambda xs: scores(*xs), (h, targets))
-    return tuple(x.swapaxes(0, 1).reshape(rows, chunks * chunk)[:, :width] for x in out)
+    return tuple(x.swapaxes(0, 1).reshape(rows, chunks * chunk)[:, :n] for x in out)
 
 
-def score_packed(graphdef, vocab: int, chunk: int, state, ids, segments, positions, targets, extra_at, extra_tokens):
-    """One packed batch: per position the target's log-probability and the most likely token (``[rows,
-    width]`` each), and for each extra (``extra_at``: a flat position, ``extra_tokens``: another token scored
-    there) that token's log-probability."""
+def score_slots(graphdef, vocab: int, chunk: int, state, ids, segments, positions, slot_at, slot_tokens):
+    """One packed batch (``[rows, width]`` tokens, segment ids, positions): for each slot, a position of its row
+    (``slot_at`` ``[rows, slots]``) and a token (``slot_tokens``), the token's log-probability there and the
+    most likely token there. Only the slots' hidden states go through the vocabulary projection (a context's
+    positions are never scored)."""
     model = nnx.merge(graphdef, state)
     h = model.hidden_states(ids, segments, positions).last_hidden_state
-    logprobs, best, lse = token_scores(model.logits, h, targets, vocab, chunk)
-    if not extra_at.shape[0]:
-        return logprobs, best, jnp.zeros((0,), jnp.float32)
-    at = h.reshape(-1, h.shape[-1])[extra_at]
-    logits = model.logits(at[None])[0].astype(jnp.float32)
-    extra = jnp.take_along_axis(logits, extra_tokens[:, None], axis=-1)[:, 0] - lse.reshape(-1)[extra_at]
-    return logprobs, best, extra
+    h = jnp.take_along_axis(h, slot_at[..., None], axis=1)
+    return token_scores(model.logits, h, slot_tokens, vocab, chunk)
 
 
 @dataclasses.dataclass
@@ -128,15 +120,23 @@ class Sequence:
 
 @dataclasses.dataclass
 class Batch:
-    """Packed rows: ``[rows, width]`` tokens, segment ids, positions and targets, the flat start of each of its
-    sequences and the extra tokens scored (flat position, token, sequence's member)."""
+    """Packed rows: ``[rows, width]`` tokens, segment ids and positions, the ``[rows, slots]`` slots scored, and
+    where each request's answer lies: (request, row, its first slot, how many slots before its last token's,
+    its last token's slot)."""
 
     ids: np.ndarray
     segments: np.ndarray
     positions: np.ndarray
-    targets: np.ndarray
-    starts: dict[int, int]
-    extras: list[tuple[int, int, tuple[int, int]]]
+    slot_at: np.ndarray
+    slot_tokens: np.ndarray
+    answers: list[tuple[int, int, int, int, int]]
+
+
+def slots_needed(seq: Sequence) -> int:
+    """Slots a sequence takes: its positions that some request scores, and one more for each request whose
+    last token is not the sequence's own."""
+    span = max(length for _, length, _ in seq.members)
+    return span + sum(last != seq.targets[-1] for _, _, last in seq.members)
 
 
 def pack_rows(lengths: list[int], widths: list[int]) -> list[tuple[int, list[int]]]:
@@ -205,7 +205,7 @@ class JaxseqLM(TemplateLM):
         self.replicas = data_parallel_size(mesh) if mesh is not None else 1
         vocab = model.config.vocab_size
         self._score = jax.jit(
-            lambda state, *arrays, chunk: score_packed(self.graphdef, vocab, chunk, state, *arrays),
+            lambda state, *arrays, chunk: score_slots(self.graphdef, vocab, chunk, state, *arrays),
             static_argnames="chunk",
         )
         self.batch_sizes = {}  # results' config lists HFLM's detected batch sizes; there are none to detect
@@ -318,128 +318,89 @@ class JaxseqLM(TemplateLM):
             disable=disable_tqdm or jax.process_index() != 0,
         )
         results: list[tuple[float, bool] | None] = [None] * len(requests)
-        for seqs, (logprobs, best, extra), batch in self._run_batches(list(sequences.values())):
-            for s in seqs:
-                seq, start = s, batch.starts[id(s)]
-                n = len(seq.tokens)
-                lp = logprobs[start : start + n].astype(np.float64)
-                greedy = best[start : start + n] == np.asarray(seq.targets)
-                for i, length, last in seq.members:
-                    if last == seq.targets[-1]:
-                        total, last_lp, last_greedy = lp[n - length : n - 1].sum(), lp[n - 1], greedy[n - 1]
-                    else:
-                        total = lp[n - length : n - 1].sum()
-                        last_lp, last_greedy = extra[(id(seq), i)], best[start + n - 1] == last
-                    results[i] = (float(total + last_lp), bool(greedy[n - length : n - 1].all() and last_greedy))
-                    text = requests[i][0]
-                    if text is not None:
-                        self.cache_hook.add_partial("loglikelihood", text, results[i])
-                bar.update(len(seq.members))
+        for batch, (logprobs, best) in self._run_batches(list(sequences.values())):
+            for i, row, start, body, last in batch.answers:
+                tokens = batch.slot_tokens[row]
+                total = logprobs[row, start : start + body].astype(np.float64).sum() + logprobs[row, last]
+                greedy = (best[row, start : start + body] == tokens[start : start + body]).all()
+                results[i] = (float(total), bool(greedy and best[row, last] == tokens[last]))
+                text = requests[i][0]
+                if text is not None:
+                    self.cache_hook.add_partial("loglikelihood", text, results[i])
+            bar.update(len(batch.answers))
         bar.close()
         return results
 
-    def _widths(self, lengths: list[int]) -> list[int]:
-        top = -(-max(lengths) // 8) * 8
-        return length_buckets(top, multiple=8, halvings=3)
-
     def _run_batches(self, sequences: list[Sequence]):
         """Pack ``sequences`` into batches, score them on the devices (the next batch dispatched while this
-        one's scores come back) and yield ``(its sequences, (flat log-probabilities, flat most likely tokens,
-        {(id of sequence, request): log-probability of an extra token}), batch)``."""
+        one's scores come back) and yield ``(batch, (log-probabilities, most likely tokens))``, ``[rows,
+        slots]`` host arrays."""
         if not sequences:
             return
         lengths = [len(s.tokens) for s in sequences]
-        widths = self._widths(lengths)
+        top = -(-max(lengths) // 8) * 8
+        widths = length_buckets(top, multiple=8, halvings=3)
         tokens_per_batch = self.batch_size * widths[-1]
         rows_of = {w: max(self.replicas, tokens_per_batch // w // self.replicas * self.replicas) for w in widths}
-        rows = pack_rows(lengths, widths)
         by_width: dict[int, list[list[int]]] = defaultdict(list)
-        for width, members in rows:
+        for width, members in pack_rows(lengths, widths):
             by_width[width].append(members)
         for width in sorted(by_width)[:-1]:  # a width with less than half a batch of rows joins the next
             if len(by_width[width]) < rows_of[width] / 2:
                 wider = min(w for w in by_width if w > width)
                 by_width[wider].extend(by_width.pop(width))
-        extras_needed = sum(
-            sum(1 for _, _, last in s.members if last != s.targets[-1]) for s in sequences
-        )  # tokens scored beside a sequence's own last target
-        batches = []
-        for width in sorted(by_width, reverse=True):
-            chunk_rows = by_width[width]
-            for start in range(0, len(chunk_rows), rows_of[width]):
-                batches.append((width, chunk_rows[start : start + rows_of[width]]))
-        extra_slots = 0
-        if extras_needed:  # one size for every batch: one program per width
-            extra_slots = 1 << max(3, math.ceil(math.log2(1.25 * extras_needed / len(batches) + 1)))
+        needed = [slots_needed(s) for s in sequences]
         pending = []
-        for width, batch_rows in self._split_for_extras(batches, sequences, extra_slots):
-            batch = self._assemble(width, rows_of[width], batch_rows, sequences, extra_slots)
-            pending.append((batch_rows, batch, self._dispatch(batch, extra_slots)))
-            if len(pending) > 1:
-                yield self._collect(*pending.pop(0), sequences)
-        while pending:
-            yield self._collect(*pending.pop(0), sequences)
+        for width in sorted(by_width, reverse=True):
+            rows = by_width[width]
+            slots = -(-max(sum(needed[i] for i in members) for members in rows) // 8) * 8  # one size a width
+            for start in range(0, len(rows), rows_of[width]):
+                batch = self._assemble(width, rows_of[width], slots, rows[start : start + rows_of[width]], sequences)
+                pending.append((batch, self._dispatch(batch)))
+                if len(pending) > 1:
+                    batch, outputs = pending.pop(0)
+                    yield batch, gather(outputs)
+        for batch, outputs in pending:
+            yield batch, gather(outputs)
 
     @staticmethod
-    def _split_for_extras(batches, sequences: list[Sequence], slots: int):
-        """The batches, each cut where its extra tokens would not fit ``slots``."""
-        for width, batch_rows in batches:
-            taken, count = [], 0
-            for members in batch_rows:
-                need = sum(sum(1 for _, _, last in sequences[i].members if last != sequences[i].targets[-1])
-                           for i in members)  # fmt: skip
-                if taken and count + need > slots:
-                    yield width, taken
-                    taken, count = [], 0
-                taken.append(members)
-                count += need
-            if taken:
-                yield width, taken
-
-    def _assemble(self, width: int, rows: int, batch_rows, sequences: list[Sequence], slots: int) -> Batch:
+    def _assemble(width: int, rows: int, slots: int, batch_rows, sequences: list[Sequence]) -> Batch:
         ids = np.zeros((rows, width), np.int32)
         segments = np.zeros((rows, width), np.int32)
         positions = np.zeros((rows, width), np.int32)
-        targets = np.zeros((rows, width), np.int32)
-        starts, extras = {}, []
+        slot_at = np.zeros((rows, slots), np.int32)
+        slot_tokens = np.zeros((rows, slots), np.int32)
+        answers = []
         for r, members in enumerate(batch_rows):
-            col = 0
-            for segment, i in enumerate(members, 1):
-                seq = sequences[i]
+            col, k = 0, 0
+            for segment, index in enumerate(members, 1):
+                seq = sequences[index]
                 n = len(seq.tokens)
                 ids[r, col : col + n] = seq.tokens
-                targets[r, col : col + n] = seq.targets
                 segments[r, col : col + n] = segment
                 positions[r, col : col + n] = np.arange(n)
-                starts[id(seq)] = r * width + col
-                extras += [
-                    (r * width + col + n - 1, last, (id(seq), k))
-                    for k, _, last in seq.members
-                    if last != seq.targets[-1]
-                ]
-                col += n
-        return Batch(ids, segments, positions, targets, starts, extras)
+                span = max(length for _, length, _ in seq.members)
+                slot_at[r, k : k + span] = np.arange(col + n - span, col + n)
+                slot_tokens[r, k : k + span] = seq.targets[n - span :]
+                end = k + span
+                for i, length, last in seq.members:
+                    if last == seq.targets[-1]:
+                        answers.append((i, r, k + span - length, length - 1, k + span - 1))
+                    else:  # the same position scored for this request's own last token
+                        slot_at[r, end], slot_tokens[r, end] = col + n - 1, last
+                        answers.append((i, r, k + span - length, length - 1, end))
+                        end += 1
+                col, k = col + n, end
+        return Batch(ids, segments, positions, slot_at, slot_tokens, answers)
 
-    def _dispatch(self, batch: Batch, slots: int):
-        at = np.zeros((slots,), np.int32)
-        tokens = np.zeros((slots,), np.int32)
-        for k, (flat, token, _) in enumerate(batch.extras):
-            at[k], tokens[k] = flat, token
-        arrays = [batch.ids, batch.segments, batch.positions, batch.targets]
+    def _dispatch(self, batch: Batch):
+        arrays = [batch.ids, batch.segments, batch.positions, batch.slot_at, batch.slot_tokens]
         if self.mesh is not None:
             arrays = [jax.device_put(a, batch_sharding(self.mesh)) for a in arrays]
-            at, tokens = (jax.device_put(a, NamedSharding(self.mesh, P())) for a in (at, tokens))
-        rows = batch.ids.shape[0]
         vocab = padded_vocab_size(self.config.vocab_size)
+        rows = batch.ids.shape[0]
         chunk = max(8, LOGITS_BYTES // (4 * vocab * max(1, rows // self.replicas)))
-        return self._score(self.state, *arrays, at, tokens, chunk=chunk)
-
-    @staticmethod
-    def _collect(batch_rows, batch: Batch, outputs, sequences: list[Sequence]):
-        logprobs, best, extra = gather(outputs)
-        extras = {key: float(extra[k]) for k, (_, _, key) in enumerate(batch.extras)}
-        seqs = [sequences[i] for members in batch_rows for i in members]
-        return seqs, (logprobs.reshape(-1), best.reshape(-1), extras), batch
+        return self._score(self.state, *arrays, chunk=chunk)
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
         """The log-likelihood of each document, scored in lm-eval's rolling windows of ``max_length`` tokens
@@ -511,7 +472,7 @@ class JaxseqLM(TemplateLM):
         decodes it)]`` for batches of ``batch_size`` prompts of like length, left-padded to one of a few
         widths."""
         order = sorted(prompts, key=lambda i: -len(prompts[i]))
-        widths = length_buckets(-(-len(prompts[order[0]]) // 32) * 32, multiple=32, halvings=2)
+        widths = length_buckets(-(-len(prompts[order[0]]) // 32) * 32, multiple=32, halvings=1)
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         size = self.batch_size
         for k in range(0, len(order), size):

@@ -365,6 +365,7 @@ def test_a_sharded_run_in_process_gives_the_same_answers(world, gpt2_run, capsys
         ),
         (["--tasks", "pairs", "--limit", "0"], "--limit must be positive"),
         (["--tasks", "pairs", "--per_device_eval_batch_size", "0"], "--per_device_eval_batch_size must be at least 1"),
+        (["--tasks", "pairs", "--max_length", "65"], "--max_length 65 exceeds the model's 64 positions"),
         (["--tasks", "pairs", "--config_overrides", "bogus=1"], "GPT2Config has no field 'bogus'"),
         (["--tasks", "pairs", "--tokenizer_name", "missing"], "cannot load a tokenizer from missing"),
         (["--tasks", "sampled"], "generation setting(s) repetition_penalty of a task are not supported"),

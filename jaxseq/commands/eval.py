@@ -25,7 +25,7 @@ from jaxseq.config import arg
 from jaxseq.distributed import DistributedConfig
 from jaxseq.errors import JaxseqError
 from jaxseq.harness import JaxseqLM, Settings, evaluate_tasks, prepare_tasks, print_table, require_lm_eval, save_results
-from jaxseq.models.hub import load_config, load_pretrained, parse_overrides, resolve
+from jaxseq.models.hub import apply_overrides, load_config, load_pretrained, parse_overrides, position_limit, resolve
 from jaxseq.models.registry import families_with, family_for, family_names
 from jaxseq.models.source import PretrainedModel, check_vocabulary, load_tokenizer
 from jaxseq.train.lora import ADAPTER_HELP, merge_adapter
@@ -115,6 +115,9 @@ def main(argv) -> int:
             f"{family_names('causal-lm')} checkpoints"
         )
     overrides = parse_overrides(source.config_overrides, config)
+    limit = position_limit(apply_overrides(config, **overrides))
+    if cfg.max_length and limit and cfg.max_length > limit:
+        raise JaxseqError(f"--max_length {cfg.max_length} exceeds the model's {limit} positions; lower it")
     tokenizer = load_tokenizer(source.tokenizer_name or folder, fast=False)
     if cfg.apply_chat_template and not tokenizer.chat_template:
         raise JaxseqError("--apply_chat_template: the tokenizer has no chat template; pass one that has")
