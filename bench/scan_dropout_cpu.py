@@ -5,7 +5,7 @@ probabilities and the output dropped at 0.1, Threefry-4x32 keys as jaxseq's CPU 
 - ``unrolled``: a Python loop over the layers, each drawing its masks (the unrolled model);
 - ``in_loop``: one ``lax.scan`` whose body draws each layer's masks (``Stacked`` off CPU);
 - ``ahead``: each site's masks drawn for every layer before the scan, which takes them as inputs
-  (``Stacked.draws_ahead``, jaxseq's CPU default since 36341a9, 2026-11-27).
+  (``Stacked.draws_ahead``, from ``Execution.draws_ahead``: jaxseq's CPU default since 36341a9, 2026-11-27).
 
     python bench/scan_dropout_cpu.py            # writes bench/results/scan_dropout_cpu.json
 """

@@ -40,7 +40,7 @@ def run_row(args, depth: int, mode: str) -> dict:
     from transformers import GPT2Config
 
     from jaxseq.mesh import batch_sharding, make_mesh
-    from jaxseq.models import enable_remat, from_config, use_attention
+    from jaxseq.models import decide_execution, from_config
     from jaxseq.train.objectives import AUTO_CHUNK, CausalLM
     from jaxseq.train.optim import OptimizerConfig
     from jaxseq.train.step import TrainProgram
@@ -51,9 +51,12 @@ def run_row(args, depth: int, mode: str) -> dict:
     )  # fmt: skip
     mesh = make_mesh("dp=1", devices=jax.devices()[:1])
     dtype = jnp.dtype(args.dtype)
-    model = from_config(config, "causal-lm", dtype=dtype, mesh=mesh, seed=0, scan_layers=mode == "scanned")
-    enable_remat(model, args.remat)
-    attention = use_attention(model, args.attention, mesh)
+    execution = decide_execution(
+        config, "causal-lm", mesh=mesh, dtype=dtype, scan_layers=mode == "scanned", attention=args.attention,
+        remat=args.remat,
+    )  # fmt: skip
+    model = from_config(config, "causal-lm", dtype=dtype, mesh=mesh, seed=0, execution=execution)
+    attention = execution.attention.name
     optimizer = OptimizerConfig(learning_rate=1e-4, weight_decay=0.01, lr_scheduler_type="constant")
     program = TrainProgram(model, CausalLM(chunk_tokens=AUTO_CHUNK), mesh, optimizer, total_steps=10**6, seed=0)
     state = program.init_state(nnx.state(model))

@@ -3,8 +3,6 @@ forward and gradients, for causal (GPT-2, GPT-J), grouped-query with sliding win
 bidirectional (BERT) and packed-segment inputs, alone and under shard_map on a dp/mp mesh; how ``--attention`` is
 chosen and refused."""
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -15,7 +13,8 @@ transformers = pytest.importorskip("transformers")
 
 from jaxseq.errors import JaxseqError  # noqa: E402
 from jaxseq.mesh import make_mesh  # noqa: E402
-from jaxseq.models.attention import AttentionKernel, use_attention  # noqa: E402
+from jaxseq.models.decide import decide_execution  # noqa: E402
+from jaxseq.models.execution import AttentionKernel, Execution  # noqa: E402
 from jaxseq.models.hub import from_config  # noqa: E402
 from tests.tiny import tiny_config  # noqa: E402
 
@@ -108,61 +107,63 @@ def assert_same(a, b, rtol=2e-5, grad_rtol=1e-4):
 )
 def test_splash_matches_xla_forward_and_gradients(name, config, task, kind, mesh):
     mesh = make_mesh(mesh, jax.devices()[:4]) if mesh else None
-    model = from_config(config(), task, mesh=mesh, seed=1)
     ids, mask = batch(kind)
-    want = loss_and_grads(model, ids, mask)
-    assert use_attention(model, "splash", mesh, interpret=True) == "splash"
+    want = loss_and_grads(from_config(config(), task, mesh=mesh, seed=1), ids, mask)
+    chosen = decide_execution(config(), task, mesh=mesh, attention="splash", interpret=True).attention
+    assert chosen == AttentionKernel("splash", mesh, required=True, interpret=True)
+    model = from_config(config(), task, mesh=mesh, seed=1, execution=Execution(attention=chosen))
     lowered = jax.jit(lambda ids, mask: model(ids, mask)).lower(ids, mask).as_text()
     assert "splash" in lowered or "flash" in lowered  # the Pallas kernel is in the program, not XLA's attention
     assert_same(loss_and_grads(model, ids, mask), want)
 
 
+def kernel(config, task, choice, mesh=None, **kw) -> str:
+    """The attention kernel a run of ``config`` for ``task`` on ``mesh`` chooses for ``--attention choice``."""
+    return decide_execution(config, task, mesh=mesh, attention=choice, **kw).attention.name
+
+
 def test_auto_falls_back_to_xla_off_tpu_and_explicit_choices_that_cannot_apply_stop_in_one_line(caplog):
-    model = from_config(gpt2(), "causal-lm")
-    assert use_attention(model, "auto") == "xla"  # CPU: no fused kernel
+    assert kernel(gpt2(), "causal-lm", "auto") == "xla"  # CPU: no fused kernel
     with pytest.raises(JaxseqError, match=r"splash attention runs on TPUs \(here: cpu\)"):
-        use_attention(model, "splash")
+        kernel(gpt2(), "causal-lm", "splash")
     with pytest.raises(JaxseqError, match=r"cuDNN attention runs on NVIDIA GPUs"):
-        use_attention(model, "cudnn")
-    dropping = from_config(gpt2().__class__(**{**gpt2().to_dict(), "attn_pdrop": 0.1}), "causal-lm")
+        kernel(gpt2(), "causal-lm", "cudnn")
+    dropping = gpt2().__class__(**{**gpt2().to_dict(), "attn_pdrop": 0.1})
     with pytest.raises(JaxseqError, match=r"no attention dropout: set it to 0 with --config_overrides attn_pdrop=0"):
-        use_attention(dropping, "splash", interpret=True)
-    bert_dropping = from_config(bert().__class__(**{**bert().to_dict(), "attention_probs_dropout_prob": 0.1}), "base")
+        kernel(dropping, "causal-lm", "splash", interpret=True)
+    bert_dropping = bert().__class__(**{**bert().to_dict(), "attention_probs_dropout_prob": 0.1})
     with pytest.raises(JaxseqError, match=r"--config_overrides attention_probs_dropout_prob=0"):
-        use_attention(bert_dropping, "splash", interpret=True)
-    t5 = from_config(tiny_config("t5", vocab_size=128, num_layers=1), "seq2seq-lm")
+        kernel(bert_dropping, "base", "splash", interpret=True)
+    t5 = tiny_config("t5", vocab_size=128, num_layers=1)
     with pytest.raises(JaxseqError, match=r"relative position bias; use --attention xla"):
-        use_attention(t5, "splash", interpret=True)
-    assert use_attention(t5, "auto") == "xla"
+        kernel(t5, "seq2seq-lm", "splash", interpret=True)
+    assert kernel(t5, "seq2seq-lm", "auto") == "xla"
     with pytest.raises(JaxseqError, match=r"unknown attention kernel 'flash'"):
-        use_attention(model, "flash")
+        kernel(gpt2(), "causal-lm", "flash")
 
 
 def test_splash_asked_for_by_name_refuses_lengths_off_its_tiles_and_auto_falls_back(caplog):
-    model = from_config(gpt2(), "causal-lm")
     ids, mask = batch("padded")
-    want = model(ids[:, :100], mask[:, :100]).logits
-    use_attention(model, "splash", interpret=True)
+    want = from_config(gpt2(), "causal-lm")(ids[:, :100], mask[:, :100]).logits
+    named = Execution(attention=AttentionKernel("splash", required=True, interpret=True))
     with pytest.raises(JaxseqError, match=r"multiples of 128, got 100; pad --block_size"):
-        model(ids[:, :100], mask[:, :100])
+        from_config(gpt2(), "causal-lm", execution=named)(ids[:, :100], mask[:, :100])
     # as auto would have chosen it (on a TPU): XLA for this length, said in the log
-    for _, module in nnx.iter_modules(model):
-        if isinstance(getattr(module, "attention", None), AttentionKernel):
-            module.attention = dataclasses.replace(module.attention, required=False)
-    np.testing.assert_array_equal(np.asarray(model(ids[:, :100], mask[:, :100]).logits), np.asarray(want))
+    auto = from_config(gpt2(), "causal-lm", execution=Execution(attention=AttentionKernel("splash", interpret=True)))
+    np.testing.assert_array_equal(np.asarray(auto(ids[:, :100], mask[:, :100]).logits), np.asarray(want))
     assert "multiples of 128" in caplog.text and "runs on XLA" in caplog.text
 
 
 def test_packed_rows_on_a_gpu_take_xla_with_auto_saying_why_and_refuse_cudnn_by_name(caplog):
     from types import SimpleNamespace
 
-    gpu = SimpleNamespace(devices=np.array([SimpleNamespace(platform="gpu")]))  # a mesh's view of its devices
-    model = from_config(bert(), "sequence-classification", dtype=jnp.bfloat16)
-    assert use_attention(model, "auto", gpu) == "cudnn"  # unpacked rows: cuDNN's fused attention
-    assert use_attention(model, "auto", gpu, packed=True) == "xla"
+    gpu = SimpleNamespace(devices=np.array([SimpleNamespace(platform="gpu")]), shape={})  # a mesh's view
+    task, kw = "sequence-classification", dict(mesh=gpu, dtype=jnp.bfloat16)
+    assert kernel(bert(), task, "auto", **kw) == "cudnn"  # unpacked rows: cuDNN's fused attention
+    assert kernel(bert(), task, "auto", packed=True, **kw) == "xla"
     assert "attention: XLA (cuDNN attention cannot keep packed examples apart" in caplog.text
     with pytest.raises(JaxseqError, match=r"cannot keep packed examples apart; add --no_pack_sequences"):
-        use_attention(model, "cudnn", gpu, packed=True)
+        kernel(bert(), task, "cudnn", packed=True, **kw)
 
 
 @pytest.mark.parametrize("kv_heads", [2, 4])

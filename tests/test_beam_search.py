@@ -21,7 +21,7 @@ transformers = pytest.importorskip("transformers")
 from jaxseq.errors import JaxseqError  # noqa: E402
 from jaxseq.generation import ProgramKey, Settings, cached_program, generate, search_tokens  # noqa: E402
 from jaxseq.mesh import make_mesh  # noqa: E402
-from jaxseq.models import load_pretrained  # noqa: E402
+from jaxseq.models import Execution, load_pretrained  # noqa: E402
 from tests.conftest import shared_asset  # noqa: E402
 from tests.tiny import DEFAULT, tiny_config  # noqa: E402
 
@@ -194,7 +194,7 @@ def test_scanned_model_on_a_mesh_equals_pytorch(tmp_path, name):
     eos = eos_for(ref, [case])
     want, want_scores = torch_beams(ref, eos, **case)
     task = "seq2seq-lm" if name == "t5" else "causal-lm"
-    model = load_pretrained(tmp_path, task, mesh=make_mesh("dp=2,mp=4"), scan_layers=True)
+    model = load_pretrained(tmp_path, task, mesh=make_mesh("dp=2,mp=4"), execution=Execution(scan_layers=True))
     assert all(len(leaf.sharding.device_set) == 8 for leaf in jax.tree.leaves(nnx.state(model)))
     got = generate(model, *prompts(), max_new_tokens=NEW, eos_token_id=eos, pad_token_id=PAD, **case)
     np.testing.assert_array_equal(np.asarray(got.sequences), want)

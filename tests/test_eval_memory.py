@@ -24,7 +24,7 @@ from tests.conftest import shared_asset
 transformers = pytest.importorskip("transformers")
 
 from jaxseq.mesh import make_mesh  # noqa: E402
-from jaxseq.models.execution import Execution  # noqa: E402
+from jaxseq.models.decide import decide_execution  # noqa: E402
 from jaxseq.models.hub import abstract_model  # noqa: E402
 from jaxseq.train.feeding import abstract_batch  # noqa: E402
 from jaxseq.train.objectives import CausalLM  # noqa: E402
@@ -53,9 +53,10 @@ def test_compiled_eval_step_never_holds_the_batch_logits(mesh_spec):
     mesh = make_mesh(mesh_spec)
     batch = abstract_batch(mesh, DEVICES * ROWS_PER_DEVICE, {"input_ids": ((BLOCK,), np.uint16)})
     temps = {}
+    execution = decide_execution(config(), "causal-lm", mesh=mesh)  # as a run decides it
     for chunk_tokens in (512, None):
         program = TrainProgram(
-            abstract_model(config(), "causal-lm", execution=Execution(mesh=mesh)),  # as a run builds it
+            abstract_model(config(), "causal-lm", execution=execution),
             CausalLM(chunk_tokens),
             mesh,
             OptimizerConfig(),

@@ -1,5 +1,5 @@
-"""Per-block weight gathering (``layers.gather_layers``): the same loss and gradients, the gathers inside
-each rematerialised block."""
+"""Per-block weight gathering (``Execution.gather``, ``layers.weight_gather``): the same loss and gradients, the
+gathers inside each rematerialised block."""
 
 import jax
 import jax.numpy as jnp
@@ -14,7 +14,8 @@ transformers = pytest.importorskip("transformers")
 from jaxseq import partition  # noqa: E402
 from jaxseq.mesh import batch_sharding, make_mesh  # noqa: E402
 from jaxseq.models import from_config  # noqa: E402
-from jaxseq.models.layers import WeightGather, enable_remat, gather_layers, without_axis  # noqa: E402
+from jaxseq.models.execution import Execution, Gathering  # noqa: E402
+from jaxseq.models.layers import WeightGather, without_axis  # noqa: E402
 from jaxseq.train.objectives import CausalLM  # noqa: E402
 from tests.reference import padded_batch  # noqa: E402
 from tests.tiny import DEFAULT, tiny_config  # noqa: E402
@@ -30,6 +31,11 @@ BLOCKS = {
     "gptj": (lambda m: m.transformer.h, "attn/q_proj/kernel", "ln_1/scale"),
     "mistral": (lambda m: m.model.layers, "self_attn/q_proj/kernel", "input_layernorm/scale"),
 }
+
+
+def gathering(family, mesh) -> Execution:
+    """Full remat, each block gathering its own weights (``Execution.gather``)."""
+    return Execution(remat="full", gather=Gathering(mesh, tuple(partition.get_partition_rules(family))))
 
 
 def loss_fn(model, batch):
@@ -49,22 +55,20 @@ def test_gathering_keeps_loss_and_gradients(family):
         return jax.jit(jax.value_and_grad(loss))(params)
 
     want = run(from_config(CONFIGS[family](), "causal-lm", mesh=mesh, seed=0))
-    model = from_config(CONFIGS[family](), "causal-lm", mesh=mesh, seed=0)
-    model = gather_layers(enable_remat(model), mesh, partition.get_partition_rules(family))
+    model = from_config(CONFIGS[family](), "causal-lm", mesh=mesh, seed=0, execution=gathering(family, mesh))
     got = run(model)
     np.testing.assert_allclose(got[0], want[0], rtol=1e-6)
     for a, b in zip(jax.tree.leaves(got[1]), jax.tree.leaves(want[1])):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
     get_blocks, kernel, norm = BLOCKS[family]
-    blocks = get_blocks(model)
-    gathered = {name: sharding.spec for name, _, sharding in blocks[0].weight_gather.weights}
+    gathered = {name: sharding.spec for name, _, sharding in get_blocks(model).weight_gathers[0].weights}
     assert gathered[kernel] == P(None, "mp")  # P("fsdp", "mp") without fsdp
     assert not any("fsdp" in str(spec) for spec in gathered.values())
     assert norm not in gathered  # replicated already: nothing to gather
 
-    gather_layers(model, None)
-    assert all(block.weight_gather is None for block in blocks)
+    plain = from_config(CONFIGS[family](), "causal-lm", mesh=mesh, seed=0, execution=Execution(remat="full"))
+    assert all(gather is None for gather in get_blocks(plain).weight_gathers)
 
 
 def constraints(jaxpr, inside=False):
@@ -85,12 +89,11 @@ def test_gathers_sit_inside_each_rematerialised_block():
     block's checkpoint in the backward pass (its recomputation), one block at a time."""
     mesh = make_mesh("fsdp=8")
     config = CONFIGS["gptj"]()
-    model = from_config(config, "causal-lm", dtype=jnp.bfloat16, mesh=mesh, seed=0)
-    gather_layers(enable_remat(model), mesh, partition.get_partition_rules("gptj"))
+    model = from_config(config, "causal-lm", dtype=jnp.bfloat16, mesh=mesh, seed=0, execution=gathering("gptj", mesh))
     batch = {"input_ids": jnp.zeros((8, 8), jnp.int32)}
     _, params, loss = loss_fn(model, batch)
     found = list(constraints(jax.make_jaxpr(jax.grad(loss))(params).jaxpr))
-    per_block = len(model.transformer.h[0].weight_gather.weights)
+    per_block = len(model.transformer.h.weight_gathers[0].weights)
     assert per_block == 6  # q, k, v, out_proj, fc_in, fc_out kernels
     weights = [(dtype, inside) for spec, dtype, inside in found if spec in (P(None, "mp"), P("mp", None))]
     assert all(dtype == jnp.bfloat16 for dtype, _ in weights)

@@ -18,7 +18,8 @@ transformers = pytest.importorskip("transformers")
 from jaxseq.errors import JaxseqError  # noqa: E402
 from jaxseq.generation import generate  # noqa: E402
 from jaxseq.models import from_config, load_pretrained, save_pretrained  # noqa: E402
-from jaxseq.models.attention import use_attention  # noqa: E402
+from jaxseq.models.decide import decide_execution  # noqa: E402
+from jaxseq.models.execution import Execution  # noqa: E402
 from jaxseq.models.llama import layer_windows  # noqa: E402
 from tests.reference import max_diff_on, padded_batch, perturb, torch_forward  # noqa: E402
 from tests.test_llama import NEW, PAD, VOCAB, forward, prompts  # noqa: E402
@@ -200,17 +201,21 @@ def test_classifier_matches_pytorch_on_both_paddings_and_round_trips(name, tmp_p
 def test_soft_capped_attention_takes_xla_saying_why_once_and_refuses_a_fused_kernel_by_name():
     """On a TPU (a mesh's view of its devices) auto says once why it runs XLA; splash or cuDNN named is a one-line
     error. Without the attention soft-cap auto takes splash."""
-    tpu = SimpleNamespace(devices=np.array([SimpleNamespace(platform="tpu")]))
-    model = from_config(tiny_config("gemma2-softcaps"), "causal-lm", dtype=jnp.bfloat16)
+    tpu = SimpleNamespace(devices=np.array([SimpleNamespace(platform="tpu")]), shape={})  # a mesh's view
+    config = tiny_config("gemma2-softcaps")
+
+    def kernel(config, choice, mesh, **kw):
+        return decide_execution(config, "causal-lm", mesh=mesh, attention=choice, **kw).attention.name
+
     said = []
-    assert use_attention(model, "auto", tpu, say=said.append) == "xla"
+    assert kernel(config, "auto", tpu, dtype=jnp.bfloat16, say=said.append) == "xla"
     assert said == ["attention: XLA (splash attention does not soft-cap attention logits (attn_logit_softcapping); "
                     "use --attention xla)"]  # fmt: skip
-    gpu = SimpleNamespace(devices=np.array([SimpleNamespace(platform="gpu")]))
+    gpu = SimpleNamespace(devices=np.array([SimpleNamespace(platform="gpu")]), shape={})
     for name, mesh in (("splash", tpu), ("cudnn", gpu)):
         with pytest.raises(JaxseqError, match=r"attention does not soft-cap attention logits"):
-            use_attention(model, name, mesh)
-    assert use_attention(from_config(tiny_config("gemma2-mqa-tied"), "causal-lm"), "auto", tpu) == "splash"
+            kernel(config, name, mesh, dtype=jnp.bfloat16)
+    assert kernel(tiny_config("gemma2-mqa-tied"), "auto", tpu) == "splash"
 
 
 def test_scanning_mixed_layers_is_refused_auto_unrolls_them_and_uniform_layers_scan(tmp_path):
@@ -219,13 +224,13 @@ def test_scanning_mixed_layers_is_refused_auto_unrolls_them_and_uniform_layers_s
     from jaxseq.train.objectives import CausalLM
     from jaxseq.train.optim import OptimizerConfig
     from jaxseq.train.spec import RunSpec
-    from jaxseq.train.trainer import TrainerConfig
+    from jaxseq.train.trainer_config import TrainerConfig
 
     mixed = tiny_config("gemma2-softcaps")
     with pytest.raises(JaxseqError, match=r"^scan_layers needs every layer to attend alike"):
-        from_config(mixed, "causal-lm", scan_layers=True)
+        from_config(mixed, "causal-lm", execution=Execution(scan_layers=True))
     uniform = tiny_config("gemma2-softcaps", layer_types=["sliding_attention"] * 3)
-    assert len(from_config(uniform, "causal-lm", scan_layers=True).model.layers) == 3
+    assert len(from_config(uniform, "causal-lm", execution=Execution(scan_layers=True)).model.layers) == 3
 
     def scans(config, flag):
         trainer = TrainerConfig(output_dir=str(tmp_path), scan_layers=flag, remat="full")

@@ -281,7 +281,7 @@ def test_qlora_rollout_samples_the_quantised_kernels_with_their_adapters(tok, mo
     dequantised inside the sampler's program: no full-precision model is built (``Lora.merged`` is never called,
     the sampled model holds codes, no float kernel), its completions and old log-probs are those of the
     dequantised model with the adapters folded in, and new weights reuse the compiled sampler."""
-    from jaxseq.models import from_config
+    from jaxseq.models import Execution, from_config
     from jaxseq.train import rl
     from jaxseq.train.lora import Lora
 
@@ -290,7 +290,7 @@ def test_qlora_rollout_samples_the_quantised_kernels_with_their_adapters(tok, mo
         vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=64,
     )  # fmt: skip
-    model = from_config(llama, "causal-lm", mesh=mesh, seed=0, scan_layers=True)
+    model = from_config(llama, "causal-lm", mesh=mesh, seed=0, execution=Execution(scan_layers=True))
     records = [{"prompt": p} for p in ("The sky is", "Two plus two is", "Hello there", "Once upon a")]
     config = GRPOConfig(num_generations=4, max_completion_length=5, temperature=0.9, num_iterations=2)
     prompts = prompt_rows(tok, records, None, tok.eos_token_id)

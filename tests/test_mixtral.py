@@ -18,7 +18,9 @@ from jaxseq.errors import JaxseqError  # noqa: E402
 from jaxseq.generation import generate  # noqa: E402
 from jaxseq.mesh import make_mesh  # noqa: E402
 from jaxseq.models import load_pretrained, save_pretrained  # noqa: E402
+from jaxseq.models.decide import decide_execution  # noqa: E402
 from jaxseq.models.execution import Execution  # noqa: E402
+from jaxseq.models.hub import load_config  # noqa: E402
 from jaxseq.models.mixtral.modeling import expert_parallel, grouped_experts, route  # noqa: E402
 from jaxseq.models.registry import family_for  # noqa: E402
 from jaxseq.train.objectives import CausalLM  # noqa: E402
@@ -56,7 +58,7 @@ def saved(tmp_path_factory):
 @pytest.mark.parametrize("scan", [False, True])
 def test_logits_match_pytorch_on_both_paddings(saved, scan):
     ref, path = saved
-    model = load_pretrained(path, "causal-lm", scan_layers=scan)
+    model = load_pretrained(path, "causal-lm", execution=Execution(scan_layers=scan))
     for ids, mask in (padded_batch(VOCAB), prompts((12, 9, 5))):
         want = torch_forward(ref, input_ids=ids, attention_mask=mask).logits.numpy()
         assert relative_diff(mask, forward(model, jnp.asarray(ids), jnp.asarray(mask)).logits, want) <= 1e-4
@@ -147,9 +149,12 @@ def test_meshes_give_the_same_logits_and_gradients(saved, mesh, scan):
         out = forward(model, batch["input_ids"], batch["attention_mask"])
         return out, loss, dict(partition.named_leaves(nnx.state(grads, nnx.Param)))
 
-    want, want_loss, want_grads = logits_loss_grads(load_pretrained(path, "causal-lm", scan_layers=scan))
+    want, want_loss, want_grads = logits_loss_grads(
+        load_pretrained(path, "causal-lm", execution=Execution(scan_layers=scan))
+    )
     devices = make_mesh(mesh)
-    model = load_pretrained(path, "causal-lm", mesh=devices, scan_layers=scan, execution=Execution(mesh=devices))
+    execution = decide_execution(load_config(path), "causal-lm", mesh=devices, scan_layers=scan)  # as a run's
+    model = load_pretrained(path, "causal-lm", mesh=devices, execution=execution)
     specs = {name: x.sharding.spec for name, x in partition.named_leaves(nnx.state(model, nnx.Param))}
     layer = "model/layers/stacked" if scan else "model/layers/0"
     stacked = (None,) * scan

@@ -19,7 +19,7 @@ from jaxseq import partition  # noqa: E402
 from jaxseq.errors import JaxseqError  # noqa: E402
 from jaxseq.generation import generate  # noqa: E402
 from jaxseq.mesh import make_mesh  # noqa: E402
-from jaxseq.models import from_config, load_pretrained, save_pretrained  # noqa: E402
+from jaxseq.models import Execution, from_config, load_pretrained, save_pretrained  # noqa: E402
 from jaxseq.models.phi3.modeling import rope_frequencies  # noqa: E402
 from tests.reference import max_diff_on, padded_batch, perturb, torch_forward  # noqa: E402
 from tests.test_llama import prompts  # noqa: E402
@@ -188,7 +188,7 @@ def test_greedy_generation_matches_pytorch_on_left_padded_prompts(case):
 
 def test_scanned_layers_give_the_same_logits_and_export(case, tmp_path):
     _, ref, path = case
-    model = load_pretrained(path, "causal-lm", scan_layers=True)
+    model = load_pretrained(path, "causal-lm", execution=Execution(scan_layers=True))
     ids, mask = batches()["right"]
     want = torch_forward(ref, input_ids=ids, attention_mask=mask).logits.numpy()
     assert relative_diff(mask, forward(model, jnp.asarray(ids), jnp.asarray(mask)).logits, want) <= TOL

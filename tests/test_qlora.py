@@ -18,7 +18,7 @@ torch = pytest.importorskip("torch")
 
 from jaxseq.errors import JaxseqError  # noqa: E402
 from jaxseq.mesh import make_mesh  # noqa: E402
-from jaxseq.models import from_config  # noqa: E402
+from jaxseq.models import Execution, from_config  # noqa: E402
 from jaxseq.train.lora import LoraConfig  # noqa: E402
 from jaxseq.train.objectives import CausalLM  # noqa: E402
 from jaxseq.train.optim import OptimizerConfig  # noqa: E402
@@ -92,7 +92,7 @@ def batch():
 @pytest.mark.parametrize("scan", [False, True], ids=["unrolled", "scanned"])
 def test_qlora_step_is_lora_on_the_dequantised_weights(kind, scan):
     mesh = make_mesh()
-    model = from_config(llama_config(), "causal-lm", mesh=mesh, seed=0, scan_layers=scan)
+    model = from_config(llama_config(), "causal-lm", mesh=mesh, seed=0, execution=Execution(scan_layers=scan))
     qlora = program(model, mesh, kind)
     params = nnx.state(model)
     frozen = qlora.training.freeze(params)
@@ -145,11 +145,12 @@ def test_qlora_kernels_reach_the_devices_only_quantised_one_layer_at_a_time(tmp_
     torch.manual_seed(0)
     transformers.LlamaForCausalLM(llama_config()).save_pretrained(tmp_path)
     mesh = make_mesh("fsdp=2,mp=2,dp=2")
-    on_device = load_pretrained(tmp_path, "causal-lm", mesh=mesh, scan_layers=scan)
+    execution = Execution(scan_layers=scan)
+    on_device = load_pretrained(tmp_path, "causal-lm", mesh=mesh, execution=execution)
     lora = LoraConfig(lora_rank=RANK, lora_targets=TARGETS, quantize="nf4")
     host = set(quantized_kernels(on_device, lora))
     assert len(host) == 7 * (1 if scan else 2)
-    model = load_pretrained(tmp_path, "causal-lm", mesh=mesh, scan_layers=scan, on_host=host)
+    model = load_pretrained(tmp_path, "causal-lm", mesh=mesh, execution=execution, on_host=host)
     flat = {path: v.get_value() for path, v in nnx.to_flat_state(nnx.state(model))}
     assert all(isinstance(v, np.ndarray) == (path[:-1] in host) for path, v in flat.items())
     sent = []

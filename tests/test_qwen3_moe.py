@@ -12,7 +12,7 @@ transformers = pytest.importorskip("transformers")
 
 from jaxseq.errors import JaxseqError  # noqa: E402
 from jaxseq.generation import generate  # noqa: E402
-from jaxseq.models import load_pretrained, save_pretrained  # noqa: E402
+from jaxseq.models import Execution, load_pretrained, save_pretrained  # noqa: E402
 from jaxseq.models.registry import family_for  # noqa: E402
 from jaxseq.train.objectives import CausalLM  # noqa: E402
 from tests.reference import padded_batch, perturb, torch_forward  # noqa: E402
@@ -78,10 +78,10 @@ def test_export_and_greedy_generation(saved, tmp_path):
 def test_mixed_layers_do_not_scan_and_flops_count_routed_experts(saved, tmp_path):
     from jaxseq.train.optim import OptimizerConfig
     from jaxseq.train.spec import RunSpec
-    from jaxseq.train.trainer import TrainerConfig
+    from jaxseq.train.trainer_config import TrainerConfig
 
     with pytest.raises(JaxseqError, match="scan_layers") as error:
-        load_pretrained(saved[1], "causal-lm", scan_layers=True)
+        load_pretrained(saved[1], "causal-lm", execution=Execution(scan_layers=True))
     assert "\n" not in str(error.value)
 
     def scans(config):  # --scan_layers auto under --remat full: the run's layout

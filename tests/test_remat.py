@@ -11,7 +11,7 @@ transformers = pytest.importorskip("transformers")
 
 from jaxseq.errors import JaxseqError  # noqa: E402
 from jaxseq.models import from_config  # noqa: E402
-from jaxseq.models.layers import REMAT_POLICIES, enable_remat  # noqa: E402
+from jaxseq.models.execution import REMAT_POLICIES, Execution  # noqa: E402
 from tests.reference import padded_batch  # noqa: E402
 from tests.tiny import DEFAULT, tiny_config  # noqa: E402
 
@@ -55,7 +55,7 @@ def remat_policies(model) -> set[str]:
 def test_remat_gives_the_same_gradients(family, policy):
     config, task = CONFIGS[family]()
     plain = loss_and_grads(from_config(config, task, seed=0), task)
-    remat_model = enable_remat(from_config(config, task, seed=0), policy)
+    remat_model = from_config(config, task, seed=0, execution=Execution(remat=policy))
     assert remat_policies(remat_model) == {policy}
     assert_same(loss_and_grads(remat_model, task), plain)
 
@@ -63,9 +63,7 @@ def test_remat_gives_the_same_gradients(family, policy):
 def test_remat_policy_names():
     assert REMAT_POLICIES == ("none", "full", "dots", "offload")
     config, task = CONFIGS["gpt2"]()
-    model = from_config(config, task)
-    assert remat_policies(model) == {"none"}
-    assert remat_policies(enable_remat(model)) == {"full"}  # True means full
-    assert remat_policies(enable_remat(model, False)) == {"none"}
+    assert remat_policies(from_config(config, task)) == {"none"}
+    assert remat_policies(from_config(config, task, execution=Execution(remat="full"))) == {"full"}
     with pytest.raises(JaxseqError, match="unknown remat policy 'some'; choose one of none, full, dots, offload"):
-        enable_remat(model, "some")
+        Execution(remat="some")

@@ -22,15 +22,9 @@ from jaxseq.errors import JaxseqError  # noqa: E402
 from jaxseq.generation import generate  # noqa: E402
 from jaxseq.mesh import batch_sharding, make_mesh  # noqa: E402
 from jaxseq.models import from_config, load_pretrained, save_pretrained  # noqa: E402
-from jaxseq.models.execution import Execution  # noqa: E402
+from jaxseq.models.execution import Execution, Gathering  # noqa: E402
 from jaxseq.models.hub import abstract_model  # noqa: E402
-from jaxseq.models.layers import (  # noqa: E402
-    Stacked,
-    dropout,
-    enable_remat,
-    gather_layers,
-    layer_paths,
-)
+from jaxseq.models.layers import Stacked, dropout, layer_paths  # noqa: E402
 from jaxseq.models.t5 import shift_right  # noqa: E402
 from jaxseq.models.weights import read_checkpoint, torch_layout  # noqa: E402
 from jaxseq.sharding import unstacked_path  # noqa: E402
@@ -187,10 +181,11 @@ def folders(tmp_path_factory):
     return out
 
 
-def pair(folders, family, **kwargs):
-    """The unrolled and the scanned model of ``family`` loaded from its folder."""
-    load = lambda **more: load_pretrained(folders[family], task(family), **kwargs, **more)
-    return load(), load(scan_layers=True)
+def pair(folders, family, scanned: Execution = Execution(scan_layers=True), **kwargs):
+    """The unrolled and the scanned model of ``family`` loaded from its folder (``scanned``: how the scanned one
+    runs)."""
+    load = lambda execution: load_pretrained(folders[family], task(family), execution=execution, **kwargs)
+    return load(Execution()), load(scanned)
 
 
 def per_layer(tree) -> dict[str, np.ndarray]:
@@ -302,10 +297,10 @@ def assert_same_grads(got, want):
     ],
 )
 def test_scanned_gradients_equal_unrolled(family, policy, packed, folders):
-    unrolled, scanned = pair(folders, family)
+    unrolled, scanned = pair(folders, family, Execution(scan_layers=True, remat=policy))
     b = batch(family, packed)
     want = loss_and_grads(unrolled, b, family)
-    got = loss_and_grads(enable_remat(scanned, policy), b, family)
+    got = loss_and_grads(scanned, b, family)
     assert_same_grads(got, want)
 
 
@@ -330,11 +325,11 @@ def test_gathered_one_layer_at_a_time_inside_the_scan(family, folders):
     mesh, and the program gathers one layer's weights (as many constraints as one block has, not one per layer;
     BERT's classifier gathers its last layer's once more, where it runs apart from the scan)."""
     mesh = make_mesh("dp=2,fsdp=2,mp=2")
-    unrolled, scanned = pair(folders, family, mesh=mesh)
+    gathering = Gathering(mesh, tuple(partition.get_partition_rules(family.split("-")[0])))
+    unrolled, model = pair(folders, family, Execution(scan_layers=True, remat="full", gather=gathering), mesh=mesh)
     b = on_mesh(batch(family), mesh)
     want = loss_and_grads(unrolled, b, family, mesh)
-    model = gather_layers(enable_remat(scanned), mesh, partition.get_partition_rules(family.split("-")[0]))
-    stacks = [m.stacked.weight_gather.weights for _, m in nnx.iter_modules(model) if isinstance(m, Stacked)]
+    stacks = [m.weight_gather.weights for _, m in nnx.iter_modules(model) if isinstance(m, Stacked)]
     assert len(stacks) == len(STACKS[family])
     for weights in stacks:
         assert weights and all(len(s.spec) == 2 and "fsdp" not in str(s.spec) for _, _, s in weights)
@@ -384,8 +379,7 @@ class TwoSites(nnx.Module):
 def test_masks_drawn_ahead_are_each_layers_own_at_each_sites_rate():
     """``draws_ahead`` (on CPU): each site's masks are drawn for every layer before the scan, one draw a site,
     and each layer takes its own, at its site's rate; the step's key decides them."""
-    stack = Stacked(TwoSites, 4, nnx.Rngs(0))
-    stack.draws_ahead = True
+    stack = Stacked(TwoSites, 4, nnx.Rngs(0), Execution(draws_ahead=True))
     run = lambda seed: stack("none", jnp.zeros(()), rngs=nnx.Rngs(dropout=jax.random.key(seed)))[1]
     wide, narrow = run(7)
     assert wide.shape == (4, 2, 4096) and narrow.shape == (4, 4096)
@@ -400,15 +394,15 @@ def test_masks_drawn_ahead_are_each_layers_own_at_each_sites_rate():
 
 
 def test_masks_drawn_ahead_serve_the_backward_pass_under_remat(folders):
-    """A scanned BERT on CPU (``Execution`` sets ``draws_ahead``) with dropout: the rematerialised backward
-    pass takes the forward's masks, so loss and gradients under ``--remat full`` equal those without remat."""
-    model = load_pretrained(folders["bert"], task("bert"), scan_layers=True, execution=Execution(),
-                            hidden_dropout_prob=0.3, attention_probs_dropout_prob=0.2)  # fmt: skip
-    assert model.bert.encoder.layer.draws_ahead
+    """A scanned BERT on CPU (a run's ``Execution`` draws its masks ahead there) with dropout: the rematerialised
+    backward pass takes the forward's masks, so loss and gradients under ``--remat full`` equal those without."""
     b = batch("bert")
 
     def grads(policy, seed):
-        enable_remat(model, policy)
+        execution = Execution(scan_layers=True, remat=policy, draws_ahead=True)
+        model = load_pretrained(folders["bert"], task("bert"), execution=execution,
+                                hidden_dropout_prob=0.3, attention_probs_dropout_prob=0.2)  # fmt: skip
+        assert model.bert.encoder.layer.draws_ahead
         graphdef, params = nnx.split(model)
         loss = lambda p: objective("bert").loss(nnx.merge(graphdef, p), b, nnx.Rngs(dropout=jax.random.key(seed)))
         return jax.jit(jax.value_and_grad(loss))(params)
@@ -424,8 +418,8 @@ def test_scanned_and_unrolled_models_initialise_alike():
     not change a run. T5's scanned stacks keep the first block's position bias apart, so they draw otherwise."""
     for family in ("gpt2", "llama", "bert", "opt"):
         unrolled, scanned = (
-            per_layer(nnx.state(from_config(CONFIGS[family](), task(family), seed=3, scan_layers=scan), nnx.Param))
-            for scan in (False, True)
+            per_layer(nnx.state(from_config(CONFIGS[family](), task(family), seed=3, execution=scan), nnx.Param))
+            for scan in (Execution(), Execution(scan_layers=True))
         )
         assert set(scanned) == set(unrolled)
         for name, array in unrolled.items():
@@ -469,7 +463,7 @@ def test_configs_that_cannot_scan_say_so():
         max_window_layers=1,
     )  # fmt: skip
     with pytest.raises(JaxseqError, match="mixes sliding-window and full layers"):
-        abstract_model(qwen, "causal-lm", scan_layers=True)
+        abstract_model(qwen, "causal-lm", execution=Execution(scan_layers=True))
 
 
 def one_device():
@@ -479,8 +473,9 @@ def one_device():
 def train_step(folders, family, mesh, *, scan_layers, remat="none", lora=None, adapters=None):
     """One step of the train program (``TrainProgram.step``): (loss, trained parameters before and after by the
     unrolled model's paths or, with LoRA, as trained, the program and the frozen weights)."""
-    model = load_pretrained(folders[family], task(family), mesh=mesh, scan_layers=scan_layers)
-    program = jaxseq_program(enable_remat(model, remat), objective(family), mesh, max_grad_norm=1.0, lora=lora)
+    execution = Execution(scan_layers=scan_layers, remat=remat)
+    model = load_pretrained(folders[family], task(family), mesh=mesh, execution=execution)
+    program = jaxseq_program(model, objective(family), mesh, max_grad_norm=1.0, lora=lora)
     frozen = nnx.state(model) if lora else None
     trained = nnx.state(model) if lora is None else adapters(program, frozen)
     before = per_layer(trained) if lora is None else flat_params(trained)
@@ -553,7 +548,7 @@ def test_lora_on_stacked_kernels_equals_unrolled(folders, tmp_path):
     assert "on 6 kernels" in got[3].training.lora.describe(100, 1)  # q and v of 3 layers
 
     # and the unrolled model's PEFT adapter merged into a scanned model
-    base = load_pretrained(folders["llama"], "causal-lm", scan_layers=True)
+    base = load_pretrained(folders["llama"], "causal-lm", execution=Execution(scan_layers=True))
     save_pretrained(merge_adapter(base, tmp_path / "unrolled" / "adapter"), tmp_path / "scanned" / "merged-adapter")
 
     def files(side, kind):

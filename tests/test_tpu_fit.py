@@ -17,8 +17,8 @@ transformers = pytest.importorskip("transformers")
 
 from jaxseq import partition  # noqa: E402
 from jaxseq.mesh import batch_spec, make_mesh  # noqa: E402
+from jaxseq.models.execution import Execution, Gathering  # noqa: E402
 from jaxseq.models.gptj import GPTJForCausalLM  # noqa: E402
-from jaxseq.models.layers import enable_remat, gather_layers  # noqa: E402
 from jaxseq.train.objectives import CausalLM  # noqa: E402
 from jaxseq.train.optim import OptimizerConfig, make_optimizer  # noqa: E402
 from jaxseq.train.step import TrainState, state_specs  # noqa: E402
@@ -63,12 +63,13 @@ def test_gathering_one_block_at_a_time_lowers_the_memory_of_a_v5e_train_step():
     config = transformers.GPTJConfig(n_layer=2, n_embd=512, n_head=8, rotary_dim=16, vocab_size=1024)
 
     def compiled(gather: bool):
+        rules = tuple(partition.get_partition_rules("gptj"))
+        execution = Execution(remat="full", gather=Gathering(mesh, rules) if gather else None)
         model = nnx.eval_shape(
-            lambda: GPTJForCausalLM(config, dtype=jnp.bfloat16, param_dtype=jnp.float32, rngs=nnx.Rngs(0))
+            lambda: GPTJForCausalLM(
+                config, dtype=jnp.bfloat16, param_dtype=jnp.float32, rngs=nnx.Rngs(0), execution=execution
+            )
         )
-        enable_remat(model, "full")
-        if gather:
-            gather_layers(model, mesh, partition.get_partition_rules("gptj"))
         return compile_train_step(model, mesh, 512, CausalLM(chunk_tokens=256, batch_shards=8))
 
     plain, gathered = compiled(False), compiled(True)

@@ -16,14 +16,16 @@ from jaxseq import partition  # noqa: E402
 from jaxseq.data.glue import encode, get_task, load_split  # noqa: E402
 from jaxseq.data.rows import ArrayRows  # noqa: E402
 from jaxseq.mesh import make_mesh  # noqa: E402
-from jaxseq.models import from_config  # noqa: E402
+from jaxseq.models import decide, from_config  # noqa: E402
 from jaxseq.train.objectives import SequenceClassification  # noqa: E402
 from jaxseq.train.optim import OPTIMIZERS, OptimizerConfig  # noqa: E402
 from jaxseq.train.spec import RunSpec  # noqa: E402
-from jaxseq.train.trainer import Trainer, TrainerConfig  # noqa: E402
+from jaxseq.train.trainer import Trainer  # noqa: E402
+from jaxseq.train.trainer_config import TrainerConfig  # noqa: E402
 
 TASK = "sequence-classification"
 from tests.conftest import shared_asset  # noqa: E402
+from tests.tiny import tiny_config  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -372,6 +374,5 @@ def test_eta_stays_within_a_fifth_of_the_time_left(tmp_path):
         ("false", "full", "cpu", False),
     ],
 )
-def test_scan_layers_auto_scans_on_cpu_and_under_full_remat(tmp_path, flag, remat, platform, scans):
-    config = TrainerConfig(output_dir=str(tmp_path), scan_layers=flag, remat=remat)
-    assert config.scans(platform) is scans
+def test_scan_layers_auto_scans_on_cpu_and_under_full_remat(flag, remat, platform, scans):
+    assert decide.scans(flag, platform, remat, tiny_config("gpt2")) is scans

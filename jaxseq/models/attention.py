@@ -5,7 +5,8 @@ values ``[batch, kv_len, kv_heads, head_dim]``, masks ``[batch, 1, q_len, kv_len
 grouped-query attention (Llama, Mistral, Qwen2) ``kv_heads`` divides ``heads`` and query head ``h`` reads
 key/value head ``h // (heads // kv_heads)``; the other families have ``kv_heads == heads``.
 
-Kernels (``ATTENTION_KERNELS``, chosen per model by ``use_attention``): ``xla`` (XLA's own attention: the
+Kernels (``ATTENTION_KERNELS``, chosen per run by ``choose_kernel``; each attention layer takes
+``execution.Execution.attention`` when it is built): ``xla`` (XLA's own attention: the
 ``[batch, heads, q, kv]`` scores in memory), ``splash`` (the Pallas TPU splash attention kernel shipped with
 JAX: blockwise, the scores never stored; causal, padding and packed examples as segment ids) and ``cudnn``
 (cuDNN's fused attention on NVIDIA GPUs). ``auto`` takes the fused kernel of the backend where it applies.
@@ -36,25 +37,13 @@ from jax.sharding import PartitionSpec as P
 
 from jaxseq.errors import JaxseqError
 from jaxseq.mesh import BATCH_AXES, mesh_platform
-from jaxseq.models.layers import DrawnMasks, Stacked, call_block, dropout, kept
+from jaxseq.models.execution import AttentionKernel
+from jaxseq.models.layers import DrawnMasks, Stacked, dropout, kept
 
 logger = logging.getLogger("jaxseq")
 
 ATTENTION_KERNELS = ("auto", "splash", "cudnn", "xla")
 SPLASH_BLOCK = 128  # splash attention's tiles are multiples of 128 positions (TPU lanes)
-
-
-@dataclasses.dataclass(frozen=True)
-class AttentionKernel:
-    """The kernel an attention layer runs (``use_attention`` sets it): ``name`` (xla, splash, cudnn);
-    ``mesh``: splash runs per device under ``shard_map``, the batch split over dp and fsdp and the heads over
-    mp; ``required``: chosen by name, so a shape it cannot take is an error rather than a fallback to XLA;
-    ``interpret``: splash in Pallas interpret mode (its numerics on CPU, for tests)."""
-
-    name: str = "xla"
-    mesh: Mesh | None = None
-    required: bool = False
-    interpret: bool = False
 
 
 @struct.dataclass
@@ -117,7 +106,7 @@ class Cache(NamedTuple):
 
 
 def run_blocks(blocks, remat: str, x, mask, *args, cache: Cache | None, rngs, **kwargs):
-    """Run decoder blocks in order (a list, or a scanned ``Stacked`` one), each reading and writing its own
+    """Run decoder blocks in order (``layers.Unrolled``, or a scanned ``Stacked`` one), each reading and writing its own
     layer of ``cache`` (if given) at the cache's index, and reading its own cross-attention keys/values
     (``cache.cross``, as ``cross=``); returns the output and the cache advanced past ``x``'s positions, or
     without a cache what the blocks return beside their outputs (MoE layers' router statistics), None if nothing."""
@@ -128,9 +117,9 @@ def run_blocks(blocks, remat: str, x, mask, *args, cache: Cache | None, rngs, **
         x, layers = blocks(remat, x, mask, *args, per_layer=own, index=index, rngs=rngs, **kwargs)
     else:
         layers = []
-        for i, block in enumerate(blocks):
+        for i in range(len(blocks)):
             layer = {name: value[i] for name, value in own.items()}
-            x, layer = call_block(block, remat, x, mask, *args, index=index, rngs=rngs, **layer, **kwargs)
+            x, layer = blocks.call(i, remat, x, mask, *args, index=index, rngs=rngs, **layer, **kwargs)
             layers.append(layer)
         layers = tuple(layers)
     if cache is None:
@@ -267,7 +256,7 @@ def attend(
     """Scaled dot-product attention with ``kernel`` (``causal``: the mask is causal, which the fused
     kernels build themselves, with its sliding window if it has one). XLA: ``jax.nn.dot_product_attention``;
     with attention dropout or a ``softcap`` (scores ``softcap * tanh(scores / softcap)`` before the mask,
-    Gemma 2's; XLA only, see ``use_attention``), the same math written out."""
+    Gemma 2's; XLA only, see ``choose_kernel``), the same math written out."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     segments = mask.segments if isinstance(mask, AttentionMask) else None
     window = mask.window if isinstance(mask, AttentionMask) else None
@@ -275,7 +264,7 @@ def attend(
     fused = kernel.name != "xla" and bias is None and softcap is None and (rngs is None or dropout_rate == 0.0)
     if fused and kernel.name == "splash" and _splash_fits(q, k, kernel):
         return splash_attention(q, k, v, segments, scale=scale, causal=causal, window=window, kernel=kernel)
-    if fused and kernel.name == "cudnn":  # right-padded rows (use_attention refuses packed ones): key lengths
+    if fused and kernel.name == "cudnn":  # right-padded rows (choose_kernel refuses packed ones): key lengths
         lengths = None if segments is None else jnp.sum(segments != 0, axis=-1).astype(jnp.int32)
         return jax.nn.dot_product_attention(
             q, k, v, scale=scale, is_causal=causal, key_value_seq_lengths=lengths,
@@ -542,30 +531,29 @@ def splash_attention(
     return jnp.swapaxes(out, 1, 2)
 
 
-def use_attention(
-    model: nnx.Module,
+def choose_kernel(
     choice: str,
-    mesh: Mesh | None = None,
+    mesh: Mesh | None,
+    model: Callable[[], nnx.Module],
     *,
     packed: bool = False,
     interpret: bool = False,
     say: Callable[[str], None] | None = None,
-) -> str:
-    """Set the attention kernel of every attention layer of ``model`` (``ATTENTION_KERNELS``) for runs on
-    ``mesh`` (whose devices say the backend; None: the default backend) and return the kernel chosen.
-    ``auto``: splash on TPU, cuDNN on GPU (bfloat16/float16 compute), where every layer can take it (no
-    attention dropout, no additive bias as T5's), else XLA, saying why through ``say`` (default: a logged
-    warning). A kernel named explicitly that cannot apply stops with one line saying why and what to do.
-    ``packed``: the batches pack several examples per row (cuDNN cannot keep them apart). ``interpret``:
-    splash anywhere, in Pallas interpret mode (numerics tests on CPU)."""
+) -> AttentionKernel:
+    """The attention kernel (``ATTENTION_KERNELS``) that the attention layers of ``model()`` (the model, abstract,
+    built with XLA's attention: called only when a fused kernel is considered) run for runs on ``mesh`` (whose
+    devices say the backend; None: the default backend). ``auto``: splash on TPU, cuDNN on GPU
+    (bfloat16/float16 compute), where every layer can take it (no attention dropout, no additive bias as T5's),
+    else XLA, saying why through ``say`` (default: a logged warning). A kernel named explicitly that cannot apply
+    stops with one line saying why and what to do. ``packed``: the batches pack several examples per row (cuDNN
+    cannot keep them apart). ``interpret``: splash anywhere, in Pallas interpret mode (numerics tests on CPU)."""
     if choice not in ATTENTION_KERNELS:
         raise JaxseqError(f"unknown attention kernel {choice!r}; choose one of {', '.join(ATTENTION_KERNELS)}")
-    layers = [m for _, m in nnx.iter_modules(model) if isinstance(getattr(m, "attention", None), AttentionKernel)]
     where = mesh_platform(mesh)
     name = choice
     if choice == "auto":
         name = {"tpu": "splash", "gpu": "cudnn", "cuda": "cudnn"}.get(where, "xla")
-    why_not = _why_not(name, layers, where, interpret, model)
+    why_not = None if name == "xla" else _why_not(name, model(), where, interpret)
     if name == "cudnn" and packed and not why_not:
         why_not = "cuDNN attention cannot keep packed examples apart; add --no_pack_sequences or use --attention xla"
     if why_not and choice != "auto":
@@ -573,16 +561,17 @@ def use_attention(
     if why_not:
         (say or logger.warning)(f"attention: XLA ({why_not})")
         name = "xla"
-    kernel = AttentionKernel(name, mesh if name == "splash" else None, required=choice != "auto", interpret=interpret)
-    for layer in layers:
-        layer.attention = kernel
-    return name
+    return AttentionKernel(name, mesh if name == "splash" else None, required=choice != "auto", interpret=interpret)
 
 
-def _why_not(name: str, layers, platform: str, interpret: bool, model) -> str | None:
-    """Why kernel ``name`` cannot run these attention layers here (None: it can)."""
-    if name == "xla":
-        return None
+def attention_layers(model: nnx.Module) -> list[nnx.Module]:
+    """The attention layers of ``model``: its modules that run an ``AttentionKernel`` (``attention``)."""
+    return [m for _, m in nnx.iter_modules(model) if isinstance(getattr(m, "attention", None), AttentionKernel)]
+
+
+def _why_not(name: str, model: nnx.Module, platform: str, interpret: bool) -> str | None:
+    """Why fused kernel ``name`` cannot run the attention layers of ``model`` here (None: it can)."""
+    layers = attention_layers(model)
     label = {"splash": "splash attention", "cudnn": "cuDNN attention"}[name]
     if not layers:
         return f"{label} is not available for {type(model).__name__}; use --attention xla"

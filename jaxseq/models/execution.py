@@ -1,48 +1,66 @@
-"""How a model's blocks run, fixed when the model is built: its attention kernel, what each block keeps for
-the backward pass (remat) and whether each block gathers its fully sharded weights itself. A run decides
-these once (``jaxseq.train.spec``); ``models.hub`` builds every model with them, so nothing changes a model
-after it is built."""
+"""How a model's blocks run, one value passed to the family's constructor: whether they are stacked and scanned,
+the attention kernel, what each block keeps for the backward pass (remat), whether each block gathers its fully
+sharded weights itself, the devices a mixture of experts splits its experts over and where dropout masks are
+drawn. Every module reads what it needs of it in its ``__init__``; nothing changes a model after it is built.
+A run decides it once from its flags and mesh (``models.decide.decide_execution``); ``Execution()`` is a plain
+model: unrolled blocks, XLA's attention, no remat, no gathering."""
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 
-from flax import nnx
 from jax.sharding import Mesh
 
-from jaxseq.mesh import mesh_platform
-from jaxseq.models.attention import use_attention
-from jaxseq.models.layers import Stacked, enable_remat, gather_layers
-from jaxseq.models.registry import family_for
+from jaxseq.errors import JaxseqError
+
+REMAT_POLICIES = ("none", "full", "dots", "offload")
+"""What a transformer block keeps for the backward pass (``Execution.remat``): ``none`` every activation (no
+remat); ``full`` nothing inside the block, only its input (one more forward per block); ``dots`` the outputs of
+the matmuls without batch dimensions (the dense layers', not attention's), recomputing the cheap elementwise work
+around them; ``offload`` the same matmul outputs, moved to pinned host memory."""
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionKernel:
+    """The kernel an attention layer runs: ``name`` (xla, splash, cudnn); ``mesh``: splash runs per device under
+    ``shard_map``, the batch split over dp and fsdp and the heads over mp; ``required``: chosen by name, so a
+    shape it cannot take is an error rather than a fallback to XLA; ``interpret``: splash in Pallas interpret
+    mode (its numerics on CPU, for tests)."""
+
+    name: str = "xla"
+    mesh: Mesh | None = None
+    required: bool = False
+    interpret: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Gathering:
+    """Fully-sharded data parallelism one block at a time (``layers.WeightGather``): each block casts its
+    parameters sharded over ``axis`` to the dtype its layer computes in and gathers them to their partition spec
+    (``rules``: the family's partition rules, matched on the block's own parameter paths) with ``axis`` taken
+    out, inside its (rematerialised) call, so only one block's weights are whole at a time; the block's input
+    stays split over the batch axes of ``mesh``."""
+
+    mesh: Mesh
+    rules: tuple = ()
+    axis: str = "fsdp"
 
 
 @dataclasses.dataclass(frozen=True)
 class Execution:
-    """``attention``: a kernel choice of ``attention.ATTENTION_KERNELS`` (``auto`` resolves per backend and
-    model); ``remat``: a ``layers.REMAT_POLICIES`` name; ``mesh``: the devices the model runs on (the
-    backend; with fsdp > 1 each block gathers its own weights, ``layers.gather_layers``; with ep > 1 a
-    mixture of experts computes each expert on the devices that hold it); ``packed``: batches
-    pack several examples per row."""
+    """``scan_layers``: the blocks stacked and run by one scan (``layers.Stacked``), else a Python loop;
+    ``attention``: the kernel every attention layer runs (``attention.attend``); ``remat``: a ``REMAT_POLICIES``
+    name; ``gather``: per-block weight gathering (fsdp > 1), None: off; ``experts``: the mesh whose ``ep`` axis
+    splits a mixture of experts by expert (ep > 1), None: each device computes every expert; ``draws_ahead``: a
+    scanned stack draws its blocks' dropout masks before the scan (``layers.Stacked``; CPU programs)."""
 
-    attention: str = "xla"
+    scan_layers: bool = False
+    attention: AttentionKernel = AttentionKernel()
     remat: str = "none"
-    mesh: Mesh | None = None
-    packed: bool = False
+    gather: Gathering | None = None
+    experts: Mesh | None = None
+    draws_ahead: bool = False
 
-    def apply(self, model: nnx.Module, say: Callable[[str], None] | None = None) -> str:
-        """Set it on a freshly built ``model`` and return the attention kernel chosen (``say``: why not the
-        fused one, when ``auto`` falls back to XLA)."""
-        kernel = use_attention(model, self.attention, self.mesh, packed=self.packed, say=say)
-        enable_remat(model, self.remat)
-        gathering = self.mesh is not None and self.mesh.shape["fsdp"] > 1
-        rules = family_for(model.config.model_type).partition_rules
-        gather_layers(model, self.mesh if gathering else None, rules)
-        experts = self.mesh if self.mesh is not None and self.mesh.shape["ep"] > 1 else None
-        on_cpu = mesh_platform(self.mesh) == "cpu"
-        for _, module in nnx.iter_modules(model):
-            if hasattr(module, "expert_mesh"):  # a mixture of experts' block: its experts split over ep
-                module.expert_mesh = experts
-            if isinstance(module, Stacked):
-                module.draws_ahead = on_cpu
-        return kernel
+    def __post_init__(self):
+        if self.remat not in REMAT_POLICIES:
+            raise JaxseqError(f"unknown remat policy {self.remat!r}; choose one of {', '.join(REMAT_POLICIES)}")

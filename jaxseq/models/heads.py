@@ -7,6 +7,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxseq.models.attention import Cache, take_positions
+from jaxseq.models.execution import Execution
 from jaxseq.models.layers import Linear, normal
 from jaxseq.models.outputs import LMOutput
 
@@ -54,10 +55,10 @@ class LastTokenClassifier(nnx.Module):
     task_head = r"^score/"  # what fine-tuning adds to the pretrained model (trained in full beside LoRA)
 
     def __init__(
-        self, config, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs, scan_layers: bool = False
+        self, config, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs, execution: Execution = Execution()
     ):
         self.config = config
-        base = self.base(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs, scan_layers=scan_layers)
+        base = self.base(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs, execution=execution)
         setattr(self, self.base_name, base)
         self.score = Linear(
             config.hidden_size,

@@ -157,10 +157,10 @@ def apply_overrides(config, *, num_labels: int | None = None, **overrides):
 # --------------------------------------------------------------------------- building models
 
 
-def _constructor(config, task, dtype, param_dtype, seed, scan_layers=False):
-    """The model's constructor; ``scan_layers``: its blocks stacked and scanned (``layers.Stacked``)."""
+def _constructor(config, task, dtype, param_dtype, seed, execution: Execution):
+    """The model's constructor; ``execution``: how its blocks run (``models.execution``)."""
     cls = model_class(config, task)
-    return lambda: cls(config, dtype=dtype, param_dtype=param_dtype, rngs=nnx.Rngs(seed), scan_layers=scan_layers)
+    return lambda: cls(config, dtype=dtype, param_dtype=param_dtype, rngs=nnx.Rngs(seed), execution=execution)
 
 
 def _initialising(shardings):
@@ -196,19 +196,11 @@ def abstract_model(
     *,
     dtype=jnp.float32,
     param_dtype=jnp.float32,
-    scan_layers: bool = False,
-    execution: Execution | None = None,
+    execution: Execution = Execution(),
 ) -> nnx.Module:
     """The model of ``config`` for ``task`` with shapes and dtypes only: no weight is read or allocated.
     ``execution``: how its blocks run (``models.execution``)."""
-    return _executing(nnx.eval_shape(_constructor(config, task, dtype, param_dtype, 0, scan_layers)), execution)
-
-
-def _executing(model: nnx.Module, execution: Execution | None) -> nnx.Module:
-    """``model``, built, with ``execution`` set on it (the last step of building)."""
-    if execution is not None:
-        execution.apply(model)
-    return model
+    return nnx.eval_shape(_constructor(config, task, dtype, param_dtype, 0, execution))
 
 
 def from_config(
@@ -219,18 +211,17 @@ def from_config(
     param_dtype=jnp.float32,
     mesh=None,
     seed: int = 0,
-    scan_layers: bool = False,
-    execution: Execution | None = None,
+    execution: Execution = Execution(),
 ):
     """A randomly initialised model (for pretraining from scratch), built under ``jit`` straight onto its
-    shardings, so no device ever holds the whole model when a mesh is given. ``scan_layers``: its blocks
-    stacked and run by one scan (``layers.Stacked``); ``execution``: how its blocks run."""
-    make = _constructor(config, task, dtype, param_dtype, seed, scan_layers)
+    shardings, so no device ever holds the whole model when a mesh is given. ``execution``: how its blocks run
+    (``models.execution``: stacked and run by one scan or a Python loop, their attention kernel, remat, ...)."""
+    make = _constructor(config, task, dtype, param_dtype, seed, execution)
     graphdef, abstract_state = nnx.split(nnx.eval_shape(make))
     shardings = _placement(mesh, abstract_state, config.model_type)
     with _initialising(shardings):
         state = jax.jit(lambda: nnx.state(make()), out_shardings=shardings)()
-    return _executing(nnx.merge(graphdef, state), execution)
+    return nnx.merge(graphdef, state)
 
 
 def load_pretrained(
@@ -242,8 +233,7 @@ def load_pretrained(
     mesh=None,
     num_labels: int | None = None,
     seed: int = 0,
-    scan_layers: bool = False,
-    execution: Execution | None = None,
+    execution: Execution = Execution(),
     on_host: Collection[tuple] = (),
     **config_overrides,
 ):
@@ -252,9 +242,9 @@ def load_pretrained(
     ``dtype`` is the compute dtype, ``param_dtype`` the storage dtype. With a ``mesh`` every weight goes
     straight from disk onto its sharding (its family's partition rules). A task head that
     the checkpoint lacks (a classifier on a base model) is initialised from ``seed`` and reported.
-    ``scan_layers``: the blocks stacked and scanned (``layers.Stacked``); each stacked weight is assembled on
-    the host from its layers' tensors (one weight at a time) and each device receives only its slice.
-    ``execution``: how its blocks run (``models.execution``). ``on_host``: module paths whose kernels stay
+    ``execution``: how its blocks run (``models.execution``); with its blocks stacked and scanned
+    (``scan_layers``, ``layers.Stacked``) each stacked weight is assembled on the host from its layers' tensors
+    (one weight at a time) and each device receives only its slice. ``on_host``: module paths whose kernels stay
     on the host, NumPy arrays in the model (QLoRA's, quantised onto the devices one layer at a time).
     """
     if task not in TASKS:
@@ -262,7 +252,7 @@ def load_pretrained(
     folder = resolve(name_or_path)
     config = load_config(folder, num_labels=num_labels, **config_overrides)
     family = family_for(config.model_type)
-    make = _constructor(config, task, dtype, param_dtype, seed, scan_layers)
+    make = _constructor(config, task, dtype, param_dtype, seed, execution)
     abstract = nnx.eval_shape(make)
     graphdef, abstract_state = nnx.split(abstract)
     layout = torch_layout(abstract)
@@ -301,7 +291,7 @@ def load_pretrained(
         logger.warning("ignored checkpoint weights this task does not use: %s", some(dropped))
     for path, value in values.items():
         flat_abstract[path].set_value(value)
-    return _executing(nnx.merge(graphdef, abstract_state), execution)
+    return nnx.merge(graphdef, abstract_state)
 
 
 def _read(tensors, name: str, transpose: bool, shape: tuple, vocab_axis: int | None, config) -> np.ndarray:

@@ -17,6 +17,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxseq.errors import JaxseqError
 from jaxseq.mesh import batch_spec, data_parallel_size
+from jaxseq.models.execution import REMAT_POLICIES, Execution, Gathering
 from jaxseq.sharding import STACKED, match_partition_rules, named_leaves, path_string, unstacked_path
 
 
@@ -231,13 +232,6 @@ class DrawnMasks:
         return cls(children[0], sites)
 
 
-REMAT_POLICIES = ("none", "full", "dots", "offload")
-"""What a transformer block keeps for the backward pass (``enable_remat``): ``none`` every activation (no
-remat); ``full`` nothing inside the block, only its input (one more forward per block); ``dots`` the
-outputs of the matmuls without batch dimensions (the dense layers', not attention's), recomputing the
-cheap elementwise work around them; ``offload`` the same matmul outputs, moved to pinned host memory."""
-
-
 def remat_policy(name: str):
     """The ``jax.checkpoint`` policy of a ``REMAT_POLICIES`` name (None for ``none``: no checkpoint)."""
     policies = jax.checkpoint_policies
@@ -252,12 +246,11 @@ def remat_policy(name: str):
     raise JaxseqError(f"unknown remat policy {name!r}; choose one of {', '.join(REMAT_POLICIES)}")
 
 
-def call_block(block: nnx.Module, remat: str, *args, shadow=None, **kwargs):
-    """``block(*args, **kwargs)`` under the ``remat`` policy (``REMAT_POLICIES``; see ``enable_remat``).
-    If ``gather_layers`` gave the block a ``weight_gather``, its weights are cast and all-gathered inside
-    the (rematerialised) call, so only this block's weights are whole at a time; ``shadow``: zeros that
-    ``WeightGather`` adds to the cast weights there (a scanned stack's route for their gradients)."""
-    gather = getattr(block, "weight_gather", None)
+def call_block(block: nnx.Module, remat: str, *args, gather: WeightGather | None = None, shadow=None, **kwargs):
+    """``block(*args, **kwargs)`` under the ``remat`` policy (``REMAT_POLICIES``: ``Execution.remat``). With a
+    ``gather`` (the block's ``WeightGather``), its weights are cast and all-gathered inside the (rematerialised)
+    call, so only this block's weights are whole at a time; ``shadow``: zeros that ``WeightGather`` adds to the
+    cast weights there (a scanned stack's route for their gradients)."""
     if remat == "none" and gather is None:
         return block(*args, **kwargs)
     names = tuple(kwargs)
@@ -271,17 +264,6 @@ def call_block(block: nnx.Module, remat: str, *args, shadow=None, **kwargs):
     if remat == "none":
         return run(block, *values)
     return nnx.remat(run, policy=remat_policy(remat))(block, *values)
-
-
-def enable_remat(model: nnx.Module, policy: str | bool = True) -> nnx.Module:
-    """Set the remat policy (``REMAT_POLICIES``) of every transformer stack in ``model``, in place:
-    ``True`` is ``full``, ``False`` is ``none``."""
-    name = ("full" if policy else "none") if isinstance(policy, bool) else policy
-    remat_policy(name)  # an unknown name fails here
-    for _, module in nnx.iter_modules(model):
-        if hasattr(module, "remat"):
-            module.remat = name
-    return model
 
 
 def _round_to_bf16(x: jax.Array) -> jax.Array:
@@ -327,7 +309,7 @@ _gradient_shadow.defvjp(_gradient_shadow_fwd, _gradient_shadow_bwd)
 
 @dataclasses.dataclass(frozen=True)
 class WeightGather:
-    """What a block does on entry (see ``gather_layers``): for each parameter sharded over the fsdp axis (its
+    """What a block does on entry (``weight_gather``): for each parameter sharded over the fsdp axis (its
     path inside the block), the dtype its layer computes in and the sharding it is gathered to; and the mesh,
     whose batch axes split the block's hidden states. Hashable, so it can be a static attribute of a module."""
 
@@ -377,53 +359,44 @@ def without_axis(spec: P, axis: str) -> P:
     return P(*out)
 
 
-def gather_layers(model: nnx.Module, mesh: Mesh | None, rules=(), axis: str = "fsdp") -> nnx.Module:
-    """Fully-sharded data parallelism one block at a time, in place: every block of every stack (the blocks
-    ``call_block`` runs) gets a ``WeightGather`` that, inside the block's (rematerialised) call, casts each
-    parameter sharded over ``axis`` to the dtype its layer computes in and constrains it to its partition
-    spec (``rules``: the model's partition rules) with ``axis`` removed, and keeps the block's input hidden states
-    split over the batch axes (dp, fsdp). XLA then all-gathers one block's compute-dtype weights at a time
-    (again in the backward pass under remat) instead of every weight at once, and each device computes on
-    its own examples; the numbers are unchanged. ``mesh=None`` turns it off."""
-    blocks = [
-        ((*path, name, i), block)
-        for path, stack in nnx.iter_modules(model)
-        if hasattr(stack, "remat")
-        for name, value in vars(stack).items()
-        if isinstance(value, nnx.List | Stacked)
-        for i, block in (((STACKED, value.stacked),) if isinstance(value, Stacked) else enumerate(value))
-    ]
-    if mesh is None:
-        for _, block in blocks:
-            block.weight_gather = None
-        return model
-    params = nnx.state(model, nnx.Param)
-    specs = dict(
-        zip(
-            (name for name, _ in named_leaves(params)),
-            jax.tree.leaves(match_partition_rules(rules, params), is_leaf=lambda x: isinstance(x, P)),
-        )
-    )
-    for path, block in blocks:
-        prefix = "/".join(map(str, path)) + "/"
-        modules = {"/".join(map(str, p)): m for p, m in nnx.iter_modules(block)}
-        weights = []
-        for name, spec in specs.items():
-            if not name.startswith(prefix):
-                continue
-            if STACKED in path:  # the scan hands the block one layer: its spec without the layer axis
-                spec = P(*spec[1:])
-            gathered = without_axis(spec, axis)
-            if gathered == spec:
-                continue
-            inner = name[len(prefix) :]
-            dtype = getattr(modules.get(inner.rpartition("/")[0]), "dtype", None)
-            weights.append((inner, None if dtype is None else jnp.dtype(dtype), NamedSharding(mesh, gathered)))
-        block.weight_gather = WeightGather(tuple(weights), mesh)
-    return model
+def weight_gather(block: nnx.Module, gathering: Gathering | None) -> WeightGather | None:
+    """What ``block`` gathers on entry under ``gathering`` (``Execution.gather``; None: nothing): every parameter
+    its family's rules shard over ``gathering.axis``, cast to the dtype its layer computes in and constrained to
+    its partition spec with that axis taken out, and the block's input hidden states kept split over the batch
+    axes (dp, fsdp). XLA then all-gathers one block's compute-dtype weights at a time (again in the backward pass
+    under remat) instead of every weight at once, and each device computes on its own examples; the numbers are
+    unchanged. The rules are matched on the parameters' paths inside the block: each rule ends in ``$``, so it
+    matches a block's own paths as it matches the model's. A scanned stack's block (``Stacked.stacked``) is
+    matched as one layer: the scan hands it one layer at a time."""
+    if gathering is None:
+        return None
+    params = nnx.state(block, nnx.Param)
+    specs = jax.tree.leaves(match_partition_rules(gathering.rules, params), is_leaf=lambda x: isinstance(x, P))
+    modules = {"/".join(map(str, p)): m for p, m in nnx.iter_modules(block)}
+    weights = []
+    for (name, _), spec in zip(named_leaves(params), specs):
+        gathered = without_axis(spec, gathering.axis)
+        if gathered == spec:
+            continue
+        dtype = getattr(modules.get(name.rpartition("/")[0]), "dtype", None)
+        weights.append((name, None if dtype is None else jnp.dtype(dtype), NamedSharding(gathering.mesh, gathered)))
+    return WeightGather(tuple(weights), gathering.mesh)
 
 
-# --------------------------------------------------------------------------- scanned blocks
+# --------------------------------------------------------------------------- stacks of blocks
+
+
+class Unrolled(nnx.List):
+    """A stack's blocks run one after another in a Python loop (``attention.run_blocks``), block ``i`` with its
+    own ``WeightGather`` (``weight_gathers[i]``; None without gathering), built with the blocks."""
+
+    def __init__(self, blocks, gathering: Gathering | None = None):
+        super().__init__(blocks)
+        self.weight_gathers = tuple(weight_gather(block, gathering) for block in self)
+
+    def call(self, layer: int, remat: str, *args, **kwargs):
+        """Block ``layer`` of ``args``/``kwargs`` under ``call_block``, with its weight gather."""
+        return call_block(self[layer], remat, *args, gather=self.weight_gathers[layer], **kwargs)
 
 
 class Stacked(nnx.Module):
@@ -434,21 +407,26 @@ class Stacked(nnx.Module):
     A block class whose numbers depend on its layer (GPT-2's ``scale_attn_by_inverse_layer_idx``) sets
     ``uses_layer_index`` and is called with ``layer=`` its (traced) index. Parameter paths hold ``STACKED``
     where the unrolled model's hold the layer index (``unstacked_path``). Parameters that only the unrolled
-    stack's first block holds (T5's relative position bias) live beside the stack, in ``first_only``, at their
-    paths inside that block (``nested``): the unrolled paths hold 0 where theirs hold ``FIRST_ONLY``.
+    stack's first block holds (T5's relative position bias) live beside the stack, in ``first_only``
+    (``first_only(rngs)``, made after the blocks), at their paths inside that block (``nested``): the unrolled
+    paths hold 0 where theirs hold ``FIRST_ONLY``. ``execution`` gives the blocks' ``weight_gather`` (one for
+    every layer: the scan hands the block one layer at a time) and ``draws_ahead``.
 
-    ``draws_ahead`` (set on CPU by ``models.execution``): the blocks' dropout masks are drawn before the scan,
-    each site's for every layer at once, instead of in the loop body, where XLA:CPU computes each site's
+    ``draws_ahead`` (``Execution.draws_ahead``, a run's on CPU): the blocks' dropout masks are drawn before the
+    scan, each site's for every layer at once, instead of in the loop body, where XLA:CPU computes each site's
     random bits in about twice as many fusions as unrolled and the step ran 10-36% slower. Drawn ahead, the
     scanned step is within 5% of the unrolled one (BENCHMARKS.md). Elsewhere the bits stay in the loop, where
     remat recomputes them instead of holding every layer's masks."""
 
-    def __init__(self, make, count: int, rngs: nnx.Rngs):
+    def __init__(self, make, count: int, rngs: nnx.Rngs, execution: Execution = Execution(), first_only=None):
         made = [nnx.split(make(rngs)) for _ in range(count)]
         stacked = jax.tree.map(lambda *layers: jnp.stack(layers), *(state for _, state in made))
         self.stacked = nnx.merge(made[0][0], stacked)
         self.count = count
-        self.draws_ahead = False  # draw every layer's dropout masks before the scan (Execution: on CPU)
+        self.draws_ahead = execution.draws_ahead  # draw every layer's dropout masks before the scan
+        self.weight_gather = weight_gather(self.stacked, execution.gather)
+        if first_only is not None:
+            self.first_only = first_only(rngs)
 
     def __len__(self) -> int:
         return self.count
@@ -457,6 +435,11 @@ class Stacked(nnx.Module):
         """Block ``layer`` on its own, its parameters a slice of the stack's."""
         graphdef, state = nnx.split(self.stacked)
         return nnx.merge(graphdef, jax.tree.map(lambda a: a[layer], state))
+
+    def call(self, layer: int, remat: str, *args, **kwargs):
+        """Block ``layer`` alone (apart from the scan) of ``args``/``kwargs`` under ``call_block``, with the
+        blocks' weight gather."""
+        return call_block(self[layer], remat, *args, gather=self.weight_gather, **kwargs)
 
     def each(self, fn):
         """``fn(block)`` of every block, stacked (a ``vmap`` over the layers)."""
@@ -469,7 +452,7 @@ class Stacked(nnx.Module):
         dropout key (``rngs``' next one folded with the layer index); returns the output and what the blocks
         return beside it (their caches), stacked, or None from blocks that return their output alone.
 
-        With fsdp (``gather_layers``), each float32 weight the blocks compute with in bfloat16 enters the scan
+        With fsdp (``weight_gather``), each float32 weight the blocks compute with in bfloat16 enters the scan
         twice: its stack without gradient, which the block casts (``to_bf16``) inside its rematerialised call,
         and a "shadow" stack of bfloat16 zeros added there, whose gradient is the weight's. The backward loop
         then stacks each layer's reduce-scattered gradient in bfloat16, as the unrolled program keeps them,
@@ -477,7 +460,7 @@ class Stacked(nnx.Module):
         graphdef, state = nnx.split(self.stacked)
         key = None if rngs is None else rngs.dropout()
         layered = getattr(type(self.stacked), "uses_layer_index", False)
-        gather = getattr(self.stacked, "weight_gather", None)
+        gather = self.weight_gather
         lowered = set() if gather is None else {n for n, dtype, _ in gather.weights if dtype == jnp.bfloat16}
         flat = {path_string(p): v for p, v in jax.tree_util.tree_leaves_with_path(state)}
         lowered = {n for n in lowered if n in flat and flat[n].dtype == jnp.float32}
@@ -491,7 +474,9 @@ class Stacked(nnx.Module):
             state, shadow, layer, own = xs
             extra = {"layer": layer} if layered else {}
             block = nnx.merge(graphdef, state)
-            out = call_block(block, remat, x, *args, shadow=shadow, rngs=block_rngs, **kw, **own, **extra)
+            out = call_block(
+                block, remat, x, *args, gather=gather, shadow=shadow, rngs=block_rngs, **kw, **own, **extra
+            )
             return out if isinstance(out, tuple) else (out, None)
 
         xs = (state, shadow, jnp.arange(self.count, dtype=jnp.int32), per_layer or {})
@@ -532,12 +517,14 @@ def nested(path: str, module: nnx.Module) -> nnx.Module:
     return module
 
 
-def blocks(make, count: int, rngs: nnx.Rngs, *, scan: bool) -> nnx.List | Stacked:
-    """A stack's ``count`` blocks, ``make(i, rngs)`` for block ``i``: a list run in a Python loop, or (``scan``)
-    one ``Stacked`` block built with index 0 (a block that depends on its layer reads ``layer`` when called)."""
-    if scan:
-        return Stacked(lambda rngs: make(0, rngs), count, rngs)
-    return nnx.List([make(i, rngs) for i in range(count)])
+def blocks(make, count: int, rngs: nnx.Rngs, execution: Execution = Execution(), first_only=None) -> Unrolled | Stacked:
+    """A stack's ``count`` blocks, ``make(i, rngs)`` for block ``i``, as ``execution`` runs them: a list run in a
+    Python loop (``Unrolled``), or (``execution.scan_layers``) one ``Stacked`` block built with index 0 (a block
+    that depends on its layer reads ``layer`` when called; ``first_only``: see ``Stacked``); each block's weight
+    gather (``execution.gather``) and a scanned stack's ``draws_ahead`` are built with them."""
+    if execution.scan_layers:
+        return Stacked(lambda rngs: make(0, rngs), count, rngs, execution, first_only)
+    return Unrolled([make(i, rngs) for i in range(count)], execution.gather)
 
 
 EXPERTS = "experts"

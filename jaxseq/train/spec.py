@@ -7,7 +7,6 @@ run's own train step."""
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -16,16 +15,16 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
-from jaxseq.mesh import mesh_platform
 from jaxseq.models.attention import AttentionKernel
+from jaxseq.models.decide import decide_execution
 from jaxseq.models.execution import Execution
 from jaxseq.models.hub import abstract_model, from_config, load_pretrained
-from jaxseq.models.registry import family_for
 from jaxseq.train.feeding import Feeder
 from jaxseq.train.lora import LoraConfig, quantized_kernels
 from jaxseq.train.optim import OptimizerConfig
 from jaxseq.train.step import TrainProgram
 from jaxseq.train.task import Task
+from jaxseq.train.trainer_config import TrainerConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,7 +38,7 @@ class RunSpec:
     config: Any
     task: str
     objective: Task
-    trainer: Any  # the run's train.trainer.TrainerConfig (the trainer's flags; the trainer imports this module)
+    trainer: TrainerConfig
     optimizer: OptimizerConfig
     lora: LoraConfig | None = None
     dtype: str = "float32"
@@ -48,37 +47,49 @@ class RunSpec:
 
     @property
     def scan_layers(self) -> bool:
-        """``--scan_layers`` (``TrainerConfig.scans``), where auto unrolls a config whose blocks cannot scan
-        (``Family.scans``: Gemma's sliding and full layers)."""
-        scans = self.trainer.scans(mesh_platform(self.mesh))
-        if self.trainer.scan_layers == "auto" and scans:
-            family_scans = family_for(self.config.model_type).scans
-            return family_scans is None or family_scans(self.config)
-        return scans
+        """Whether the run's blocks are stacked and scanned (``--scan_layers``: ``Execution.scan_layers``)."""
+        return self.execution.scan_layers
 
     @property
     def loss_scaling(self) -> bool:
         return self.dtype == "float16"
 
-    @functools.cached_property
+    @property
     def execution(self) -> Execution:
-        """How the model's blocks run: the attention kernel, remat and per-block gathering of this run."""
-        packed = self.pack is not None or self.packed_rows
-        return Execution(self.trainer.attention, self.trainer.remat, self.mesh, packed=packed)
+        """How the model's blocks run (``models.execution``): scanned or not, the attention kernel, remat, per-block
+        gathering, the experts' mesh, where dropout masks are drawn; decided once, on first use, from the run's
+        flags and mesh (``models.decide.decide_execution``), and given to the model's constructor."""
+        return self.decided()
 
-    def _building(self) -> dict:
-        return {"dtype": jnp.dtype(self.dtype), "scan_layers": self.scan_layers, "execution": self.execution}
+    def decided(self, say: Callable[[str], None] | None = None) -> Execution:
+        """``execution``, decided here if this is its first use: then ``say`` (default: a logged warning) says
+        why attention falls back to XLA, if it does."""
+        if "_execution" not in vars(self):
+            trainer = self.trainer
+            execution = decide_execution(
+                self.config,
+                self.task,
+                mesh=self.mesh,
+                dtype=jnp.dtype(self.dtype),
+                scan_layers=trainer.scan_layers,
+                attention=trainer.attention,
+                remat=trainer.remat,
+                packed=self.pack is not None or self.packed_rows,
+                say=say,
+            )
+            object.__setattr__(self, "_execution", execution)  # frozen: a cache, not a field
+        return vars(self)["_execution"]
 
     def abstract_model(self, say: Callable[[str], None] | None = None) -> nnx.Module:
-        """The run's model with shapes and dtypes only (a plan's); ``say``: why attention falls back to XLA."""
-        model = abstract_model(self.config, self.task, dtype=jnp.dtype(self.dtype), scan_layers=self.scan_layers)
-        self.execution.apply(model, say=say)
-        return model
+        """The run's model with shapes and dtypes only (a plan's); ``say``: why attention falls back to XLA, when
+        the run's execution is decided here (``decided``)."""
+        return abstract_model(self.config, self.task, dtype=jnp.dtype(self.dtype), execution=self.decided(say))
 
     def build_model(self, checkpoint=None, overrides: Mapping | None = None) -> nnx.Module:
         """The run's model on its mesh: the pretrained ``checkpoint`` folder with ``overrides``, or (None) a
         fresh one from the config, initialised from the run's seed."""
-        common = {"mesh": self.mesh, "seed": self.trainer.seed, **self._building()}
+        common = {"mesh": self.mesh, "seed": self.trainer.seed, "dtype": jnp.dtype(self.dtype)}
+        common["execution"] = self.execution
         if checkpoint is not None:
             # QLoRA's kernels stay on the host until quantised: the devices never hold them in full precision
             on_host = quantized_kernels(self.abstract_model(), self.lora) if self.lora and self.lora.enabled else ()

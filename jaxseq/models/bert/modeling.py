@@ -7,7 +7,6 @@ from flax import nnx
 
 from jaxseq.errors import JaxseqError
 from jaxseq.models.attention import (
-    AttentionKernel,
     attend,
     attend_at,
     merge_heads,
@@ -15,12 +14,12 @@ from jaxseq.models.attention import (
     split_heads,
     take_positions,
 )
+from jaxseq.models.execution import Execution
 from jaxseq.models.layers import (
     Linear,
     Stacked,
     activation,
     blocks,
-    call_block,
     dropout,
     normal,
     one_hot_lookup,
@@ -56,9 +55,9 @@ class BertEmbeddings(nnx.Module):
 
 
 class BertSelfAttention(nnx.Module):
-    dropout_field = "attention_probs_dropout_prob"  # the config's attention dropout (attention.use_attention)
+    dropout_field = "attention_probs_dropout_prob"  # the config's attention dropout (attention.choose_kernel)
 
-    def __init__(self, config, *, dtype, param_dtype, rngs: nnx.Rngs):
+    def __init__(self, config, *, execution: Execution = Execution(), dtype, param_dtype, rngs: nnx.Rngs):
         d, std = config.hidden_size, config.initializer_range
         if d % config.num_attention_heads:
             raise JaxseqError(
@@ -70,7 +69,7 @@ class BertSelfAttention(nnx.Module):
         self.value = Linear(d, d, **kw)
         self.num_heads = config.num_attention_heads
         self.dropout_rate, self.causal = config.attention_probs_dropout_prob, bool(config.is_decoder)
-        self.dtype, self.attention = dtype, AttentionKernel()
+        self.dtype, self.attention = dtype, execution.attention
 
     def __call__(self, x, mask, rngs=None, positions=None):
         """``positions``: flat positions (``row * seq + column``) of the only queries wanted (``attend_at``)."""
@@ -101,9 +100,9 @@ class BertOutput(BertSelfOutput):
 
 
 class BertAttention(nnx.Module):
-    def __init__(self, config, *, dtype, param_dtype, rngs: nnx.Rngs):
+    def __init__(self, config, *, execution: Execution = Execution(), dtype, param_dtype, rngs: nnx.Rngs):
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-        self.self = BertSelfAttention(config, **kw)
+        self.self = BertSelfAttention(config, execution=execution, **kw)
         self.output = BertSelfOutput(config, config.hidden_size, **kw)
 
     def __call__(self, x, mask, rngs=None, positions=None):
@@ -128,9 +127,9 @@ class BertIntermediate(nnx.Module):
 
 
 class BertLayer(nnx.Module):
-    def __init__(self, config, *, dtype, param_dtype, rngs: nnx.Rngs):
+    def __init__(self, config, *, execution: Execution = Execution(), dtype, param_dtype, rngs: nnx.Rngs):
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-        self.attention = BertAttention(config, **kw)
+        self.attention = BertAttention(config, execution=execution, **kw)
         self.intermediate = BertIntermediate(config, **kw)
         self.output = BertOutput(config, config.intermediate_size, **kw)
 
@@ -141,12 +140,13 @@ class BertLayer(nnx.Module):
 
 
 class BertEncoder(nnx.Module):
-    """The layers: a list, or (``scan_layers``) stacked and scanned (``layers.Stacked``)."""
+    """The layers, as ``execution`` runs them (``models.execution``): a list, or stacked and scanned
+    (``layers.Stacked``); their attention kernel, remat and weight gathering."""
 
-    def __init__(self, config, *, dtype, param_dtype, rngs: nnx.Rngs, scan_layers: bool = False):
-        make = lambda i, rngs: BertLayer(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-        self.layer = blocks(make, config.num_hidden_layers, rngs, scan=scan_layers)
-        self.remat = "none"  # see layers.enable_remat
+    def __init__(self, config, *, dtype, param_dtype, rngs: nnx.Rngs, execution: Execution = Execution()):
+        make = lambda i, rngs: BertLayer(config, execution=execution, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.layer = blocks(make, config.num_hidden_layers, rngs, execution)
+        self.remat = execution.remat  # what each block keeps for the backward pass
 
     def __call__(self, x, mask, rngs=None, positions=None):
         """The last layer's states, ``[batch, seq, d]``; with ``positions`` (flat), only theirs: the last layer
@@ -160,9 +160,9 @@ class BertEncoder(nnx.Module):
             x, _ = self.layer(self.remat, x, mask, layers=slice(whole), rngs=rngs)
         else:
             for i in range(whole):
-                x = call_block(self.layer[i], self.remat, x, mask, rngs)
+                x = self.layer.call(i, self.remat, x, mask, rngs)
         if positions is not None:
-            x = call_block(self.layer[n - 1], self.remat, x, mask, rngs, positions=positions)
+            x = self.layer.call(n - 1, self.remat, x, mask, rngs, positions=positions)
         return x
 
 
@@ -188,7 +188,7 @@ class BertModel(nnx.Module):
     ``attention_mask`` is ``[batch, seq]`` (1 = token, 0 = padding, or packed segment ids, see
     ``jaxseq.data.packing``); ``token_type_ids`` default to 0 (segment A) and ``position_ids`` to the
     embeddings' ``default_positions`` (``0 .. seq - 1``). Attention is bidirectional unless
-    ``config.is_decoder``. ``scan_layers``: the encoder's layers stacked and scanned (``layers.Stacked``).
+    ``config.is_decoder``. ``execution``: how the encoder's layers run (``BertEncoder``).
     ``embeddings_class``: RoBERTa's counts positions its own way."""
 
     hf_architecture = "BertModel"
@@ -202,7 +202,7 @@ class BertModel(nnx.Module):
         dtype=jnp.float32,
         param_dtype=jnp.float32,
         rngs: nnx.Rngs,
-        scan_layers: bool = False,
+        execution: Execution = Execution(),
     ):
         position_type = getattr(config, "position_embedding_type", None) or "absolute"
         if position_type != "absolute":
@@ -212,7 +212,7 @@ class BertModel(nnx.Module):
         self.config = config
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.embeddings = self.embeddings_class(config, **kw)
-        self.encoder = BertEncoder(config, scan_layers=scan_layers, **kw)
+        self.encoder = BertEncoder(config, execution=execution, **kw)
         self.pooler = BertPooler(config, **kw) if add_pooling_layer else None
 
     def __call__(
@@ -259,10 +259,10 @@ class BertForSequenceClassification(nnx.Module):
     task_head = r"^classifier/"  # what fine-tuning adds to the pretrained model (trained in full beside LoRA)
 
     def __init__(
-        self, config, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs, scan_layers: bool = False
+        self, config, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs, execution: Execution = Execution()
     ):
         self.config = config
-        self.bert = BertModel(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs, scan_layers=scan_layers)
+        self.bert = BertModel(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs, execution=execution)
         self.classifier = Linear(
             config.hidden_size,
             config.num_labels,
@@ -332,11 +332,11 @@ class BertForMaskedLM(nnx.Module):
     hf_architecture = "BertForMaskedLM"
 
     def __init__(
-        self, config, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs, scan_layers: bool = False
+        self, config, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs, execution: Execution = Execution()
     ):
         self.config = config
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-        self.bert = BertModel(config, add_pooling_layer=False, scan_layers=scan_layers, **kw)
+        self.bert = BertModel(config, add_pooling_layer=False, execution=execution, **kw)
         self.cls = BertOnlyMLMHead(config, **kw)
 
     def __call__(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None, *, rngs=None):
@@ -372,11 +372,11 @@ class BertForTokenClassification(nnx.Module):
     base = "bert"
 
     def __init__(
-        self, config, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs, scan_layers: bool = False
+        self, config, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs, execution: Execution = Execution()
     ):
         self.config = config
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-        setattr(self, self.base, self.model_class(config, add_pooling_layer=False, scan_layers=scan_layers, **kw))
+        setattr(self, self.base, self.model_class(config, add_pooling_layer=False, execution=execution, **kw))
         self.classifier = Linear(
             config.hidden_size, config.num_labels, kernel_init=normal(config.initializer_range), **kw
         )
@@ -399,11 +399,11 @@ class BertForQuestionAnswering(nnx.Module):
     model_class = BertModel
 
     def __init__(
-        self, config, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs, scan_layers: bool = False
+        self, config, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs, execution: Execution = Execution()
     ):
         self.config = config
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-        setattr(self, self.base, self.model_class(config, add_pooling_layer=False, scan_layers=scan_layers, **kw))
+        setattr(self, self.base, self.model_class(config, add_pooling_layer=False, execution=execution, **kw))
         self.qa_outputs = Linear(config.hidden_size, 2, kernel_init=normal(config.initializer_range), **kw)
 
     def __call__(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None, *, rngs=None):

@@ -6,7 +6,6 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxseq.models.attention import (
-    AttentionKernel,
     Cache,
     KVCache,
     attend,
@@ -17,6 +16,7 @@ from jaxseq.models.attention import (
     split_heads,
     update_kv,
 )
+from jaxseq.models.execution import Execution
 from jaxseq.models.heads import DecoderLM, LastTokenClassifier
 from jaxseq.models.layers import (
     Conv1D,
@@ -38,9 +38,11 @@ class GPT2Attention(nnx.Module):
     ``reorder_and_upcast_attn`` computes the attention of a lower-precision compute dtype in float32 (as
     transformers does; the same numbers in float32)."""
 
-    dropout_field = "attn_pdrop"  # the config's attention dropout (see attention.use_attention)
+    dropout_field = "attn_pdrop"  # the config's attention dropout (see attention.choose_kernel)
 
-    def __init__(self, config, layer_idx: int = 0, *, dtype, param_dtype, rngs: nnx.Rngs):
+    def __init__(
+        self, config, layer_idx: int = 0, *, execution: Execution = Execution(), dtype, param_dtype, rngs: nnx.Rngs
+    ):
         d, std = config.n_embd, config.initializer_range
         out_std = std / (2 * config.n_layer) ** 0.5
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
@@ -51,7 +53,7 @@ class GPT2Attention(nnx.Module):
         self.layer_idx, self.by_layer = layer_idx, bool(config.scale_attn_by_inverse_layer_idx)
         self.upcast = bool(config.reorder_and_upcast_attn)
         self.dropout_rate, self.resid_pdrop = config.attn_pdrop, config.resid_pdrop
-        self.dtype, self.attention = dtype, AttentionKernel()
+        self.dtype, self.attention = dtype, execution.attention
 
     def __call__(self, x, mask, *, cache: KVCache | None = None, index=0, rngs=None, layer=None):
         q, k, v = (split_heads(t, self.num_heads) for t in jnp.split(self.c_attn(x), 3, axis=-1))
@@ -85,10 +87,12 @@ class GPT2MLP(nnx.Module):
 class GPT2Block(nnx.Module):
     uses_layer_index = True  # scanned, it is called with its layer (see layers.Stacked)
 
-    def __init__(self, config, layer_idx: int = 0, *, dtype, param_dtype, rngs: nnx.Rngs):
+    def __init__(
+        self, config, layer_idx: int = 0, *, execution: Execution = Execution(), dtype, param_dtype, rngs: nnx.Rngs
+    ):
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.ln_1 = nnx.LayerNorm(config.n_embd, epsilon=config.layer_norm_epsilon, **kw)
-        self.attn = GPT2Attention(config, layer_idx, **kw)
+        self.attn = GPT2Attention(config, layer_idx, execution=execution, **kw)
         self.ln_2 = nnx.LayerNorm(config.n_embd, epsilon=config.layer_norm_epsilon, **kw)
         self.mlp = GPT2MLP(config, **kw)
 
@@ -101,12 +105,13 @@ class GPT2Block(nnx.Module):
 class GPT2Model(nnx.Module):
     """The transformer stack. ``attention_mask`` is ``[batch, seq]`` (1 = token, 0 = padding); with a
     ``cache`` it covers the cache's ``max_len`` positions instead (see ``jaxseq.models.attention``).
-    ``scan_layers``: the blocks stacked and run by one scan (``layers.Stacked``), not a Python loop."""
+    ``execution``: how the blocks run (``models.execution``): stacked and run by one scan (``layers.Stacked``)
+    or a Python loop, their attention kernel, remat and weight gathering."""
 
     hf_architecture = "GPT2Model"
 
     def __init__(
-        self, config, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs, scan_layers: bool = False
+        self, config, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs, execution: Execution = Execution()
     ):
         self.config = config
         self.dtype = dtype
@@ -115,13 +120,13 @@ class GPT2Model(nnx.Module):
         self.wte = nnx.Embed(padded_vocab_size(config.vocab_size), config.n_embd, embedding_init=normal(std), **kw)
         self.wpe = nnx.Embed(config.n_positions, config.n_embd, embedding_init=normal(std), **kw)
         self.h = blocks(
-            lambda i, rngs: GPT2Block(config, i, dtype=dtype, param_dtype=param_dtype, rngs=rngs),
+            lambda i, rngs: GPT2Block(config, i, execution=execution, dtype=dtype, param_dtype=param_dtype, rngs=rngs),
             config.n_layer,
             rngs,
-            scan=scan_layers,
+            execution,
         )
         self.ln_f = nnx.LayerNorm(config.n_embd, epsilon=config.layer_norm_epsilon, **kw)
-        self.remat = "none"  # see layers.enable_remat
+        self.remat = execution.remat  # what each block keeps for the backward pass
 
     def __call__(self, input_ids, attention_mask=None, position_ids=None, *, cache=None, rngs=None):
         seq = input_ids.shape[1]
@@ -148,10 +153,10 @@ class GPT2LMHeadModel(DecoderLM):
     hf_architecture = "GPT2LMHeadModel"
 
     def __init__(
-        self, config, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs, scan_layers: bool = False
+        self, config, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs, execution: Execution = Execution()
     ):
         self.config = config
-        self.transformer = GPT2Model(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs, scan_layers=scan_layers)
+        self.transformer = GPT2Model(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs, execution=execution)
         if not config.tie_word_embeddings:
             self.lm_head = Linear(
                 config.n_embd,
@@ -186,11 +191,11 @@ class GPT2ForTokenClassification(nnx.Module):
     task_head = r"^classifier/"
 
     def __init__(
-        self, config, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs, scan_layers: bool = False
+        self, config, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs, execution: Execution = Execution()
     ):
         self.config = config
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-        self.transformer = GPT2Model(config, scan_layers=scan_layers, **kw)
+        self.transformer = GPT2Model(config, execution=execution, **kw)
         init = normal(config.initializer_range)
         self.classifier = Linear(config.hidden_size, config.num_labels, kernel_init=init, **kw)
         rates = (getattr(config, "classifier_dropout", None), getattr(config, "hidden_dropout", None), 0.1)

@@ -12,7 +12,6 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxseq.models.attention import (
-    AttentionKernel,
     Cache,
     KVCache,
     attend,
@@ -23,6 +22,7 @@ from jaxseq.models.attention import (
     split_heads,
     update_kv,
 )
+from jaxseq.models.execution import Execution
 from jaxseq.models.heads import DecoderLM, LastTokenClassifier
 from jaxseq.models.layers import (
     Linear,
@@ -62,9 +62,9 @@ def apply_rotary(x: jax.Array, sin: jax.Array, cos: jax.Array) -> jax.Array:
 
 
 class GPTJAttention(nnx.Module):
-    dropout_field = "attn_pdrop"  # the config's attention dropout (see attention.use_attention)
+    dropout_field = "attn_pdrop"  # the config's attention dropout (see attention.choose_kernel)
 
-    def __init__(self, config, *, dtype, param_dtype, rngs: nnx.Rngs):
+    def __init__(self, config, *, execution: Execution = Execution(), dtype, param_dtype, rngs: nnx.Rngs):
         d = config.n_embd
         kw = dict(
             use_bias=False,
@@ -80,7 +80,7 @@ class GPTJAttention(nnx.Module):
         self.num_heads = config.n_head
         self.scale = (d // config.n_head) ** -0.5
         self.dropout_rate, self.resid_pdrop = config.attn_pdrop, config.resid_pdrop
-        self.dtype, self.attention = dtype, AttentionKernel()
+        self.dtype, self.attention = dtype, execution.attention
 
     def __call__(self, x, mask, rope, *, cache: KVCache | None = None, index=0, rngs=None):
         q, k, v = (split_heads(proj(x), self.num_heads) for proj in (self.q_proj, self.k_proj, self.v_proj))
@@ -110,10 +110,10 @@ class GPTJMLP(nnx.Module):
 
 
 class GPTJBlock(nnx.Module):
-    def __init__(self, config, *, dtype, param_dtype, rngs: nnx.Rngs):
+    def __init__(self, config, *, execution: Execution = Execution(), dtype, param_dtype, rngs: nnx.Rngs):
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.ln_1 = nnx.LayerNorm(config.n_embd, epsilon=config.layer_norm_epsilon, **kw)
-        self.attn = GPTJAttention(config, **kw)
+        self.attn = GPTJAttention(config, execution=execution, **kw)
         self.mlp = GPTJMLP(config, **kw)
 
     def __call__(self, x, mask, rope, *, cache=None, index=0, rngs=None):
@@ -126,12 +126,13 @@ class GPTJModel(nnx.Module):
     """The transformer stack. ``attention_mask`` is ``[batch, seq]`` (1 = token, 0 = padding); with a
     ``cache`` it covers the cache's ``max_len`` positions instead (see ``jaxseq.models.attention``).
     ``position_ids`` default to ``0, 1, ...`` after the cache's index; pass them for left padding.
-    ``scan_layers``: the blocks stacked and run by one scan (``layers.Stacked``), not a Python loop."""
+    ``execution``: how the blocks run (``models.execution``): stacked and run by one scan (``layers.Stacked``)
+    or a Python loop, their attention kernel, remat and weight gathering."""
 
     hf_architecture = "GPTJModel"
 
     def __init__(
-        self, config, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs, scan_layers: bool = False
+        self, config, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs, execution: Execution = Execution()
     ):
         self.config = config
         self.dtype = dtype
@@ -140,12 +141,12 @@ class GPTJModel(nnx.Module):
             padded_vocab_size(config.vocab_size), config.n_embd, embedding_init=normal(config.initializer_range), **kw
         )
         self.h = blocks(
-            lambda _, rngs: GPTJBlock(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs),
+            lambda _, rngs: GPTJBlock(config, execution=execution, dtype=dtype, param_dtype=param_dtype, rngs=rngs),
             config.n_layer,
             rngs,
-            scan=scan_layers,
+            execution,
         )
-        self.remat = "none"  # see layers.enable_remat
+        self.remat = execution.remat  # what each block keeps for the backward pass
         self.ln_f = nnx.LayerNorm(config.n_embd, epsilon=config.layer_norm_epsilon, **kw)
 
     def __call__(self, input_ids, attention_mask=None, position_ids=None, *, cache=None, rngs=None):
@@ -181,10 +182,10 @@ class GPTJForCausalLM(DecoderLM):
     hf_architecture = "GPTJForCausalLM"
 
     def __init__(
-        self, config, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs, scan_layers: bool = False
+        self, config, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs, execution: Execution = Execution()
     ):
         self.config = config
-        self.transformer = GPTJModel(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs, scan_layers=scan_layers)
+        self.transformer = GPTJModel(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs, execution=execution)
         if config.tie_word_embeddings:
             self.lm_head = TiedHeadBias(padded_vocab_size(config.vocab_size), param_dtype=param_dtype)
         else:

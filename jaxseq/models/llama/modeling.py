@@ -29,7 +29,6 @@ from flax import nnx
 
 from jaxseq.errors import JaxseqError
 from jaxseq.models.attention import (
-    AttentionKernel,
     AttentionMask,
     Cache,
     KVCache,
@@ -45,6 +44,7 @@ from jaxseq.models.attention import (
     update_kv,
     update_ring,
 )
+from jaxseq.models.execution import Execution
 from jaxseq.models.heads import DecoderLM, LastTokenClassifier
 from jaxseq.models.layers import Linear, Stacked, activation, blocks, normal, padded_vocab_size, tied_logits
 from jaxseq.models.outputs import BaseOutput
@@ -176,9 +176,18 @@ class LlamaAttention(nnx.Module):
     """Grouped-query causal self-attention over ``window`` (None: every earlier position); with a ``cache``, a
     sliding window's is a rolling one of ``window`` positions."""
 
-    dropout_field = "attention_dropout"  # the config's attention dropout (see attention.use_attention)
+    dropout_field = "attention_dropout"  # the config's attention dropout (see attention.choose_kernel)
 
-    def __init__(self, config, window: int | None = None, *, dtype, param_dtype, rngs: nnx.Rngs):
+    def __init__(
+        self,
+        config,
+        window: int | None = None,
+        *,
+        execution: Execution = Execution(),
+        dtype,
+        param_dtype,
+        rngs: nnx.Rngs,
+    ):
         d, dim = config.hidden_size, head_dim(config)
         heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
         qkv_bias, o_bias = attention_biases(config)
@@ -191,10 +200,10 @@ class LlamaAttention(nnx.Module):
         self.q_norm, self.k_norm = (norm(), norm()) if qk_norms(config) else (None, None)
         self.num_heads, self.num_kv_heads = heads, kv_heads
         self.scale = (getattr(config, "query_pre_attn_scalar", None) or dim) ** -0.5
-        # Gemma 2's: XLA only (use_attention); transformers' Gemma 3 keeps the config field but never applies it
+        # Gemma 2's: XLA only (choose_kernel); transformers' Gemma 3 keeps the config field but never applies it
         self.softcap = getattr(config, "attn_logit_softcapping", None) if config.model_type == "gemma2" else None
         self.window, self.dropout_rate = window, config.attention_dropout
-        self.dtype, self.attention = dtype, AttentionKernel()
+        self.dtype, self.attention = dtype, execution.attention
 
     def __call__(self, x, masks, ropes, *, cache: KVCache | None = None, index=0, rngs=None):
         """``masks``, ``ropes``: the model's masks and rotary ``(sin, cos)``, one per window; this layer reads its
@@ -244,17 +253,30 @@ class LlamaDecoderLayer(nnx.Module):
 
     mlp_class = LlamaMLP  # Mixtral's: its sparse MoE block
 
-    def __init__(self, config, window: int | None = None, *, dtype, param_dtype, rngs: nnx.Rngs):
+    def __init__(
+        self,
+        config,
+        window: int | None = None,
+        *,
+        execution: Execution = Execution(),
+        dtype,
+        param_dtype,
+        rngs: nnx.Rngs,
+    ):
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.input_layernorm = rms_norm(config, config.hidden_size, **kw)
-        self.self_attn = LlamaAttention(config, window, **kw)
+        self.self_attn = LlamaAttention(config, window, execution=execution, **kw)
         self.post_attention_layernorm = rms_norm(config, config.hidden_size, **kw)
         if gemma(config):
             self.pre_feedforward_layernorm = rms_norm(config, config.hidden_size, **kw)
             self.post_feedforward_layernorm = rms_norm(config, config.hidden_size, **kw)
         else:
             self.pre_feedforward_layernorm = self.post_feedforward_layernorm = None
-        self.mlp = self.mlp_class(config, **kw)
+        self.mlp = self.feed_forward(config, execution, **kw)
+
+    def feed_forward(self, config, execution: Execution, **kw) -> nnx.Module:
+        """The layer's MLP, a ``mlp_class`` (Mixtral's: a sparse mixture of experts, split as ``execution`` says)."""
+        return self.mlp_class(config, **kw)
 
     def __call__(self, x, masks, ropes, *, cache=None, index=0, rngs=None):
         a, cache = self.self_attn(self.input_layernorm(x), masks, ropes, cache=cache, index=index, rngs=rngs)
@@ -269,14 +291,15 @@ class LlamaModel(nnx.Module):
     """The decoder stack. ``attention_mask`` is ``[batch, seq]`` (1 = token, 0 = padding; or packed
     examples' segment ids); with a ``cache`` it covers the cache's ``max_len`` positions instead (see
     ``jaxseq.models.attention``). ``position_ids`` default to ``0, 1, ...`` after the cache's index; pass
-    them for left padding. ``scan_layers``: the layers stacked and run by one scan (``layers.Stacked``), which
-    needs every layer to attend over the same window."""
+    them for left padding. ``execution``: how the layers run (``models.execution``): stacked and run by one scan
+    (``layers.Stacked``, which needs every layer to attend over the same window) or a Python loop, their
+    attention kernel, remat and weight gathering."""
 
     hf_architecture = "LlamaModel"
     layer_class = LlamaDecoderLayer
 
     def __init__(
-        self, config, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs, scan_layers: bool = False
+        self, config, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs, execution: Execution = Execution()
     ):
         self.windows = layer_windows(config)
         self.config, self.dtype = config, dtype
@@ -292,19 +315,21 @@ class LlamaModel(nnx.Module):
             **kw,
         )
         self.embed_scale = config.hidden_size**0.5 if gemma(config) else None
-        if scan_layers and len(set(self.windows)) > 1:
+        if execution.scan_layers and len(set(self.windows)) > 1:
             raise JaxseqError(
                 "scan_layers needs every layer to attend alike, and this config mixes sliding-window and full "
                 "layers (layer_types); leave scan_layers off"
             )
         self.layers = blocks(
-            lambda i, rngs: self.layer_class(config, self.windows[i], dtype=dtype, param_dtype=param_dtype, rngs=rngs),
+            lambda i, rngs: self.layer_class_of(i)(
+                config, self.windows[i], execution=execution, dtype=dtype, param_dtype=param_dtype, rngs=rngs
+            ),
             config.num_hidden_layers,
             rngs,
-            scan=scan_layers,
+            execution,
         )
         self.norm = rms_norm(config, config.hidden_size, **kw)
-        self.remat = "none"  # see layers.enable_remat
+        self.remat = execution.remat  # what each block keeps for the backward pass
 
     def __call__(self, input_ids, attention_mask=None, position_ids=None, *, cache=None, rngs=None):
         seq = input_ids.shape[1]
@@ -319,6 +344,10 @@ class LlamaModel(nnx.Module):
             x = x * jnp.asarray(self.embed_scale, x.dtype)
         x, cache = run_blocks(self.layers, self.remat, x, masks, ropes, cache=cache, rngs=rngs)
         return BaseOutput(self.norm(x), cache)
+
+    def layer_class_of(self, layer: int) -> type:
+        """The class of layer ``layer`` (``layer_class``; Qwen3-MoE's dense layers differ)."""
+        return self.layer_class
 
     def rope_frequencies(self, window: int | None):
         """The rotary frequencies of the layers that attend over ``window`` (a family with its own rope
@@ -363,10 +392,10 @@ class LlamaForCausalLM(DecoderLM):
     base = LlamaModel
 
     def __init__(
-        self, config, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs, scan_layers: bool = False
+        self, config, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs, execution: Execution = Execution()
     ):
         self.config = config
-        self.model = self.base(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs, scan_layers=scan_layers)
+        self.model = self.base(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs, execution=execution)
         if not config.tie_word_embeddings:
             self.lm_head = Linear(
                 config.hidden_size,

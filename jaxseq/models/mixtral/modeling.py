@@ -17,9 +17,11 @@ import math
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jaxseq.mesh import BATCH_AXES
+from jaxseq.models.execution import Execution
 from jaxseq.models.layers import Linear, activation, normal
 from jaxseq.models.llama.modeling import LlamaDecoderLayer, LlamaForCausalLM, LlamaForSequenceClassification, LlamaModel
 from jaxseq.models.outputs import BaseOutput
@@ -117,9 +119,20 @@ def expert_parallel(mesh, kernels, act, x, weights, ids):
 class SparseMoeBlock(nnx.Module):
     """The router (``gate``, no bias) and the ``experts``; returns the output and the layer's router statistics
     for the load balancing loss: ``[2, experts]``, each expert's count of top-k picks and its summed
-    probability over the real tokens (``key_mask`` not 0; all tokens without one)."""
+    probability over the real tokens (``key_mask`` not 0; all tokens without one). ``expert_mesh``: a mesh whose
+    ``ep`` axis splits the experts (``Execution.experts``), None: every device computes every expert."""
 
-    def __init__(self, config, inner: int | None = None, names=MIXTRAL_EXPERT, *, dtype, param_dtype, rngs: nnx.Rngs):
+    def __init__(
+        self,
+        config,
+        inner: int | None = None,
+        names=MIXTRAL_EXPERT,
+        *,
+        expert_mesh: Mesh | None = None,
+        dtype,
+        param_dtype,
+        rngs: nnx.Rngs,
+    ):
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         count, inner = config.num_local_experts, inner or config.intermediate_size
         init = normal(config.initializer_range)
@@ -127,7 +140,7 @@ class SparseMoeBlock(nnx.Module):
         self.experts = Experts(config, count, inner, names, **kw)
         self.top_k, self.normalise = config.num_experts_per_tok, getattr(config, "norm_topk_prob", True)
         self.act, self.dtype = activation(config.hidden_act), dtype
-        self.expert_mesh = None  # a mesh with ep > 1: the experts split over it (``execution.Execution``)
+        self.expert_mesh = expert_mesh
 
     def __call__(self, x, key_mask=None):
         flat = x.reshape(-1, x.shape[-1])
@@ -157,6 +170,10 @@ class MixtralDecoderLayer(LlamaDecoderLayer):
         if self.moe_name != "mlp":
             setattr(self, self.moe_name, self.mlp)
             del self.mlp
+
+    def feed_forward(self, config, execution: Execution, **kw):
+        """The sparse MoE block, its experts split over ``execution.experts`` (ep > 1)."""
+        return self.mlp_class(config, expert_mesh=execution.experts, **kw)
 
     def __call__(self, x, masks, ropes, *, cache=None, index=0, rngs=None):
         a, cache = self.self_attn(self.input_layernorm(x), masks, ropes, cache=cache, index=index, rngs=rngs)

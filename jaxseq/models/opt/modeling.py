@@ -16,7 +16,6 @@ from flax import nnx
 
 from jaxseq.errors import JaxseqError
 from jaxseq.models.attention import (
-    AttentionKernel,
     Cache,
     KVCache,
     attend,
@@ -27,6 +26,7 @@ from jaxseq.models.attention import (
     split_heads,
     update_kv,
 )
+from jaxseq.models.execution import Execution
 from jaxseq.models.heads import DecoderLM, LastTokenClassifier
 from jaxseq.models.layers import Linear, Stacked, activation, blocks, dropout, normal, padded_vocab_size, tied_logits
 from jaxseq.models.outputs import BaseOutput
@@ -48,9 +48,9 @@ def mask_positions(attention_mask, seq: int, index=0):
 
 
 class OPTAttention(nnx.Module):
-    dropout_field = "attention_dropout"  # the config's attention dropout (see attention.use_attention)
+    dropout_field = "attention_dropout"  # the config's attention dropout (see attention.choose_kernel)
 
-    def __init__(self, config, *, dtype, param_dtype, rngs: nnx.Rngs):
+    def __init__(self, config, *, execution: Execution = Execution(), dtype, param_dtype, rngs: nnx.Rngs):
         d, heads = config.hidden_size, config.num_attention_heads
         if d % heads:
             raise JaxseqError(f"hidden_size {d} is not a multiple of num_attention_heads {heads}; fix the config")
@@ -64,7 +64,7 @@ class OPTAttention(nnx.Module):
         self.out_proj = Linear(d, d, **kw)
         self.num_heads, self.scale = heads, (d // heads) ** -0.5
         self.dropout_rate = config.attention_dropout
-        self.dtype, self.attention = dtype, AttentionKernel()
+        self.dtype, self.attention = dtype, execution.attention
 
     def __call__(self, x, mask, *, cache: KVCache | None = None, index=0, rngs=None):
         q, k, v = (split_heads(proj(x), self.num_heads) for proj in (self.q_proj, self.k_proj, self.v_proj))
@@ -83,11 +83,11 @@ class OPTDecoderLayer(nnx.Module):
     """Attention and the feed-forward (``fc2(act(fc1(x)))``), each with its residual and LayerNorm: before the
     sublayer when ``do_layer_norm_before``, else after the residual sum."""
 
-    def __init__(self, config, *, dtype, param_dtype, rngs: nnx.Rngs):
+    def __init__(self, config, *, execution: Execution = Execution(), dtype, param_dtype, rngs: nnx.Rngs):
         d, affine = config.hidden_size, config.layer_norm_elementwise_affine
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         norm = dict(epsilon=1e-5, use_scale=affine, use_bias=affine, **kw)  # PyTorch's LayerNorm default
-        self.self_attn = OPTAttention(config, **kw)
+        self.self_attn = OPTAttention(config, execution=execution, **kw)
         self.self_attn_layer_norm = nnx.LayerNorm(d, **norm)
         linear = dict(use_bias=config.enable_bias, kernel_init=normal(config.init_std), **kw)
         self.fc1 = Linear(d, config.ffn_dim, **linear)
@@ -110,10 +110,12 @@ class OPTDecoder(nnx.Module):
     """The decoder stack. ``attention_mask`` is ``[batch, seq]`` (1 = token, 0 = padding; or packed examples'
     segment ids); with a ``cache`` it covers the cache's ``max_len`` positions instead (see
     ``jaxseq.models.attention``). ``position_ids`` (0-based) default to ``mask_positions`` of the mask, or
-    ``0, 1, ...`` after the cache's index without one. ``scan_layers``: the layers stacked and run by one scan."""
+    ``0, 1, ...`` after the cache's index without one. ``execution``: how the blocks run (``models.execution``):
+    stacked and run by one scan (``layers.Stacked``) or a Python loop, their attention kernel, remat and weight
+    gathering."""
 
     def __init__(
-        self, config, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs, scan_layers: bool = False
+        self, config, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs, execution: Execution = Execution()
     ):
         if config.layerdrop:
             raise JaxseqError(f"OPT's layerdrop ({config.layerdrop}) is not supported; set it to 0")
@@ -132,12 +134,14 @@ class OPTDecoder(nnx.Module):
             nnx.LayerNorm(d, epsilon=1e-5, use_scale=affine, use_bias=affine, **kw) if final else None
         )
         self.layers = blocks(
-            lambda _, rngs: OPTDecoderLayer(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs),
+            lambda _, rngs: OPTDecoderLayer(
+                config, execution=execution, dtype=dtype, param_dtype=param_dtype, rngs=rngs
+            ),
             config.num_hidden_layers,
             rngs,
-            scan=scan_layers,
+            execution,
         )
-        self.remat = "none"  # see layers.enable_remat
+        self.remat = execution.remat  # what each block keeps for the backward pass
 
     def __call__(self, input_ids, attention_mask=None, position_ids=None, *, cache=None, rngs=None):
         seq = input_ids.shape[1]
@@ -168,10 +172,10 @@ class OPTModel(nnx.Module):
     hf_architecture = "OPTModel"
 
     def __init__(
-        self, config, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs, scan_layers: bool = False
+        self, config, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs, execution: Execution = Execution()
     ):
         self.config = config
-        self.decoder = OPTDecoder(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs, scan_layers=scan_layers)
+        self.decoder = OPTDecoder(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs, execution=execution)
 
     def __call__(self, input_ids, attention_mask=None, position_ids=None, *, cache=None, rngs=None):
         return self.decoder(input_ids, attention_mask, position_ids, cache=cache, rngs=rngs)
@@ -188,10 +192,10 @@ class OPTForCausalLM(DecoderLM):
     base_name = "model"
 
     def __init__(
-        self, config, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs, scan_layers: bool = False
+        self, config, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs, execution: Execution = Execution()
     ):
         self.config = config
-        self.model = OPTModel(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs, scan_layers=scan_layers)
+        self.model = OPTModel(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs, execution=execution)
         if not config.tie_word_embeddings:
             self.lm_head = Linear(
                 word_width(config),
@@ -220,10 +224,10 @@ class OPTForSequenceClassification(LastTokenClassifier):
     base_name = "model"
 
     def __init__(
-        self, config, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs, scan_layers: bool = False
+        self, config, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs, execution: Execution = Execution()
     ):
         self.config = config
-        self.model = OPTModel(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs, scan_layers=scan_layers)
+        self.model = OPTModel(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs, execution=execution)
         self.score = Linear(
             word_width(config),
             config.num_labels,

@@ -32,10 +32,8 @@ import numpy as np
 from flax import nnx
 
 from jaxseq.errors import JaxseqError
-from jaxseq.models.attention import (
-    AttentionKernel,
-    split_heads,
-)
+from jaxseq.models.attention import split_heads
+from jaxseq.models.execution import Execution
 from jaxseq.models.layers import Linear, activation, dropout, normal
 from jaxseq.models.llama.modeling import (
     LlamaAttention,
@@ -114,7 +112,16 @@ def apply_partial_rotary(x, sin, cos):
 class Phi3Attention(LlamaAttention):
     """Llama's grouped-query attention with the fused ``qkv_proj`` and the partial rotation."""
 
-    def __init__(self, config, window: int | None = None, *, dtype, param_dtype, rngs: nnx.Rngs):
+    def __init__(
+        self,
+        config,
+        window: int | None = None,
+        *,
+        execution: Execution = Execution(),
+        dtype,
+        param_dtype,
+        rngs: nnx.Rngs,
+    ):
         d, dim = config.hidden_size, head_dim(config)
         heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
         kw = dict(
@@ -130,7 +137,7 @@ class Phi3Attention(LlamaAttention):
         self.q_norm = self.k_norm = self.softcap = None
         self.num_heads, self.num_kv_heads, self.scale = heads, kv_heads, dim**-0.5
         self.window, self.dropout_rate = window, config.attention_dropout
-        self.dtype, self.attention = dtype, AttentionKernel()
+        self.dtype, self.attention = dtype, execution.attention
 
     def heads(self, x, rope):
         """The queries and keys (their first dimensions rotated) and the values, from the fused projection."""
@@ -165,13 +172,22 @@ class Phi3DecoderLayer(LlamaDecoderLayer):
 
     mlp_class = Phi3MLP
 
-    def __init__(self, config, window: int | None = None, *, dtype, param_dtype, rngs: nnx.Rngs):
+    def __init__(
+        self,
+        config,
+        window: int | None = None,
+        *,
+        execution: Execution = Execution(),
+        dtype,
+        param_dtype,
+        rngs: nnx.Rngs,
+    ):
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.input_layernorm = rms_norm(config, config.hidden_size, **kw)
-        self.self_attn = Phi3Attention(config, window, **kw)
+        self.self_attn = Phi3Attention(config, window, execution=execution, **kw)
         self.post_attention_layernorm = rms_norm(config, config.hidden_size, **kw)
         self.pre_feedforward_layernorm = self.post_feedforward_layernorm = None
-        self.mlp = self.mlp_class(config, **kw)
+        self.mlp = self.feed_forward(config, execution, **kw)
         self.resid_pdrop = float(getattr(config, "resid_pdrop", 0.0) or 0.0)
 
     def __call__(self, x, masks, ropes, *, cache=None, index=0, rngs=None):

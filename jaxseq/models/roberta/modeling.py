@@ -20,6 +20,7 @@ from jaxseq.models.bert.modeling import (
     classifier_dropout,
     vocabulary_logits,
 )
+from jaxseq.models.execution import Execution
 from jaxseq.models.layers import Linear, dropout, gelu_exact, normal, padded_vocab_size
 
 
@@ -72,11 +73,11 @@ class RobertaForSequenceClassification(nnx.Module):
     task_head = r"^classifier/"  # what fine-tuning adds to the pretrained model (trained in full beside LoRA)
 
     def __init__(
-        self, config, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs, scan_layers: bool = False
+        self, config, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs, execution: Execution = Execution()
     ):
         self.config = config
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-        self.roberta = RobertaModel(config, add_pooling_layer=False, scan_layers=scan_layers, **kw)
+        self.roberta = RobertaModel(config, add_pooling_layer=False, execution=execution, **kw)
         self.classifier = RobertaClassificationHead(config, **kw)
 
     def __call__(
@@ -113,11 +114,11 @@ class RobertaForMaskedLM(nnx.Module):
     hf_architecture = "RobertaForMaskedLM"
 
     def __init__(
-        self, config, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs, scan_layers: bool = False
+        self, config, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs, execution: Execution = Execution()
     ):
         self.config = config
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-        self.roberta = RobertaModel(config, add_pooling_layer=False, scan_layers=scan_layers, **kw)
+        self.roberta = RobertaModel(config, add_pooling_layer=False, execution=execution, **kw)
         self.lm_head = RobertaLMHead(config, **kw)
 
     def __call__(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None, *, rngs=None):

@@ -10,9 +10,10 @@ Encoder and decoder can run apart: ``encode`` once, then ``decode`` as often as 
 ``init_cache`` computes every decoder layer's cross-attention keys/values from the encoder output once
 (``Cache.cross``) and preallocates the self-attention cache that ``decode`` fills position by position.
 
-``scan_layers=True`` stacks each stack's blocks and runs them by one scan (``layers.Stacked``); the relative
-position bias table of the unrolled first block then lives beside the stack (``Stacked.first_only``), and
-each stack computes its bias once, before its blocks, as the unrolled model does.
+``Execution(scan_layers=True)`` stacks each stack's blocks and runs them by one scan (``layers.Stacked``); the
+relative position bias table of the unrolled first block then lives beside the stack (``Stacked.first_only``),
+and each stack computes its bias once, before its blocks, as the unrolled model does. Its attention always runs on
+XLA: the fused kernels cannot add the position bias (``attention.choose_kernel`` never gives T5 one).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from jaxseq.models.attention import (
     split_heads,
     update_kv,
 )
+from jaxseq.models.execution import Execution
 from jaxseq.models.layers import (
     Linear,
     Stacked,
@@ -294,14 +296,17 @@ class T5Block(nnx.Module):
 
 class T5Stack(nnx.Module):
     """The encoder or the decoder: blocks and a final RMS norm, fed embeddings of the shared table;
-    ``scan_layers``: the blocks stacked and scanned (``layers.Stacked``)."""
+    ``execution``: how the blocks run (``models.execution``): a list, or stacked and scanned (``layers.Stacked``),
+    their remat and weight gathering."""
 
-    def __init__(self, config, *, is_decoder: bool, dtype, param_dtype, rngs: nnx.Rngs, scan_layers: bool = False):
+    def __init__(
+        self, config, *, is_decoder: bool, dtype, param_dtype, rngs: nnx.Rngs, execution: Execution = Execution()
+    ):
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.block = blocks(
             lambda i, rngs: T5Block(
                 config,
-                has_relative_attention_bias=i == 0 and not scan_layers,
+                has_relative_attention_bias=i == 0 and not execution.scan_layers,
                 is_decoder=is_decoder,
                 dtype=dtype,
                 param_dtype=param_dtype,
@@ -309,16 +314,17 @@ class T5Stack(nnx.Module):
             ),
             config.num_decoder_layers if is_decoder else config.num_layers,
             rngs,
-            scan=scan_layers,
+            execution,
+            first_only=lambda rngs: nested(
+                "layer/0/SelfAttention/relative_attention_bias",
+                position_table(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs),
+            ),
         )
-        if scan_layers:
-            table = position_table(config, **kw)
-            self.block.first_only = nested("layer/0/SelfAttention/relative_attention_bias", table)
         self.final_layer_norm = nnx.RMSNorm(config.d_model, epsilon=config.layer_norm_epsilon, **kw)
         self.config = config
         self.is_decoder = is_decoder
         self.dropout_rate = config.dropout_rate
-        self.remat = "none"  # see layers.enable_remat
+        self.remat = execution.remat  # what each block keeps for the backward pass
 
     @property
     def bias_table(self) -> nnx.Embed:
@@ -371,15 +377,15 @@ class T5ForConditionalGeneration(nnx.Module):
     hf_architecture = "T5ForConditionalGeneration"
 
     def __init__(
-        self, config, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs, scan_layers: bool = False
+        self, config, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs, execution: Execution = Execution()
     ):
         self.config = config
         self.dtype = dtype
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         f = config.initializer_factor
         self.shared = nnx.Embed(padded_vocab_size(config.vocab_size), config.d_model, embedding_init=normal(f), **kw)
-        self.encoder = T5Stack(config, is_decoder=False, scan_layers=scan_layers, **kw)
-        self.decoder = T5Stack(config, is_decoder=True, scan_layers=scan_layers, **kw)
+        self.encoder = T5Stack(config, is_decoder=False, execution=execution, **kw)
+        self.decoder = T5Stack(config, is_decoder=True, execution=execution, **kw)
         self.tied = uses_shared_lm_head(config)
         if not self.tied:
             self.lm_head = Linear(
