@@ -68,7 +68,8 @@ def main(argv=None) -> dict:
     from jaxseq.train.objectives import CausalLM
     from jaxseq.train.optim import OptimizerConfig
     from jaxseq.train.spec import RunSpec
-    from jaxseq.train.trainer import Trainer, TrainerConfig
+    from jaxseq.train.trainer import Trainer
+    from jaxseq.train.trainer_config import TrainerConfig
 
     tokenizer = transformers.GPT2TokenizerFast(
         vocab=str(args.tokenizer / "vocab.json"), merges=str(args.tokenizer / "merges.txt")

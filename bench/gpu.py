@@ -187,7 +187,8 @@ def run_jaxseq(model_name: str, kernel: str, args) -> dict:
     from jaxseq.train.objectives import CausalLM, SequenceClassification
     from jaxseq.train.optim import OptimizerConfig
     from jaxseq.train.spec import RunSpec
-    from jaxseq.train.trainer import Trainer, TrainerConfig
+    from jaxseq.train.trainer import Trainer
+    from jaxseq.train.trainer_config import TrainerConfig
 
     family, seq, batch = MODELS[model_name]
     config = hf_config(family)

@@ -111,7 +111,8 @@ def run_jaxseq(args) -> dict:
     from jaxseq.train.optim import OptimizerConfig
     from jaxseq.train.spec import RunSpec
     from jaxseq.train.throughput import measure_peak_flops
-    from jaxseq.train.trainer import Trainer, TrainerConfig
+    from jaxseq.train.trainer import Trainer
+    from jaxseq.train.trainer_config import TrainerConfig
 
     setting = SETTINGS[args.model]
     mesh = start(RuntimeConfig(mesh="dp=1", compilation_cache_dir=""))  # as the jaxseq command starts

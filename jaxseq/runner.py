@@ -35,7 +35,8 @@ from jaxseq.train.optim import OptimizerConfig
 from jaxseq.train.results import export_model, write_results
 from jaxseq.train.spec import RunSpec, attention_kernel
 from jaxseq.train.throughput import peak_flops
-from jaxseq.train.trainer import Trainer, TrainerConfig
+from jaxseq.train.trainer import Trainer
+from jaxseq.train.trainer_config import TrainerConfig
 
 SHARED = {
     "runtime": RuntimeConfig,

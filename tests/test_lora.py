@@ -23,7 +23,8 @@ from jaxseq.train.objectives import CausalLM, SequenceClassification  # noqa: E4
 from jaxseq.train.optim import OptimizerConfig, ema_update  # noqa: E402
 from jaxseq.train.results import export_model  # noqa: E402
 from jaxseq.train.spec import RunSpec  # noqa: E402
-from jaxseq.train.trainer import Trainer, TrainerConfig  # noqa: E402
+from jaxseq.train.trainer import Trainer  # noqa: E402
+from jaxseq.train.trainer_config import TrainerConfig  # noqa: E402
 from tests.tiny import DEFAULT, tiny_config  # noqa: E402
 
 VOCAB, SEQ, HIDDEN, RANK = 128, 16, 64, 4

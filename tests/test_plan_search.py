@@ -186,7 +186,7 @@ def test_a_hung_compile_is_ranked_as_timed_out_and_the_search_goes_on(tmp_path, 
     """Candidates whose plan process hangs are stopped after the timeout and listed as timed out; the others are
     ranked and the fastest of them written, each planned with libtpu allowed beside the search's own."""
     from jaxseq.plan import CHIPS, Topology
-    from jaxseq.train.trainer import TrainerConfig
+    from jaxseq.train.trainer_config import TrainerConfig
 
     (tmp_path / "fake_plan_job.py").write_text(FAKE_JOB)
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))

@@ -208,7 +208,8 @@ def test_evaluation_in_length_buckets_equals_full_rows_in_input_order(tmp_path, 
     from jaxseq.models import from_config
     from jaxseq.train.optim import OptimizerConfig
     from jaxseq.train.spec import RunSpec
-    from jaxseq.train.trainer import Trainer, TrainerConfig
+    from jaxseq.train.trainer import Trainer
+    from jaxseq.train.trainer_config import TrainerConfig
 
     monkeypatch.setattr(batches, "BUCKET_BATCHES", 1)  # a program per width, even for 5 batches
     rng = random.Random(5)

@@ -5,7 +5,7 @@ leaves in the trainer, on real SST-2 text with a tiny GPT-2."""
 import pytest
 
 from jaxseq.errors import JaxseqError
-from jaxseq.train.trainer import TrainerConfig
+from jaxseq.train.trainer_config import TrainerConfig
 from tests.test_trainer import make_trainer, sst2, tokenizer  # noqa: F401 (fixtures)
 
 

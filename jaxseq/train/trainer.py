@@ -31,7 +31,6 @@ from jaxseq.train.spec import RunSpec, attention_kernel
 from jaxseq.train.step import TrainState
 from jaxseq.train.task import Policy, Task
 from jaxseq.train.throughput import Throughput
-from jaxseq.train.trainer_config import TrainerConfig as TrainerConfig  # where the runner's sections find it
 
 PREDICT = "predict"  # the feeder's names of the predict sets start with this
 
