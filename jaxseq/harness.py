@@ -7,10 +7,12 @@ requests the way its Hugging Face backend (``lm_eval.models.huggingface.HFLM``) 
   scored by one forward pass: the log-probabilities of the continuation's tokens summed, and whether each
   is the most likely token. Requests whose inputs are the same tokens (multiple choice with one-token
   answers: the same context, a different last token) share one pass, as HFLM's logits cache shares them.
-  The passes are packed: several short sequences share a row (segment ids, positions restarting at 0, so
-  each sees only itself), rows come in a few widths, and each width's batches hold the same number of
-  tokens, so a whole evaluation compiles a few programs and computes on text, not padding. Only the scored
-  positions (the continuations') go through the vocabulary projection.
+  Answers of several tokens to the same context share its pass too (``score_shared``): the context runs
+  once into a KV cache and each answer over it. The other passes are packed: several short sequences share
+  a row (segment ids, positions restarting at 0, so each sees only itself), rows come in a few widths, and
+  each width's batches hold the same number of tokens, so a whole evaluation compiles a few programs and
+  computes on text, not padding. Only the scored positions (the continuations') go through the vocabulary
+  projection.
 - ``loglikelihood_rolling``: a document's tokens cut into lm-eval's rolling windows
   (``get_rolling_token_windows``, ``make_disjoint_window``, as HFLM cuts them), scored like the pairs above
   and summed: documents longer than the model's context are scored whole.
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import importlib.util
 import json
 import logging
@@ -36,12 +39,15 @@ import subprocess
 import sys
 import time
 from collections import defaultdict
+from itertools import chain
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 from tqdm.auto import tqdm
 
 from jaxseq.data.batches import length_buckets
@@ -49,6 +55,7 @@ from jaxseq.errors import JaxseqError
 from jaxseq.files import atomic_write
 from jaxseq.generation import generate
 from jaxseq.mesh import batch_sharding, data_parallel_size
+from jaxseq.models.hub import position_limit
 from jaxseq.models.layers import padded_vocab_size
 from jaxseq.sharding import gather
 
@@ -60,6 +67,7 @@ except ImportError:  # jaxseq eval says how to install it (require_lm_eval)
 logger = logging.getLogger("jaxseq")
 
 DEFAULT_MAX_GEN_TOKS = 256  # HFLM.max_gen_toks
+SHARED_CONTEXT = 8  # a context shorter than this is not worth a pass of its own: its sequences are packed whole
 LOGITS_BYTES = 1 << 28  # float32 logits a device holds at a time while scoring: positions are chunked to fit
 
 
@@ -106,6 +114,29 @@ def score_slots(graphdef, vocab: int, chunk: int, state, ids, segments, position
     return token_scores(model.logits, h, slot_tokens, vocab, chunk)
 
 
+def score_shared(
+    graphdef, vocab: int, chunk: int, max_position, state, ctx_ids, ctx_mask, cont_ids, owner, slot_at, slot_tokens
+):
+    """Continuations of shared contexts: the contexts ``[groups, width]`` (left-padded, ``ctx_mask``) run once
+    into a KV cache, then each continuation ``[rows, cont_width]`` (right-padded) runs over its context's cache
+    (``owner``: the context row of each continuation row). A row's hidden states are its context's last one
+    and its own; the slots (``slot_at`` into those, ``slot_tokens``) are scored as ``score_slots`` scores them."""
+    model = nnx.merge(graphdef, state)
+    groups, width = ctx_ids.shape
+    cont_width = cont_ids.shape[1]
+    positions = jnp.maximum(jnp.cumsum(ctx_mask, axis=1) - 1, 0)
+    keys = jnp.concatenate([ctx_mask, jnp.ones((groups, cont_width), ctx_mask.dtype)], axis=1)
+    out = model.hidden_states(ctx_ids, keys, positions, cache=model.init_cache(groups, width + cont_width))
+    cache = jax.tree.map(lambda x: jnp.take(x, owner, axis=x.ndim - 4) if x.ndim >= 4 else x, out.cache)
+    after = positions[owner, -1:] + 1 + jnp.arange(cont_width, dtype=positions.dtype)
+    if max_position is not None:  # a padded continuation's positions past the model's last: never scored
+        after = jnp.minimum(after, max_position)
+    h = model.hidden_states(cont_ids, keys[owner], after, cache=cache).last_hidden_state
+    h = jnp.concatenate([out.last_hidden_state[owner, -1:], h], axis=1)
+    h = jnp.take_along_axis(h, slot_at[..., None], axis=1)
+    return token_scores(model.logits, h, slot_tokens, vocab, chunk)
+
+
 @dataclasses.dataclass
 class Sequence:
     """The tokens of one forward pass and the requests it answers: those whose model input (context and
@@ -120,9 +151,9 @@ class Sequence:
 
 @dataclasses.dataclass
 class Batch:
-    """Packed rows: ``[rows, width]`` tokens, segment ids and positions, the ``[rows, slots]`` slots scored, and
-    where each request's answer lies: (request, row, its first slot, how many slots before its last token's,
-    its last token's slot)."""
+    """Packed rows: ``[rows, width]`` tokens, segment ids and positions (shared contexts: the contexts' tokens and
+    mask, the continuations' tokens), the ``[rows, slots]`` slots scored, and where each request's answer lies:
+    (request, row, its first slot, how many slots before its last token's, its last token's slot)."""
 
     ids: np.ndarray
     segments: np.ndarray
@@ -130,6 +161,7 @@ class Batch:
     slot_at: np.ndarray
     slot_tokens: np.ndarray
     answers: list[tuple[int, int, int, int, int]]
+    owner: np.ndarray | None = None  # shared contexts: the context row of each continuation row
 
 
 def slots_needed(seq: Sequence) -> int:
@@ -137,6 +169,64 @@ def slots_needed(seq: Sequence) -> int:
     last token is not the sequence's own."""
     span = max(length for _, length, _ in seq.members)
     return span + sum(last != seq.targets[-1] for _, _, last in seq.members)
+
+
+def place_slots(seq: Sequence, slot_at, slot_tokens, row: int, offset: int, first: int = 0) -> list[tuple]:
+    """Write ``seq``'s slots into a row's ``slot_at``/``slot_tokens`` from slot ``first`` (position ``p`` of the
+    sequence at index ``p - offset`` of the row's hidden states) and return its requests' answers."""
+    n = len(seq.tokens)
+    span = max(length for _, length, _ in seq.members)
+    slot_at[first : first + span] = np.arange(n - span, n) - offset
+    slot_tokens[first : first + span] = seq.targets[n - span :]
+    answers, end = [], first + span
+    for i, length, last in seq.members:
+        if last == seq.targets[-1]:
+            answers.append((i, row, first + span - length, length - 1, first + span - 1))
+        else:  # the same position scored for this request's own last token
+            slot_at[end], slot_tokens[end] = n - 1 - offset, last
+            answers.append((i, row, first + span - length, length - 1, end))
+            end += 1
+    return answers
+
+
+def context_length(group: list[Sequence]) -> int:
+    """The tokens a group's sequences share: up to the position before the first one any request scores."""
+    return len(group[0].tokens) - max(length for _, length, _ in group[0].members) + 1
+
+
+def split_shared(sequences: list[Sequence]) -> tuple[list[Sequence], list[list[Sequence]]]:
+    """Sequences scored alone, and groups (of two or more) whose scored positions follow the same context: a
+    question's several multi-token answers run their context once (``score_shared``)."""
+    groups: dict[tuple[int, ...], list[Sequence]] = defaultdict(list)
+    for seq in sequences:
+        groups[tuple(seq.tokens[: context_length([seq])])].append(seq)
+    shared = [group for context, group in groups.items() if len(group) > 1 and len(context) >= SHARED_CONTEXT]
+    return [seq for group in groups.values() if group not in shared for seq in group], shared
+
+
+def merge_sparse(by_width: dict[int, list], rows_of: dict[int, int]) -> None:
+    """A width with less than half a batch of rows joins the next wider one (one program fewer)."""
+    for width in sorted(by_width)[:-1]:
+        if len(by_width[width]) < rows_of[width] / 2:
+            wider = min(w for w in by_width if w > width)
+            by_width[wider].extend(by_width.pop(width))
+
+
+def round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def pipelined(batches):
+    """``(batch, its host outputs)`` for ``(batch, dispatch)`` pairs, the next batch dispatched before this
+    one's outputs are fetched."""
+    pending = []
+    for batch, dispatch in batches:
+        pending.append((batch, dispatch()))
+        if len(pending) > 1:
+            batch, outputs = pending.pop(0)
+            yield batch, gather(outputs)
+    for batch, outputs in pending:
+        yield batch, gather(outputs)
 
 
 def pack_rows(lengths: list[int], widths: list[int]) -> list[tuple[int, list[int]]]:
@@ -204,8 +294,14 @@ class JaxseqLM(TemplateLM):
         self.graphdef, self.state = nnx.split(model)
         self.replicas = data_parallel_size(mesh) if mesh is not None else 1
         vocab = model.config.vocab_size
+        limit = position_limit(model.config)
+        last = None if limit is None else limit - 1
         self._score = jax.jit(
             lambda state, *arrays, chunk: score_slots(self.graphdef, vocab, chunk, state, *arrays),
+            static_argnames="chunk",
+        )
+        self._score_shared = jax.jit(
+            lambda state, *arrays, chunk: score_shared(self.graphdef, vocab, chunk, last, state, *arrays),
             static_argnames="chunk",
         )
         self.batch_sizes = {}  # results' config lists HFLM's detected batch sizes; there are none to detect
@@ -318,7 +414,8 @@ class JaxseqLM(TemplateLM):
             disable=disable_tqdm or jax.process_index() != 0,
         )
         results: list[tuple[float, bool] | None] = [None] * len(requests)
-        for batch, (logprobs, best) in self._run_batches(list(sequences.values())):
+        alone, shared = split_shared(list(sequences.values()))
+        for batch, (logprobs, best) in pipelined(chain(self._packed_batches(alone), self._shared_batches(shared))):
             for i, row, start, body, last in batch.answers:
                 tokens = batch.slot_tokens[row]
                 total = logprobs[row, start : start + body].astype(np.float64).sum() + logprobs[row, last]
@@ -331,37 +428,52 @@ class JaxseqLM(TemplateLM):
         bar.close()
         return results
 
-    def _run_batches(self, sequences: list[Sequence]):
-        """Pack ``sequences`` into batches, score them on the devices (the next batch dispatched while this
-        one's scores come back) and yield ``(batch, (log-probabilities, most likely tokens))``, ``[rows,
-        slots]`` host arrays."""
+    def _rows_per_batch(self, widths: list[int], extra: int = 0) -> dict[int, int]:
+        """Rows of each width in a batch: as many tokens in each (``batch_size`` rows of the widest), a multiple
+        of the data-parallel devices; ``extra``: tokens every row adds besides its width."""
+        tokens = self.batch_size * (widths[-1] + extra)
+        return {w: max(self.replicas, tokens // (w + extra) // self.replicas * self.replicas) for w in widths}
+
+    def _packed_batches(self, sequences: list[Sequence]):
+        """``(batch, dispatch)`` for ``sequences`` packed into rows of a few widths (``pack_rows``)."""
         if not sequences:
             return
         lengths = [len(s.tokens) for s in sequences]
-        top = -(-max(lengths) // 8) * 8
-        widths = length_buckets(top, multiple=8, halvings=3)
-        tokens_per_batch = self.batch_size * widths[-1]
-        rows_of = {w: max(self.replicas, tokens_per_batch // w // self.replicas * self.replicas) for w in widths}
+        widths = length_buckets(-(-max(lengths) // 8) * 8, multiple=8, halvings=3)
+        rows_of = self._rows_per_batch(widths)
         by_width: dict[int, list[list[int]]] = defaultdict(list)
         for width, members in pack_rows(lengths, widths):
             by_width[width].append(members)
-        for width in sorted(by_width)[:-1]:  # a width with less than half a batch of rows joins the next
-            if len(by_width[width]) < rows_of[width] / 2:
-                wider = min(w for w in by_width if w > width)
-                by_width[wider].extend(by_width.pop(width))
+        merge_sparse(by_width, rows_of)
         needed = [slots_needed(s) for s in sequences]
-        pending = []
         for width in sorted(by_width, reverse=True):
             rows = by_width[width]
-            slots = -(-max(sum(needed[i] for i in members) for members in rows) // 8) * 8  # one size a width
+            slots = round_up(max(sum(needed[i] for i in members) for members in rows), 8)  # one size a width
             for start in range(0, len(rows), rows_of[width]):
                 batch = self._assemble(width, rows_of[width], slots, rows[start : start + rows_of[width]], sequences)
-                pending.append((batch, self._dispatch(batch)))
-                if len(pending) > 1:
-                    batch, outputs = pending.pop(0)
-                    yield batch, gather(outputs)
-        for batch, outputs in pending:
-            yield batch, gather(outputs)
+                yield batch, functools.partial(self._dispatch, batch)
+
+    def _shared_batches(self, groups: list[list[Sequence]]):
+        """``(batch, dispatch)`` for groups of sequences with a common context (``split_shared``): the contexts
+        of a batch padded to one of a few widths, each sequence's continuation one row of its own."""
+        if not groups:
+            return
+        contexts = [context_length(group) for group in groups]
+        widths = length_buckets(round_up(max(contexts), 8), multiple=8, halvings=3)
+        variants = max(map(len, groups))
+        cont_width = round_up(max(len(s.tokens) - n for g, n in zip(groups, contexts) for s in g), 8)
+        rows_of = self._rows_per_batch(widths, extra=variants * cont_width)
+        by_width: dict[int, list[list[int]]] = defaultdict(list)
+        for k in sorted(range(len(groups)), key=lambda k: -contexts[k]):
+            by_width[next(w for w in widths if w >= contexts[k])].append([k])
+        merge_sparse(by_width, rows_of)
+        slots = round_up(max(slots_needed(s) for group in groups for s in group), 8)
+        for width in sorted(by_width, reverse=True):
+            members = [k for (k,) in by_width[width]]
+            for start in range(0, len(members), rows_of[width]):
+                chosen = [(groups[k], contexts[k]) for k in members[start : start + rows_of[width]]]
+                batch = self._assemble_shared(width, rows_of[width], variants, cont_width, slots, chosen)
+                yield batch, functools.partial(self._dispatch_shared, batch)
 
     @staticmethod
     def _assemble(width: int, rows: int, slots: int, batch_rows, sequences: list[Sequence]) -> Batch:
@@ -379,28 +491,50 @@ class JaxseqLM(TemplateLM):
                 ids[r, col : col + n] = seq.tokens
                 segments[r, col : col + n] = segment
                 positions[r, col : col + n] = np.arange(n)
-                span = max(length for _, length, _ in seq.members)
-                slot_at[r, k : k + span] = np.arange(col + n - span, col + n)
-                slot_tokens[r, k : k + span] = seq.targets[n - span :]
-                end = k + span
-                for i, length, last in seq.members:
-                    if last == seq.targets[-1]:
-                        answers.append((i, r, k + span - length, length - 1, k + span - 1))
-                    else:  # the same position scored for this request's own last token
-                        slot_at[r, end], slot_tokens[r, end] = col + n - 1, last
-                        answers.append((i, r, k + span - length, length - 1, end))
-                        end += 1
-                col, k = col + n, end
+                answers += place_slots(seq, slot_at[r], slot_tokens[r], r, offset=-col, first=k)
+                col, k = col + n, k + slots_needed(seq)
         return Batch(ids, segments, positions, slot_at, slot_tokens, answers)
 
     def _dispatch(self, batch: Batch):
         arrays = [batch.ids, batch.segments, batch.positions, batch.slot_at, batch.slot_tokens]
         if self.mesh is not None:
             arrays = [jax.device_put(a, batch_sharding(self.mesh)) for a in arrays]
+        return self._score(self.state, *arrays, chunk=self._chunk(batch.ids.shape[0]))
+
+    def _chunk(self, rows: int) -> int:
+        """Positions of every row whose logits a device holds at a time (``LOGITS_BYTES``)."""
         vocab = padded_vocab_size(self.config.vocab_size)
-        rows = batch.ids.shape[0]
-        chunk = max(8, LOGITS_BYTES // (4 * vocab * max(1, rows // self.replicas)))
-        return self._score(self.state, *arrays, chunk=chunk)
+        return max(8, LOGITS_BYTES // (4 * vocab * max(1, rows // self.replicas)))
+
+    @staticmethod
+    def _assemble_shared(width: int, groups: int, variants: int, cont_width: int, slots: int, chosen) -> Batch:
+        rows = groups * variants
+        ctx_ids = np.zeros((groups, width), np.int32)
+        ctx_mask = np.zeros((groups, width), np.int32)
+        cont_ids = np.zeros((rows, cont_width), np.int32)
+        owner = np.repeat(np.arange(groups, dtype=np.int32), variants)
+        slot_at = np.zeros((rows, slots), np.int32)
+        slot_tokens = np.zeros((rows, slots), np.int32)
+        ctx_mask[:, -1] = 1  # a context row left empty still holds a token: no row attends to nothing
+        answers = []
+        for g, (group, n) in enumerate(chosen):
+            ctx_ids[g, width - n :] = group[0].tokens[:n]
+            ctx_mask[g, width - n :] = 1
+            for v, seq in enumerate(group):
+                r = g * variants + v
+                cont_ids[r, : len(seq.tokens) - n] = seq.tokens[n:]
+                # hidden state j of the row: position n - 1 + j of the sequence
+                answers += place_slots(seq, slot_at[r], slot_tokens[r], r, offset=n - 1)
+        return Batch(ctx_ids, ctx_mask, cont_ids, slot_at, slot_tokens, answers, owner)
+
+    def _dispatch_shared(self, batch: Batch):
+        arrays = [batch.ids, batch.segments, batch.positions, batch.owner, batch.slot_at, batch.slot_tokens]
+        if self.mesh is not None:
+            shardings = (
+                [batch_sharding(self.mesh)] * 3 + [NamedSharding(self.mesh, P())] + [batch_sharding(self.mesh)] * 2
+            )
+            arrays = [jax.device_put(a, sharding) for a, sharding in zip(arrays, shardings)]
+        return self._score_shared(self.state, *arrays, chunk=self._chunk(batch.slot_at.shape[0]))
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
         """The log-likelihood of each document, scored in lm-eval's rolling windows of ``max_length`` tokens
@@ -612,7 +746,9 @@ def evaluate_tasks(lm: JaxseqLM, loaded: dict, settings: Settings, *, model_args
     ``lm_eval.simple_evaluate(lm, ...)`` returns (results, groups, configs, versions, n-shot, higher_is_better,
     n-samples, samples with ``log_samples``, config, git_hash, date, the environment and tokenizer), and
     lm-eval's ``GeneralConfigTracker`` (model and chat template, timing) that its ``EvaluationTracker`` saves
-    beside them. The same steps as ``simple_evaluate``, but the environment recorded is JAX's, not PyTorch's."""
+    beside them. The same steps as ``simple_evaluate``, but the environment recorded is JAX's, not PyTorch's.
+    Bootstrapped standard errors run in a pool started by ``forkserver`` (``pools_without_fork``): a script
+    calling this needs Python's ``if __name__ == "__main__":`` guard, as for any start method but ``fork``."""
     from lm_eval import evaluator
     from lm_eval.loggers.evaluation_tracker import GeneralConfigTracker
     from lm_eval.loggers.utils import add_tokenizer_info

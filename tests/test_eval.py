@@ -118,7 +118,8 @@ def write_tasks(root: Path, model, tokenizer) -> Path:
     accuracy = "metric_list:\n  - metric: acc\n  - metric: acc_norm\n"
     (root / "mc_colors.yaml").write_text(
         "task: mc_colors\n" + dataset("mc_colors") + "output_type: multiple_choice\n"
-        'doc_to_text: "The {{thing}} is"\ndoc_to_choice: "{{choices}}"\ndoc_to_target: answer\n'
+        'doc_to_text: "Of all the colors, the color of the {{thing}} is"\n'
+        'doc_to_choice: "{{choices}}"\ndoc_to_target: answer\n'
         "target_delimiter: ' '\n" + accuracy
     )
     (root / "mc_letters.yaml").write_text(
