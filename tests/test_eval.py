@@ -402,3 +402,30 @@ def test_a_missing_model_folder_stops_in_one_line(capsys, tmp_path):
         and err
         == f"error: model path '{tmp_path / 'nope'}' is not a folder; pass a folder holding config.json and weights"
     )
+
+
+def test_shared_contexts_and_packed_rows_give_the_same_answers(world, monkeypatch):
+    """Requests of every shape (contexts shared by answers of several tokens or one, of different lengths, cut
+    from the left, alone) scored with contexts shared and with every sequence packed whole: the same answers."""
+    import jaxseq.harness as harness
+    from jaxseq.models import load_pretrained
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(world["gpt2"])
+    lm = harness.JaxseqLM(load_pretrained(world["gpt2"], "causal-lm"), tokenizer, batch_size=2)
+    rng = np.random.default_rng(0)
+    words = shared_asset("data/text/tinyshakespeare.txt").read_text().split()[:2000]
+    requests = []
+    for _ in range(12):
+        context = tokenizer.encode(" ".join(rng.choice(words, int(rng.integers(3, 70)))))
+        for _ in range(int(rng.integers(1, 5))):
+            requests.append(
+                (None, context, tokenizer.encode(" " + " ".join(rng.choice(words, int(rng.integers(1, 4))))))
+            )
+        requests.append((None, context, requests[-1][2][:1]))  # a one-token answer beside them
+    shared = lm._loglikelihood_tokens(requests, disable_tqdm=True)
+    assert harness.split_shared([harness.Sequence(list(c + a[:-1]), (c + a)[1:], [(0, len(a), a[-1])])
+                                 for _, c, a in requests])[1], "no request shares its context"  # fmt: skip
+    monkeypatch.setattr(harness, "SHARED_CONTEXT", 10**9)
+    packed = lm._loglikelihood_tokens(requests, disable_tqdm=True)
+    for (got, greedy), (want, want_greedy) in zip(shared, packed):
+        assert math.isclose(got, want, rel_tol=RTOL) and greedy == want_greedy
