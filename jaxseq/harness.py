@@ -50,6 +50,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from tqdm.auto import tqdm
 
+from jaxseq.config import arg
 from jaxseq.data.batches import length_buckets
 from jaxseq.errors import JaxseqError
 from jaxseq.files import atomic_write
@@ -802,6 +803,91 @@ def evaluate_tasks(lm: JaxseqLM, loaded: dict, settings: Settings, *, model_args
     add_tokenizer_info(results, lm)
     tracker.log_end_time()
     return results, tracker
+
+
+def generation_eos(folder, config) -> list[int] | None:
+    """The EOS tokens transformers' ``generate`` stops at for this checkpoint: its generation config's (its
+    ``generation_config.json``, else the one transformers makes from ``config.json``)."""
+    from transformers import GenerationConfig
+
+    try:
+        generation = GenerationConfig.from_pretrained(folder) if folder is not None else None
+    except OSError:
+        generation = None
+    generation = generation or GenerationConfig.from_model_config(config)
+    eos = generation.eos_token_id
+    return None if eos is None else [int(e) for e in ([eos] if isinstance(eos, int) else eos)]
+
+
+@dataclasses.dataclass
+class EvalTasksConfig:
+    """lm-evaluation-harness tasks run at each evaluation of a training run (as ``jaxseq eval`` runs them)."""
+
+    eval_tasks: str | None = arg(
+        None,
+        "lm-eval tasks, comma-separated, run with the weights being trained at each evaluation (--eval_strategy; "
+        "at least once, at the end): their figures join the eval metrics (eval_<task>_<metric>), lm-eval's "
+        "results of the last go to OUTPUT_DIR/lm_eval/results.json",
+    )
+    eval_tasks_include_path: str | None = arg(None, "a folder of your own task YAML files for --eval_tasks")
+    eval_tasks_num_fewshot: int | None = arg(None, "few-shot examples of --eval_tasks (default: each task's own)")
+    eval_tasks_limit: float | None = arg(
+        None, "examples per task of --eval_tasks at most (below 1: that fraction of each task)"
+    )
+
+
+class TaskEvaluation:
+    """``evaluation(model) -> {"<task>_<metric>": value}``: lm-eval's tasks of an ``EvalTasksConfig`` run on
+    ``model`` (the weights of the moment; a training run's ``Trainer`` calls it at each evaluation). The tasks
+    load once, when it is made (an unknown name or an unsupported task stops in one line before training);
+    every call starts from the same seeds, so evaluations at different steps see the same prompts.
+    ``last``: lm-eval's results of the latest call and its tracker (``save_results`` writes them)."""
+
+    def __init__(self, config: EvalTasksConfig, tokenizer, *, model_config, folder=None, batch_size: int = 8,
+                 mesh=None, name: str = "jaxseq"):  # fmt: skip
+        require_lm_eval()
+        names = [n.strip() for n in (config.eval_tasks or "").split(",") if n.strip()]
+        if not names:
+            raise JaxseqError("--eval_tasks names no task; give lm-eval task names, comma-separated")
+        if config.eval_tasks_limit is not None and config.eval_tasks_limit <= 0:
+            raise JaxseqError(f"--eval_tasks_limit must be positive, got {config.eval_tasks_limit}")
+        if config.eval_tasks_num_fewshot is not None and config.eval_tasks_num_fewshot < 0:
+            raise JaxseqError(f"--eval_tasks_num_fewshot must be at least 0, got {config.eval_tasks_num_fewshot}")
+        self.settings = Settings(num_fewshot=config.eval_tasks_num_fewshot, limit=config.eval_tasks_limit)
+        self.model_args = {"pretrained": name}
+        self.loaded = prepare_tasks(
+            names, self.settings, include_path=config.eval_tasks_include_path, metadata=dict(self.model_args)
+        )
+        self.tokenizer, self.batch_size, self.mesh, self.name = tokenizer, batch_size, mesh, name
+        self.eos = generation_eos(folder, model_config)
+        self.last = None
+
+    def __call__(self, model) -> dict[str, float]:
+        import random
+
+        random.seed(self.settings.random_seed)
+        np.random.seed(self.settings.numpy_random_seed)
+        for task in self.loaded["tasks"].values():
+            task.set_fewshot_seed(seed=self.settings.fewshot_random_seed)
+        lm = JaxseqLM(model, self.tokenizer, batch_size=self.batch_size, mesh=self.mesh, eos_token_ids=self.eos,
+                      name=self.name)  # fmt: skip
+        results, tracker = evaluate_tasks(lm, self.loaded, self.settings, model_args=self.model_args)
+        self.last = results, tracker
+        return flat_metrics(results)
+
+
+def flat_metrics(results: dict) -> dict[str, float]:
+    """lm-eval's numeric figures of each task and group, stderrs left out: ``{"<task>_<metric>": value}``, the
+    filter named after the metric unless it is ``none`` (``hellaswag_acc_norm``, ``gsm8k_exact_match_strict``)."""
+    out = {}
+    for section in ("results", "groups"):
+        for task, figures in (results.get(section) or {}).items():
+            for key, value in figures.items():
+                metric, _, kept = key.partition(",")
+                if not kept or "_stderr" in metric or isinstance(value, bool) or not isinstance(value, (int, float)):
+                    continue
+                out[f"{task}_{metric}" + ("" if kept == "none" else f"_{kept}")] = float(value)
+    return out
 
 
 def normalize(gen_kwargs: dict, default_max_gen_toks: int) -> dict:

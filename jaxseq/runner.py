@@ -22,6 +22,7 @@ from jaxseq.cli import PlanConfig, RuntimeConfig, finish, parse, start
 from jaxseq.config import save_config, stage_flags
 from jaxseq.distributed import DistributedConfig
 from jaxseq.errors import JaxseqError
+from jaxseq.harness import TaskEvaluation, save_results
 from jaxseq.hub_push import HubConfig
 from jaxseq.mesh import data_parallel_size, make_mesh, mesh_sizes
 from jaxseq.models.hub import apply_overrides
@@ -210,7 +211,7 @@ def run(job: Job, argv) -> int:
     mesh = start(args.runtime, args.distributed)
     setup = Setup(job, args, mesh=mesh)
     prepared = job.prepare(setup)
-    check_stages(args.stages, prepared)
+    check_stages(args.stages, prepared, tasks=bool(getattr(getattr(args, "eval_tasks", None), "eval_tasks", None)))
     spec = spec_of(setup, prepared)
     speed = {}
     if "speed" in job.sections:
@@ -220,9 +221,10 @@ def run(job: Job, argv) -> int:
             "flops_per_example": model_flops(spec.config, spec.task, 1, prepared.seq_len, prepared.target_len),
             "peak_flops": peak,
         }
+    evaluations = task_evaluation(args, setup, mesh)  # --eval_tasks: loaded (and checked) before training
     build = functools.partial(spec.build_model, setup.checkpoint, setup.overrides)
     trainer = Trainer(
-        spec, build, prepared.train, prepared.evals, predict_sets=prepared.predicts, **speed
+        spec, build, prepared.train, prepared.evals, predict_sets=prepared.predicts, evaluations=evaluations, **speed
     )  # checks any checkpoint already in output_dir before anything is written there
     if jax.process_index() == 0:
         save_config(trainer.output_dir / "config.yaml", *saved_sections(args).values())
@@ -256,7 +258,7 @@ def run(job: Job, argv) -> int:
         else:
             if restored:
                 trainer.restore_if_any()
-            results = {f"eval_{k}": v for k, v in trainer.evaluate().items()} if prepared.evals else {}
+            results = {f"eval_{k}": v for k, v in trainer.evaluate().items()} if trainer.evaluates else {}
         predictions = {suffix: trainer.predict(suffix)["prediction"] for suffix in prepared.predicts}
     finally:
         trainer.close()
@@ -276,8 +278,10 @@ def run(job: Job, argv) -> int:
             eval_samples=eval_samples,
             extra_eval=extra_eval,
         )
-    elif prepared.evals:
+    elif trainer.evaluates:
         write_results(trainer.output_dir, results, train_samples=0, eval_samples=eval_samples, extra_eval=extra_eval)
+    if evaluations is not None and evaluations.last is not None and jax.process_index() == 0:
+        log(f"wrote {save_results(*evaluations.last, trainer.output_dir / 'lm_eval')[0]}")
     if restored:  # a saved step, exported: any checkpoint becomes a Hugging Face folder
         export_model(trainer, trainer.output_dir, setup.loaded_tokenizer, base_model=args.source.model_name_or_path)
     if speed and jax.process_index() == 0:
@@ -285,9 +289,32 @@ def run(job: Job, argv) -> int:
     return 0
 
 
-def check_stages(stages, prepared: Prepared) -> None:
-    """Every stage flag given finds its data in what ``prepare`` made, and the run has something to do."""
-    found = {"train": prepared.train is not None, "eval": bool(prepared.evals), "predict": bool(prepared.predicts)}
+def task_evaluation(args, setup: Setup, mesh) -> TaskEvaluation | None:
+    """--eval_tasks' evaluation (a job with the ``eval_tasks`` section), its tasks loaded, or None."""
+    config = getattr(args, "eval_tasks", None)
+    if config is None or not config.eval_tasks:
+        return None
+    if setup.job.task != "causal-lm":
+        raise JaxseqError("--eval_tasks runs lm-eval's tasks on causal language models only")
+    return TaskEvaluation(
+        config,
+        setup.tokenizer,
+        model_config=setup.config,
+        folder=setup.folder,
+        batch_size=args.trainer.per_device_eval_batch_size,
+        mesh=mesh,
+        name=args.source.model_name_or_path or args.trainer.output_dir,
+    )
+
+
+def check_stages(stages, prepared: Prepared, tasks: bool = False) -> None:
+    """Every stage flag given finds its data in what ``prepare`` made (evaluation: or lm-eval's ``tasks``), and
+    the run has something to do."""
+    found = {
+        "train": prepared.train is not None,
+        "eval": bool(prepared.evals) or tasks,
+        "predict": bool(prepared.predicts),
+    }
     for stage, data in (("train", "training"), ("eval", "validation"), ("predict", "test")):
         if getattr(stages, f"do_{stage}", None) and not found[stage]:
             raise JaxseqError(f"--do_{stage} needs {data} data and this run has none; see --help for how to give it")

@@ -429,3 +429,67 @@ def test_shared_contexts_and_packed_rows_give_the_same_answers(world, monkeypatc
     packed = lm._loglikelihood_tokens(requests, disable_tqdm=True)
     for (got, greedy), (want, want_greedy) in zip(shared, packed):
         assert math.isclose(got, want, rel_tol=RTOL) and greedy == want_greedy
+
+
+# --------------------------------------------------------------------------- --eval_tasks while training
+
+EVAL_TASKS = ("--eval_tasks", "pairs,mc_colors", "--eval_tasks_limit", "3", "--eval_tasks_num_fewshot", "1")
+"""lm-eval's tasks at the end of a training run (their folder follows: --eval_tasks_include_path)."""
+STEP = ("--max_steps", "1", "--per_device_train_batch_size", "1", "--learning_rate", "1e-3", "--report_to", "none",
+        "--save_strategy", "no", "--compilation_cache_dir", "")  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def training_data(world):
+    root = world["root"] / "training"
+    root.mkdir()
+    text = shared_asset("data/text/tinyshakespeare.txt").read_text()
+    (root / "train.txt").write_text(text[:8000])
+    sentences = [" ".join(line.split()[:8]) for line in text.splitlines() if len(line.split()) >= 8][:64]
+    turns = lambda i: [{"role": "user", "content": sentences[i]}, {"role": "assistant", "content": sentences[i + 1]}]
+    (root / "chats.jsonl").write_text("".join(json.dumps({"messages": turns(i)}) + "\n" for i in range(16)))
+    pairs = [{"prompt": sentences[i], "chosen": sentences[i + 1][:20], "rejected": sentences[i + 2]} for i in range(8)]
+    (root / "pairs.jsonl").write_text("".join(json.dumps(p) + "\n" for p in pairs))
+    (root / "prompts.jsonl").write_text("".join(json.dumps({"prompt": s}) + "\n" for s in sentences[:8]))
+    (root / "rewards.py").write_text("def short(completions, **kwargs):\n    return [-len(c) for c in completions]\n")
+    return root
+
+
+TRAINING_RUNS = {
+    "clm": lambda data: ["--train_file", data / "train.txt", "--block_size", "32"],
+    "chat": lambda data: ["--train_file", data / "chats.jsonl", "--max_seq_length", "64", "--chat_template", TEMPLATE],
+    "dpo": lambda data: ["--train_file", data / "pairs.jsonl", "--max_length", "48"],
+    "grpo": lambda data: ["--train_file", data / "prompts.jsonl", "--reward_funcs", f"{data / 'rewards.py'}:short",
+                          "--num_generations", "2", "--max_completion_length", "4"],
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "job", [pytest.param(job, marks=pytest.mark.slow if job != "clm" else ()) for job in TRAINING_RUNS]
+)
+def test_eval_tasks_while_training(world, training_data, job, tmp_path):
+    """--eval_tasks runs lm-eval's tasks with the trained weights (here at the end): their figures join the eval
+    results and lm-eval's results file is written; for clm, they are what `jaxseq eval` gives the exported model."""
+    from jaxseq.commands import main as jaxseq
+
+    out = tmp_path / "out"
+    flags = [
+        *map(str, TRAINING_RUNS[job](training_data)),
+        *EVAL_TASKS,
+        "--eval_tasks_include_path",
+        str(world["tasks"]),
+    ]
+    code = jaxseq([job, "--model_name_or_path", str(world["gpt2"]), *flags, *STEP, "--output_dir", str(out)])
+    assert code == 0
+    results = json.loads((out / "all_results.json").read_text())
+    assert {"eval_pairs_acc", "eval_mc_colors_acc", "eval_mc_colors_acc_norm"} <= set(results), sorted(results)
+    harness = json.loads((out / "lm_eval" / "results.json").read_text())
+    assert harness["results"]["pairs"]["acc,none"] == results["eval_pairs_acc"] and harness["n-shot"]["pairs"] == 1
+    if job == "clm":
+        again = tmp_path / "again"
+        assert eval_job.main(["--model_name_or_path", str(out), "--tasks", "pairs,mc_colors", "--include_path",
+                              str(world["tasks"]), "--limit", "3", "--num_fewshot", "1", "--output_dir", str(again),
+                              "--compilation_cache_dir", ""]) == 0  # fmt: skip
+        exported = json.loads((again / "results.json").read_text())
+        for key, value in numbers(harness).items():
+            assert math.isclose(numbers(exported)[key], value, rel_tol=RTOL), key

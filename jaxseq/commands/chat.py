@@ -19,6 +19,7 @@ import numpy as np
 
 from jaxseq.cli import script
 from jaxseq.data.chat import ChatDataConfig, load_chat_rows, use_chat_template
+from jaxseq.harness import EvalTasksConfig
 from jaxseq.models.source import ModelSource, sequence_length
 from jaxseq.runner import Job, Prepared, Setup, run
 from jaxseq.train.objectives import CausalLMConfig
@@ -62,7 +63,13 @@ def prepare(setup: Setup) -> Prepared:
 JOB = Job(
     __doc__,
     TASK,
-    {"source": ModelSource, "data": ChatDataConfig, "speed": SpeedConfig, "loss": CausalLMConfig},
+    {
+        "source": ModelSource,
+        "data": ChatDataConfig,
+        "speed": SpeedConfig,
+        "loss": CausalLMConfig,
+        "eval_tasks": EvalTasksConfig,
+    },
     prepare,
 )
 

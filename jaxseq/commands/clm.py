@@ -19,6 +19,7 @@ import jax
 
 from jaxseq.cli import script
 from jaxseq.data.text import TextDataConfig, check_sources, count, load_blocks, token_dtype
+from jaxseq.harness import EvalTasksConfig
 from jaxseq.models.registry import family_names
 from jaxseq.models.source import ModelSource, sequence_length
 from jaxseq.runner import Job, Prepared, Setup, run
@@ -58,7 +59,13 @@ def prepare(setup: Setup) -> Prepared:
 JOB = Job(
     __doc__,
     TASK,
-    {"source": ModelSource, "data": TextDataConfig, "speed": SpeedConfig, "loss": CausalLMConfig},
+    {
+        "source": ModelSource,
+        "data": TextDataConfig,
+        "speed": SpeedConfig,
+        "loss": CausalLMConfig,
+        "eval_tasks": EvalTasksConfig,
+    },
     prepare,
 )
 

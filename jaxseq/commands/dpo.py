@@ -24,6 +24,7 @@ from jaxseq.cli import script
 from jaxseq.data.chat import use_chat_template
 from jaxseq.data.preference import PreferenceDataConfig, load_pair_rows
 from jaxseq.errors import JaxseqError
+from jaxseq.harness import EvalTasksConfig
 from jaxseq.models.source import ModelSource
 from jaxseq.runner import Job, Prepared, Setup, run
 from jaxseq.train.preference import DPOConfig
@@ -82,7 +83,7 @@ def prepare(setup: Setup) -> Prepared:
 JOB = Job(
     __doc__,
     TASK,
-    {"source": ModelSource, "data": PreferenceDataConfig, "dpo": DPOConfig},
+    {"source": ModelSource, "data": PreferenceDataConfig, "dpo": DPOConfig, "eval_tasks": EvalTasksConfig},
     prepare,
     default_stages="train, and evaluate where there are validation pairs (TRL's DPOTrainer with an eval_dataset)",
 )

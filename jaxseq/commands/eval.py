@@ -24,7 +24,16 @@ from jaxseq.cli import RuntimeConfig, parse, script, start
 from jaxseq.config import arg
 from jaxseq.distributed import DistributedConfig
 from jaxseq.errors import JaxseqError
-from jaxseq.harness import JaxseqLM, Settings, evaluate_tasks, prepare_tasks, print_table, require_lm_eval, save_results
+from jaxseq.harness import (
+    JaxseqLM,
+    Settings,
+    evaluate_tasks,
+    generation_eos,
+    prepare_tasks,
+    print_table,
+    require_lm_eval,
+    save_results,
+)
 from jaxseq.models.hub import apply_overrides, load_config, load_pretrained, parse_overrides, position_limit, resolve
 from jaxseq.models.registry import families_with, family_for, family_names
 from jaxseq.models.source import PretrainedModel, check_vocabulary, load_tokenizer
@@ -80,19 +89,6 @@ def settings_of(cfg: EvalConfig) -> Settings:
         system_instruction=cfg.system_instruction,
         log_samples=cfg.log_samples,
     )
-
-
-def generation_eos(folder, config) -> list[int] | None:
-    """The EOS tokens transformers' ``generate`` stops at for this checkpoint: its generation config's (its
-    ``generation_config.json``, else the one transformers makes from ``config.json``)."""
-    from transformers import GenerationConfig
-
-    try:
-        generation = GenerationConfig.from_pretrained(folder)
-    except OSError:
-        generation = GenerationConfig.from_model_config(config)
-    eos = generation.eos_token_id
-    return None if eos is None else [int(e) for e in ([eos] if isinstance(eos, int) else eos)]
 
 
 @script

@@ -38,6 +38,7 @@ from jaxseq.data.chat import use_chat_template
 from jaxseq.data.records import read_records, require_columns
 from jaxseq.data.text import load_hub_dataset
 from jaxseq.errors import JaxseqError
+from jaxseq.harness import EvalTasksConfig
 from jaxseq.mesh import data_parallel_size
 from jaxseq.models.source import ModelSource
 from jaxseq.runner import Job, Prepared, Setup, run
@@ -185,7 +186,7 @@ def completion_slots(prompts: int, num_generations: int) -> dict[str, np.ndarray
 JOB = Job(
     __doc__,
     TASK,
-    {"source": ModelSource, "data": PromptDataConfig, "grpo": GRPOConfig},
+    {"source": ModelSource, "data": PromptDataConfig, "grpo": GRPOConfig, "eval_tasks": EvalTasksConfig},
     prepare,
     default_stages="train",
     no_eval="jaxseq grpo has no evaluation (no validation prompts, no eval metrics: its figures are the training "

@@ -47,6 +47,7 @@ class Trainer:
         tokens_per_example: int | None = None,
         flops_per_example: float | None = None,
         peak_flops: float | None = None,
+        evaluations: Callable[[nnx.Module], dict[str, float]] | None = None,
     ):
         """The run of ``spec`` (``jaxseq.train.spec``) training ``model``, built from it, or ``model()``: then
         the first step's program compiles on a background thread while the model is built (loaded from its
@@ -56,11 +57,14 @@ class Trainer:
         ``predict_sets``: sets ``predict`` runs through the evaluation batches (their labels may be
         placeholders). ``tokens_per_example``, ``flops_per_example`` (model FLOPs of one example's forward and
         backward) and ``peak_flops`` (FLOP/s of all devices): when given, the training log adds tokens/s,
-        model FLOP/s and MFU (see ``jaxseq.train.throughput``)."""
+        model FLOP/s and MFU (see ``jaxseq.train.throughput``). ``evaluations(model)``: more eval metrics of the
+        evaluated weights as a plain model, at each evaluation (lm-eval's tasks: ``harness.TaskEvaluation``)."""
         config = spec.trainer
         self.spec, self.task, self.config, self.mesh = spec, spec.objective, config, spec.mesh
         self.output_dir = Path(config.output_dir)
         self.eval_names = list(eval_sets)
+        self.evaluations = evaluations
+        self.evaluates = bool(self.eval_names) or evaluations is not None  # whether evaluations happen at all
         predict_sets = {f"{PREDICT}{k}": v for k, v in (predict_sets or {}).items()}
         build = None if isinstance(model, nnx.Module) else model
         shaped = spec.abstract_model() if build else model
@@ -150,7 +154,7 @@ class Trainer:
         return sum(
             1
             for s in range(step + 1, self.total_steps + 1)
-            if (self.eval_names and self._due(s, config.eval_strategy, config.eval_steps))
+            if (self.evaluates and self._due(s, config.eval_strategy, config.eval_steps))
             or self._due(s, config.save_strategy, config.save_steps)
         )
 
@@ -341,7 +345,7 @@ class Trainer:
             if logged:
                 self._log_train(step, pending, started)
                 pending = []
-            evaluate_now = bool(self.eval_names) and self._due(step, config.eval_strategy, config.eval_steps)
+            evaluate_now = self.evaluates and self._due(step, config.eval_strategy, config.eval_steps)
             save_now = self._due(step, config.save_strategy, config.save_steps)
             if evaluate_now or save_now:  # not training: keep it out of the throughput figures
                 jax.block_until_ready(self.state)
@@ -360,7 +364,7 @@ class Trainer:
                 self._stop_for_signal(step, pending, started, saved=bool(save_now))
         runtime = time.perf_counter() - started
         self._report_tokenized()
-        if not eval_metrics and self.eval_names:  # --eval_strategy no, or resumed from a finished run
+        if not eval_metrics and self.evaluates:  # --eval_strategy no, or resumed from a finished run
             eval_metrics = self.evaluate()
             if step > start:
                 self.logger.log(step, {f"eval/{k}": v for k, v in eval_metrics.items()})
@@ -467,11 +471,14 @@ class Trainer:
         self.checkpointer.save(step, self.state, record, metrics)
 
     def evaluate(self) -> dict[str, float]:
-        """Metrics over every example of every eval set (keys suffixed by set, as the task names them)."""
+        """Metrics over every example of every eval set (keys suffixed by set, as the task names them), and those
+        of ``evaluations``."""
         results = {}
         for name in self.eval_names:
             for key, value in self.task.metrics(self._outputs(name)).items():
                 results[f"{key}{name}"] = value
+        if self.evaluations is not None:
+            results.update(self.evaluations(self.model()))
         return results
 
     def predict(self, name: str = "") -> dict[str, np.ndarray]:
