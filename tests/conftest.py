@@ -2,12 +2,7 @@
 
 import os
 
-# LLVM's optimisations off for the programs compiled in the test processes: the same HLO, fusions and buffers (so
-# the same numbers and memory figures), code generated about a third faster; the tests that run the command as a
-# user does start their own processes, with their own XLA_FLAGS.
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
-).strip()
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # the suite runs on CPU devices (TPU plans need no TPU backend)
@@ -31,16 +26,10 @@ def shared_asset(relative: str) -> Path:
 
 @pytest.fixture(scope="session", autouse=True)
 def _compilation_cache(tmp_path_factory):
-    """One persistent XLA cache for the run, shared by its xdist workers: tests that build the same program
-    compile it once."""
+    """One persistent XLA cache for the session: tests that build the same program compile it once."""
     import jax
 
-    base = tmp_path_factory.getbasetemp()
-    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base  # the workers' common folder
-    folder = shared / "xla-cache"
-    folder.mkdir(exist_ok=True)
-    jax.config.update("jax_compilation_cache_dir", str(folder))
-    jax.config.update("jax_compilation_cache_max_size", 16 << 30)  # a size limit makes JAX lock the folder
+    jax.config.update("jax_compilation_cache_dir", str(tmp_path_factory.mktemp("xla-cache")))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
