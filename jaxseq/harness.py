@@ -33,11 +33,11 @@ import functools
 import importlib.util
 import json
 import logging
-import multiprocessing
 import os
 import subprocess
 import sys
 import time
+import warnings
 from collections import defaultdict
 from itertools import chain
 from pathlib import Path
@@ -748,8 +748,7 @@ def evaluate_tasks(lm: JaxseqLM, loaded: dict, settings: Settings, *, model_args
     n-samples, samples with ``log_samples``, config, git_hash, date, the environment and tokenizer), and
     lm-eval's ``GeneralConfigTracker`` (model and chat template, timing) that its ``EvaluationTracker`` saves
     beside them. The same steps as ``simple_evaluate``, but the environment recorded is JAX's, not PyTorch's.
-    Bootstrapped standard errors run in a pool started by ``forkserver`` (``pools_without_fork``): a script
-    calling this needs Python's ``if __name__ == "__main__":`` guard, as for any start method but ``fork``."""
+    Bootstrapped standard errors run in lm-eval's forked pool (``quiet_forks``)."""
     from lm_eval import evaluator
     from lm_eval.loggers.evaluation_tracker import GeneralConfigTracker
     from lm_eval.loggers.utils import add_tokenizer_info
@@ -770,7 +769,7 @@ def evaluate_tasks(lm: JaxseqLM, loaded: dict, settings: Settings, *, model_args
         chat_template=chat_template,
         fewshot_as_multiturn=multiturn,
     )
-    with pools_without_fork():
+    with quiet_forks():
         results = evaluator.evaluate(
             lm=lm,
             task_dict=loaded,
@@ -964,73 +963,20 @@ def print_table(results: dict, file=None) -> None:
     from lm_eval.utils import make_table
 
     file = file or sys.stdout
-    with table_writers():
-        print(make_table(results), file=file)
-        if results.get("groups"):
-            print(make_table(results, "groups"), file=file)
-
-
-class MarkdownTable:
-    """The Markdown table writer lm-eval's ``make_table`` uses (``headers``, ``value_matrix``, ``dumps``), for a
-    pytablewriter older than 1.0, whose writers take ``header_list`` and ignore ``headers`` (lm-eval's header
-    row would be A, B, C, ...) and which convert cells in a pool of forked processes: headers centred,
-    numeric columns right-aligned, as pytablewriter writes them."""
-
-    def __init__(self):
-        self.headers, self.value_matrix = [], []
-
-    def dumps(self) -> str:
-        rows = [[str(v) for v in row] for row in self.value_matrix]
-        columns = list(zip(*rows)) if rows else [()] * len(self.headers)
-        widths = [max([len(h), *map(len, col)]) for h, col in zip(self.headers, columns)]
-        numeric = [bool(col) and all(_number(v) for v in col if v.strip() not in ("", "N/A")) for col in columns]
-
-        def line(cells, header=False):
-            out = []
-            for cell, width, right in zip(cells, widths, numeric):
-                out.append(cell.center(width) if header else cell.rjust(width) if right else cell.ljust(width))
-            return "|" + "|".join(out) + "|"
-
-        rule = "|" + "|".join("-" * (w - 1) + (":" if r else "-") for w, r in zip(widths, numeric)) + "|"
-        return "\n".join([line(self.headers, header=True), rule, *(line(row) for row in rows)]) + "\n"
-
-
-def _number(text: str) -> bool:
-    try:
-        float(text)
-    except ValueError:
-        return False
-    return True
+    print(make_table(results), file=file)
+    if results.get("groups"):
+        print(make_table(results, "groups"), file=file)
 
 
 @contextlib.contextmanager
-def table_writers():
-    """``make_table`` with pytablewriter's own writers where they take ``headers`` (1.0 on), else with
-    ``MarkdownTable`` meanwhile."""
-    import pytablewriter
-
-    if int(pytablewriter.__version__.split(".")[0]) >= 1:
+def quiet_forks():
+    """lm-eval's bootstrapped standard errors (median, F1, MCC, perplexity, BLEU, ...) run in a forked
+    ``multiprocessing.Pool``, as with its own backends. JAX warns of any fork once its threads run; the pool's
+    workers run only Python statistics over the per-sample scores and touch no JAX state, so that one warning
+    is left out here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"os\.fork\(\) was called", category=RuntimeWarning)
         yield
-        return
-    saved = pytablewriter.MarkdownTableWriter, pytablewriter.LatexTableWriter
-    pytablewriter.MarkdownTableWriter = pytablewriter.LatexTableWriter = MarkdownTable
-    try:
-        yield
-    finally:
-        pytablewriter.MarkdownTableWriter, pytablewriter.LatexTableWriter = saved
-
-
-@contextlib.contextmanager
-def pools_without_fork():
-    """lm-eval's bootstrapped standard errors (median, F1, MCC, perplexity, BLEU, ...) run in a
-    ``multiprocessing.Pool``; forked from a process whose JAX runs threads, its workers may deadlock (JAX warns
-    of it): meanwhile pools start their workers from a fresh server process (``forkserver``)."""
-    previous = multiprocessing.get_start_method(allow_none=True)
-    multiprocessing.set_start_method("forkserver", force=True)
-    try:
-        yield
-    finally:
-        multiprocessing.set_start_method(previous, force=True)
 
 
 def git_hash() -> str | None:
