@@ -180,18 +180,14 @@ def encode_pairs(tokenizer, records: Sequence[dict], *, progress: bool = True) -
     ]
 
 
-def load_pair_rows(
-    config: PreferenceDataConfig,
-    tokenizer,
-    *,
-    progress: bool = True,
-    log: Log = print,
-    train: bool = True,
-    evaluate: bool = True,
-) -> tuple[dict[str, np.ndarray] | None, dict[str, np.ndarray] | None]:
-    """Training and validation rows from the configured files or Hub dataset; None for a stage not asked for
-    (``train``, ``evaluate``), and for validation where there are no validation pairs. Pairs held out by
-    --validation_split_percentage are held out whichever stages run."""
+def load_pair_records(
+    config, *, train: bool = True, evaluate: bool = True
+) -> tuple[list[dict] | None, list[dict] | None]:
+    """Training and validation records from the configured files or Hub dataset (``config``: a
+    ``PreferenceDataConfig`` or any section with its file, dataset and sample flags), each cut to
+    --max_train_samples or --max_eval_samples; None for a stage not asked for (``train``, ``evaluate``), and
+    for validation where there are no validation pairs. Pairs held out by --validation_split_percentage are
+    held out whichever stages run."""
     splits = None
     if config.dataset_name:
         splits = {
@@ -224,14 +220,28 @@ def load_pair_rows(
                 raise JaxseqError(f"{len(records)} pairs are too few to hold out a validation split; add more")
             order = np.random.default_rng(0).permutation(len(records))
             valid, records = [records[i] for i in order[:held]], [records[i] for i in order[held:]]
+    records = records[: config.max_train_samples] if train else None
+    valid = valid[: config.max_eval_samples] if evaluate and valid is not None else None
+    return records, valid
+
+
+def load_pair_rows(
+    config: PreferenceDataConfig,
+    tokenizer,
+    *,
+    progress: bool = True,
+    log: Log = print,
+    train: bool = True,
+    evaluate: bool = True,
+) -> tuple[dict[str, np.ndarray] | None, dict[str, np.ndarray] | None]:
+    """Training and validation rows (``pair_rows``) of ``load_pair_records``' records."""
+    records, valid = load_pair_records(config, train=train, evaluate=evaluate)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     rows = None
-    if train:
-        records = records[: config.max_train_samples]
+    if records is not None:
         rows = pair_rows(encode_pairs(tokenizer, records, progress=progress), config, pad)
         if len(rows["input_ids"]) < len(records):
             log(f"{len(records) - len(rows['input_ids'])} pairs whose prompt fills --max_length were left out")
-    if not evaluate or valid is None:
+    if valid is None:
         return rows, None
-    valid = valid[: config.max_eval_samples]
     return rows, pair_rows(encode_pairs(tokenizer, valid, progress=progress), config, pad)
