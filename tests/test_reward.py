@@ -236,7 +236,7 @@ def test_reward_flags_shape_the_pairs_and_the_loss(classifier, tmp_path, monkeyp
     assert short.train["margin"].tolist() == [0, 4, 8] and short.train["input_ids"].shape[-1] == 4
     assert not short.evals
     (tmp_path / "t.jinja").write_text("{% for m in messages %}[{{ m['content'] }}]{% endfor %}")
-    setup, rendered = prepare("--dataset_config_name", "chats", "--chat_template", tmp_path / "t.jinja")
+    setup, rendered = prepare("--dataset_config", "chats", "--chat_template", tmp_path / "t.jinja")
     assert setup.tokenizer.decode(rendered.train["input_ids"][0, 0]) == "[hi][hello]"  # no EOS added
     files = ["--model_name_or_path", classifier, "--output_dir", tmp_path / "out"]
     (tmp_path / "one.jsonl").write_text(json.dumps({"chosen": "a", "rejected": "b"}) + "\n")

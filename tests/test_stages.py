@@ -17,7 +17,7 @@ from tests.conftest import shared_asset
 
 transformers = pytest.importorskip("transformers")
 
-from jaxseq.commands import COMMANDS, chat, clm, dpo, glue, grpo, mlm, ner, qa, seq2seq, t5_mlm  # noqa: E402
+from jaxseq.commands import COMMANDS, chat, clm, dpo, glue, grpo, mlm, ner, qa, reward, seq2seq, t5_mlm  # noqa: E402
 from jaxseq.commands import main as jaxseq  # noqa: E402
 from jaxseq.config import stage_flags  # noqa: E402
 from jaxseq.errors import JaxseqError  # noqa: E402
@@ -92,7 +92,7 @@ EVAL = ("--per_device_eval_batch_size", 1)
 
 @pytest.fixture(scope="module")
 def gpt2(tmp_path_factory):
-    """A tiny GPT-2 with GPT-2's tokenizer and a chat template (clm, chat, dpo, grpo)."""
+    """A tiny GPT-2 with GPT-2's tokenizer and a chat template (clm, chat, dpo, reward, grpo)."""
     folder = tmp_path_factory.mktemp("gpt2")
     files = shared_asset("data/tokenizers/gpt2")
     tokenizer = transformers.GPT2TokenizerFast(vocab=str(files / "vocab.json"), merges=str(files / "merges.txt"))
@@ -258,6 +258,17 @@ def test_dpo_stages(gpt2, tmp_path):
 
 
 @pytest.mark.slow
+def test_reward_stages(gpt2, tmp_path):
+    """The reward model trained from the causal LM's checkpoint (a fresh score head) and evaluated alone from
+    its export scores the pairs alike."""
+    pairs = [{"prompt": words(6, i), "chosen": words(3, 100 + i), "rejected": words(5, 200 + i)} for i in range(16)]
+    train = ("--train_file", jsonl(tmp_path / "train.jsonl", pairs[:8]), *TRAIN)
+    evaluate = ("--validation_file", jsonl(tmp_path / "valid.jsonl", pairs[8:]), "--max_length", 64, *EVAL)
+    trained, _ = trained_then_alone(reward, gpt2, tmp_path, train, evaluate)
+    assert trained["eval_margin"] != 0 and trained["eval_min_reward"] < trained["eval_max_reward"]
+
+
+@pytest.mark.slow
 def test_grpo_trains_with_do_train(gpt2, tmp_path):
     (tmp_path / "rewards.py").write_text(REWARD)
     prompts = jsonl(tmp_path / "prompts.jsonl", [{"prompt": words(4, i)} for i in range(8)])
@@ -350,6 +361,9 @@ ERRORS = {
     "chat --do_eval, no chats": (chat, "gpt2", ["--do_eval"], "no validation conversations for --do_eval"),
     "dpo --do_eval, no validation pairs": (
         dpo, "gpt2", ["--do_eval", "--train_file", "{pairs}"], "--do_eval needs validation pairs",
+    ),
+    "reward --do_eval, no validation pairs": (
+        reward, "gpt2", ["--do_eval", "--train_file", "{pairs}"], "--do_eval needs validation pairs",
     ),
     "grpo --do_eval": (grpo, "gpt2", ["--do_eval"], "--do_eval: jaxseq grpo has no evaluation"),
     "grpo --no_do_train": (grpo, "gpt2", ["--no_do_train"], "nothing to do: pass --do_train or --do_eval"),

@@ -33,7 +33,9 @@ class RewardDataConfig:
     )
     validation_file: str | None = arg(None, "validation pairs, same format")
     dataset_name: str | None = arg(None, "Hugging Face Hub preference dataset instead of --train_file")
-    dataset_config_name: str | None = arg(None, "configuration of --dataset_name")
+    dataset_config_name: str | None = arg(
+        None, "configuration of --dataset_name (TRL's --dataset_config)", aliases=("dataset_config",)
+    )
     max_length: int | None = arg(
         1024,
         "pairs whose chosen or rejected sequence has more tokens are left out, as TRL's RewardTrainer filters "
