@@ -247,6 +247,23 @@ def test_reward_flags_shape_the_pairs_and_the_loss(classifier, tmp_path, monkeyp
         prepare("--train_file", tmp_path / "some.jsonl", start=files)
 
 
+def test_a_reward_plan_compiles_the_runs_own_step(tok, classifier, tmp_path):
+    """The run's train step on a dp=4, mp=2 mesh and the plan's, from abstract weights and rows of --max_length
+    tokens (here the longest pair's), lower to the same program: the same classifier, pad token and rows."""
+    from jaxseq.mesh import make_mesh
+    from tests.test_run_spec import lowered_texts
+
+    records = [{k: v for k, v in p.items() if k != "margin"} for p in PAIRS] * 2
+    (tmp_path / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    longest = max(len(ids) for pair in encode_reward_pairs(tok, records, progress=False) for ids in pair)
+    argv = [
+        "--model_name_or_path", classifier, "--train_file", tmp_path / "pairs.jsonl", "--max_length", longest,
+        "--output_dir", tmp_path / "out", "--max_steps", 2, "--per_device_train_batch_size", 1, "--report_to", "none",
+    ]  # fmt: skip
+    run, plan, names = lowered_texts(reward.JOB, [str(a) for a in argv], make_mesh("dp=4,mp=2"))
+    assert names == {"input_ids", "pair_mask"} and run == plan
+
+
 # --------------------------------------------------------------------------- the installed command, one device
 
 JAXSEQ = Path(sys.executable).with_name("jaxseq")
