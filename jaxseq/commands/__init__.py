@@ -18,6 +18,7 @@ COMMANDS = {
     "t5-mlm": ("t5_mlm", "pretrain T5 by span corruption (run_t5_mlm_flax.py flags)"),
     "chat": ("chat", "fine-tune a causal LM on chats, learning only the assistant's turns"),
     "dpo": ("dpo", "align a causal LM with preference pairs: DPO, IPO, hinge, robust DPO, SimPO, ORPO (as TRL)"),
+    "kto": ("kto", "align a causal LM with unpaired feedback, desirable or undesirable completions: KTO (as TRL)"),
     "reward": ("reward", "train a reward model on preference pairs: a one-output classifier, Bradley-Terry (as TRL)"),
     "grpo": ("grpo", "train a causal LM on your reward functions with GRPO, sampling in the loop (as TRL)"),
     "seq2seq": ("seq2seq", "fine-tune T5 on source/target pairs"),

@@ -181,13 +181,13 @@ def encode_pairs(tokenizer, records: Sequence[dict], *, progress: bool = True) -
 
 
 def load_pair_records(
-    config, *, train: bool = True, evaluate: bool = True
+    config, *, train: bool = True, evaluate: bool = True, check: Callable[[list, str], list[dict]] = check_records
 ) -> tuple[list[dict] | None, list[dict] | None]:
     """Training and validation records from the configured files or Hub dataset (``config``: a
     ``PreferenceDataConfig`` or any section with its file, dataset and sample flags), each cut to
     --max_train_samples or --max_eval_samples; None for a stage not asked for (``train``, ``evaluate``), and
     for validation where there are no validation pairs. Pairs held out by --validation_split_percentage are
-    held out whichever stages run."""
+    held out whichever stages run. ``check``: what a set's records must hold (default: pairs)."""
     splits = None
     if config.dataset_name:
         splits = {
@@ -196,7 +196,7 @@ def load_pair_records(
         }
     valid = (splits.get("validation") or splits.get("test")) if splits is not None else None
     if config.validation_file:
-        valid = check_records(read_records(config.validation_file), config.validation_file)
+        valid = check(read_records(config.validation_file), config.validation_file)
     held_out = valid is None and config.validation_split_percentage > 0
     records = None
     if train or (evaluate and held_out):
@@ -213,7 +213,7 @@ def load_pair_records(
                 "no validation pairs for --do_eval: pass --validation_file (or --train_file or --dataset_name "
                 "with --validation_split_percentage)"
             )
-        records = check_records(records, where)
+        records = check(records, where)
         if held_out:
             held = max(1, int(len(records) * config.validation_split_percentage / 100))
             if held >= len(records):
