@@ -17,7 +17,7 @@ from tests.conftest import shared_asset
 
 transformers = pytest.importorskip("transformers")
 
-from jaxseq.commands import COMMANDS, chat, clm, dpo, glue, grpo, mlm, ner, qa, reward, seq2seq, t5_mlm  # noqa: E402
+from jaxseq.commands import COMMANDS, chat, clm, dpo, glue, grpo, kto, mlm, ner, qa, reward, seq2seq, t5_mlm  # noqa: E402
 from jaxseq.commands import main as jaxseq  # noqa: E402
 from jaxseq.config import stage_flags  # noqa: E402
 from jaxseq.errors import JaxseqError  # noqa: E402
@@ -92,7 +92,7 @@ EVAL = ("--per_device_eval_batch_size", 1)
 
 @pytest.fixture(scope="module")
 def gpt2(tmp_path_factory):
-    """A tiny GPT-2 with GPT-2's tokenizer and a chat template (clm, chat, dpo, reward, grpo)."""
+    """A tiny GPT-2 with GPT-2's tokenizer and a chat template (clm, chat, dpo, kto, reward, grpo)."""
     folder = tmp_path_factory.mktemp("gpt2")
     files = shared_asset("data/tokenizers/gpt2")
     tokenizer = transformers.GPT2TokenizerFast(vocab=str(files / "vocab.json"), merges=str(files / "merges.txt"))
@@ -258,6 +258,18 @@ def test_dpo_stages(gpt2, tmp_path):
 
 
 @pytest.mark.slow
+def test_kto_stages(gpt2, tmp_path):
+    """Evaluated alone, the model is its own reference: rewards and KL 0, each row's loss 1 - sigmoid(0)."""
+    rows = [{"prompt": words(6, i), "completion": words(3 + i % 3, 100 + i), "label": i % 3 != 0} for i in range(24)]
+    train = ("--train_file", jsonl(tmp_path / "train.jsonl", rows[:16]), *TRAIN, "--per_device_train_batch_size", 2)
+    evaluate = ("--validation_file", jsonl(tmp_path / "valid.jsonl", rows[16:]), "--max_length", 32, *EVAL)
+    trained, alone = trained_then_alone(kto, gpt2, tmp_path, train, evaluate, same=["eval_samples"])
+    assert trained["eval_rewards/margins"] != 0 and trained["eval_loss"] != pytest.approx(0.5)
+    assert alone["eval_loss"] == pytest.approx(0.5, rel=1e-6) and alone["eval_rewards/margins"] == 0
+    assert alone["eval_kl"] == 0 and alone["eval_logps/chosen"] < 0
+
+
+@pytest.mark.slow
 def test_reward_stages(gpt2, tmp_path):
     """The reward model trained from the causal LM's checkpoint (a fresh score head) and evaluated alone from
     its export scores the pairs alike."""
@@ -361,6 +373,9 @@ ERRORS = {
     "chat --do_eval, no chats": (chat, "gpt2", ["--do_eval"], "no validation conversations for --do_eval"),
     "dpo --do_eval, no validation pairs": (
         dpo, "gpt2", ["--do_eval", "--train_file", "{pairs}"], "--do_eval needs validation pairs",
+    ),
+    "kto --do_eval, no validation rows": (
+        kto, "gpt2", ["--do_eval", "--train_file", "{pairs}"], "--do_eval needs validation rows",
     ),
     "reward --do_eval, no validation pairs": (
         reward, "gpt2", ["--do_eval", "--train_file", "{pairs}"], "--do_eval needs validation pairs",

@@ -36,18 +36,24 @@ TASK = "causal-lm"
 PER_ROW = ("prompt_length", "completion_length", "label")
 
 
+def check_batch(objective, trainer) -> None:
+    """kto's KL term pairs each prompt with another row's completion among its device's rows: at least 2 (as
+    TRL's KTOTrainer asks)."""
+    if objective.calculate_kl and trainer.per_device_train_batch_size < 2:
+        raise JaxseqError(
+            "--loss_type kto pairs each prompt with another row's completion of its device's batch (the KL term): "
+            "--per_device_train_batch_size must be at least 2"
+        )
+
+
 def prepare(setup: Setup) -> Prepared:
     """Rows tokenised as TRL does, each its prompt and whole completion (a plan reads none: its rows are
     --max_length tokens)."""
     args, data, kto = setup.args, setup.args.data, setup.args.kto
     objective = kto.objective(data.max_length)
-    if objective.calculate_kl and args.trainer.per_device_train_batch_size < 2:
-        raise JaxseqError(
-            "--loss_type kto pairs each prompt with another row's completion of its device's batch (the KL term): "
-            "--per_device_train_batch_size must be at least 2"
-        )
     extra = {"ref_logps": ((), np.float32)} if objective.precomputes_reference else {}
     if setup.planning:
+        check_batch(objective, args.trainer)
         seq = data.max_length or 1024
         row = {"input_ids": ((seq,), np.int32), **dict.fromkeys(PER_ROW, ((), np.int32))}
         return Prepared(objective, seq_len=seq, row={**row, **extra})
@@ -57,6 +63,8 @@ def prepare(setup: Setup) -> Prepared:
     main_process = jax.process_index() == 0
     log = print if main_process else (lambda *_: None)
     do_train, do_eval, _ = args.stages.stages()
+    if do_train:
+        check_batch(objective, args.trainer)
     train, valid = load_kto_rows(data, tokenizer, progress=main_process, log=log, train=do_train, evaluate=do_eval)
     if args.stages.do_eval and valid is None:
         raise JaxseqError(

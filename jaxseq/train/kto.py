@@ -205,16 +205,11 @@ class KTO(Task):
         )
 
     def _rotate(self, x: jax.Array) -> jax.Array:
-        """Each device's rows moved down by one (its last row first): the row before each one's."""
+        """Each device's rows moved down by one (its last row first): the row before each one's (a device's
+        only row is its own: the job asks for 2 or more a device to train)."""
         rows = x.shape[0]
         if rows % self.batch_shards:
             raise JaxseqError(f"{rows} rows do not split over {self.batch_shards} devices")
-        if rows // self.batch_shards < 2:
-            raise JaxseqError(
-                "KTO's KL term pairs each prompt with another row's completion: give each device at least 2 rows "
-                "(--per_device_train_batch_size and --per_device_eval_batch_size), or use --loss_type "
-                "apo_zero_unpaired"
-            )
         split = x.reshape(self.batch_shards, rows // self.batch_shards, *x.shape[1:])
         return jnp.roll(split, 1, axis=1).reshape(x.shape)
 
