@@ -1,12 +1,12 @@
 """``jaxseq kto`` against TRL's KTOTrainer (installed with the test extra), on a tiny GPT-2 whose policy and
 reference weights are perturbed apart: rows are tokenised as TRL tokenises them (strings, conversations and
 paired records, with --max_length's cut and left-out rows) and the step's sequences, the KL ones included
-(each prompt with the completion of the row before it), are TRL's collated batch; for each loss type, with
-unequal desirable and undesirable weights, the loss, TRL's logged figures and every gradient equal TRL's
-``compute_loss`` on the same batch; LoRA's implicit reference (the base, adapters off) equals a frozen copy's;
-the job's flags shape its data and loss; and the installed ``jaxseq kto`` as a fresh process on one CPU device
-trains a tiny Llama for 2 steps, logs TRL's names and exports a folder transformers loads whose log-probs
-are jaxseq's."""
+(each prompt with the completion of the row before it among its device's rows, one device or two), are TRL's
+collated batches; for each loss type, with unequal desirable and undesirable weights, the loss, TRL's logged
+figures and every gradient equal TRL's ``compute_loss`` on the same batch; LoRA's implicit reference (the
+base, adapters off) equals a frozen copy's; the job's flags shape its data and loss; a plan lowers the run's
+own step; and the installed ``jaxseq kto`` as a fresh process on one CPU device trains a tiny Llama for 2
+steps, logs TRL's names and exports a folder transformers loads whose log-probs are jaxseq's."""
 
 import json
 import os
@@ -132,6 +132,27 @@ def jaxseq_batch(tok, records, max_length=None):
     return {k: jnp.asarray(v) for k, v in rows.items()}
 
 
+def trl_prepared(trainer, records, tok, max_length=None, per_device=None):
+    """TRL's collated batch of ``records`` prepared with ``max_length`` and its KL pairs made in runs of
+    ``per_device`` rows (default: all)."""
+    trainer.args.max_length = trainer.data_collator.max_length = max_length
+    trainer.args.per_device_train_batch_size = per_device or len(unpair(records))
+    dataset = trainer._prepare_dataset(datasets.Dataset.from_list(records), tok, trainer.args, "x")
+    return trainer.data_collator(list(dataset))
+
+
+def assert_sequences_are_trls(objective, batch, want) -> None:
+    """The objective's sequences of ``batch`` (each row's own, and the KL ones) are TRL's collated ``want``."""
+    for prefix, kl in (("", False), ("KL_", True)):
+        ids, mask, completion = (np.asarray(x) for x in objective._sequences(batch, kl))
+        width = want[f"{prefix}input_ids"].shape[1]
+        assert not mask[:, width:].any()
+        np.testing.assert_array_equal(mask[:, :width], want[f"{prefix}attention_mask"].numpy())
+        np.testing.assert_array_equal(completion[:, :width], want[f"{prefix}completion_mask"].numpy())
+        real = mask[:, :width] == 1
+        np.testing.assert_array_equal(ids[:, :width][real], want[f"{prefix}input_ids"].numpy()[real])
+
+
 @pytest.mark.parametrize("kind", RECORDS)
 def test_rows_and_kl_sequences_are_trls(tok, folders, tmp_path, kind):
     records = RECORDS[kind]
@@ -142,26 +163,19 @@ def test_rows_and_kl_sequences_are_trls(tok, folders, tmp_path, kind):
     for i, (prompt, completion) in enumerate(encode_unpaired_rows(tok, unpair(records), progress=False)):
         assert (prompt, completion) == (prepared[i]["prompt_ids"], prepared[i]["completion_ids"])
         assert tok.eos_token_id in completion  # appended, or the template's
-    # --max_length: the longest prompt's row is left out, the others cut on the right, before the KL pairing
-    whole = trl_batch(trainer)
+    assert_sequences_are_trls(KTO(), batch, trl_batch(trainer))
+    # two devices' rows: each pairs its own half, as TRL's batches of half the rows
+    if len(prepared) % 2 == 0:
+        assert_sequences_are_trls(
+            KTO(batch_shards=2), batch, trl_prepared(trainer, records, tok, None, len(prepared) // 2)
+        )
+    # --max_length: the longest prompt's rows are left out, the others cut on the right, before the KL pairing
     cut = max(len(p) for p in prepared["prompt_ids"])
-    trainer.args.max_length = trainer.data_collator.max_length = cut
-    want = trainer.data_collator(list(trainer._prepare_dataset(datasets.Dataset.from_list(records), tok,
-                                                               trainer.args, "x")))  # fmt: skip
-    got_batch = jaxseq_batch(tok, records, cut)
+    want = trl_prepared(trainer, records, tok, cut)
+    got = jaxseq_batch(tok, records, cut)
     kept = sum(len(p) < cut for p in prepared["prompt_ids"])
-    assert 2 <= len(got_batch["label"]) == len(want["label"]) == kept < len(prepared)
-    for full, batch_ in ((True, batch), (False, got_batch)):
-        objective = KTO(max_length=None if full else cut, batch_shards=1)
-        want_ = whole if full else want
-        for prefix, kl in (("", False), ("KL_", True)):
-            ids, mask, completion = (np.asarray(x) for x in objective._sequences(batch_, kl))
-            width = want_[f"{prefix}input_ids"].shape[1]
-            assert not mask[:, width:].any()
-            np.testing.assert_array_equal(mask[:, :width], want_[f"{prefix}attention_mask"].numpy())
-            np.testing.assert_array_equal(completion[:, :width], want_[f"{prefix}completion_mask"].numpy())
-            real = mask[:, :width] == 1
-            np.testing.assert_array_equal(ids[:, :width][real], want_[f"{prefix}input_ids"].numpy()[real])
+    assert 2 <= len(got["label"]) == len(want["label"]) == kept < len(prepared)
+    assert_sequences_are_trls(KTO(max_length=cut), got, want)
 
 
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
@@ -181,8 +195,8 @@ def test_loss_metrics_and_gradients_equal_trl(tok, folders, tmp_path, loss_type)
     batch.update(objective.reference(ref, batch))
     assert set(batch) >= ({"ref_logps", "ref_KL_logps"} if loss_type == "kto" else {"ref_logps"})
     graphdef, state = nnx.split(policy)
-    (got, metrics), grads = jax.value_and_grad(
-        lambda s: objective.loss_and_metrics(nnx.merge(graphdef, s), batch), has_aux=True
+    (got, metrics), grads = jax.jit(
+        jax.value_and_grad(lambda s: objective.loss_and_metrics(nnx.merge(graphdef, s), batch), has_aux=True)
     )(state)
     assert abs(float(got) - loss.item()) <= 1e-5 * max(1.0, abs(loss.item())), (float(got), loss.item())
     assert abs(want["rewards/margins"]) > 1e-3 and (loss_type != "kto" or want["kl"] > 1e-4)  # policy != ref
@@ -275,6 +289,22 @@ def test_kto_flags_shape_the_rows_and_the_loss(folders, tmp_path, monkeypatch):
     (tmp_path / "bad.jsonl").write_text(json.dumps({**ROWS[0], "label": "yes"}) + "\n")
     with pytest.raises(JaxseqError, match="label must be true or false"):
         prepare("--train_file", tmp_path / "bad.jsonl", "--validation_file", tmp_path / "one.jsonl", start=files)
+
+
+def test_a_kto_plan_lowers_the_runs_own_step(tok, folders, tmp_path):
+    """The run's train step on a dp=4, mp=2 mesh and the plan's, from abstract weights and rows of --max_length
+    tokens (here the rows' width: the longest prompt plus the longest completion), lower to the same program:
+    the same policy, frozen reference and KL sequences."""
+    from tests.test_run_spec import lowered_texts
+
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ROWS * 2))
+    width = jaxseq_batch(tok, ROWS)["input_ids"].shape[1]
+    argv = [
+        "--model_name_or_path", folders[0], "--train_file", tmp_path / "rows.jsonl", "--max_length", width,
+        "--output_dir", tmp_path / "out", "--max_steps", 1, "--per_device_train_batch_size", 2, "--report_to", "none",
+    ]  # fmt: skip
+    run, plan, names = lowered_texts(kto.JOB, [str(a) for a in argv], make_mesh("dp=4,mp=2"))
+    assert names == {"input_ids", "prompt_length", "completion_length", "label"} and run == plan
 
 
 # --------------------------------------------------------------------------- the installed command, one device
