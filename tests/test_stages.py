@@ -259,9 +259,11 @@ def test_dpo_stages(gpt2, tmp_path):
 
 @pytest.mark.slow
 def test_kto_stages(gpt2, tmp_path):
-    """Evaluated alone, the model is its own reference: rewards and KL 0, each row's loss 1 - sigmoid(0)."""
+    """Trained with apo_zero_unpaired against reference log-probs computed before training; evaluated alone
+    (kto), the model is its own reference: rewards and KL 0, each row's loss 1 - sigmoid(0)."""
     rows = [{"prompt": words(6, i), "completion": words(3 + i % 3, 100 + i), "label": i % 3 != 0} for i in range(24)]
-    train = ("--train_file", jsonl(tmp_path / "train.jsonl", rows[:16]), *TRAIN, "--per_device_train_batch_size", 2)
+    train = ("--train_file", jsonl(tmp_path / "train.jsonl", rows[:16]), *TRAIN, "--per_device_train_batch_size", 2,
+             "--loss_type", "apo_zero_unpaired", "--precompute_ref_log_probs")  # fmt: skip
     evaluate = ("--validation_file", jsonl(tmp_path / "valid.jsonl", rows[16:]), "--max_length", 32, *EVAL)
     trained, alone = trained_then_alone(kto, gpt2, tmp_path, train, evaluate, same=["eval_samples"])
     assert trained["eval_rewards/margins"] != 0 and trained["eval_loss"] != pytest.approx(0.5)

@@ -267,9 +267,10 @@ class Trainer:
 
     def _compile_first_step(self) -> dict[int, Future]:
         """The train step for the first step's batch shape, compiling on a background thread (keyed by its
-        row count, as ``_compile_ahead``'s), while the model is built: none without training, or when a
-        task makes its batches itself (GRPO's rollouts)."""
-        if self.feed.train_data is None or self.task.samples_in_the_loop:
+        row count, as ``_compile_ahead``'s), while the model is built: none without training, when a task
+        makes its batches itself (GRPO's rollouts), or when its reference columns join the batches later
+        (``precomputes_reference``)."""
+        if self.feed.train_data is None or self.task.samples_in_the_loop or self.task.precomputes_reference:
             return {}
         program, batch = self.program, self.feed.abstract_batches()[0]
         state, frozen = program.abstract_state, program.abstract_frozen
