@@ -174,8 +174,8 @@ def folders(tmp_path_factory):
         model = from_config(make(), task(family), seed=0)
         state = nnx.state(model, nnx.Param)
         leaves, treedef = jax.tree.flatten(state)
-        keys = jax.random.split(jax.random.key(1), len(leaves))
-        noisy = [x + 0.05 * jax.random.normal(k, x.shape, x.dtype) for x, k in zip(leaves, keys)]
+        rng = np.random.default_rng(1)
+        noisy = [x + 0.05 * rng.standard_normal(x.shape).astype(x.dtype) for x in leaves]
         nnx.update(model, jax.tree.unflatten(treedef, noisy))
         out[family] = save_pretrained(model, tmp_path_factory.mktemp(family))
     return out
@@ -228,12 +228,60 @@ def logits(family, model, b):
     return out if family.startswith(ENCODERS) else out.logits
 
 
-@pytest.mark.parametrize("family", list(CONFIGS))
-def test_stacked_storage_keeps_hugging_face_names(family, folders, tmp_path):
-    """One stacked module per stack, each parameter with a leading layer axis (beside T5's stacks, the position
-    bias of their unrolled first block); the same PyTorch names, and an export with exactly the unrolled model's
-    tensors."""
-    unrolled, scanned = pair(folders, family)
+def loss_and_grads(model, b, family="gpt2", mesh=None):
+    graphdef, params = nnx.split(model)
+    loss = objective(family, 1 if mesh is None else 4).loss
+    return jax.jit(jax.value_and_grad(lambda p: loss(nnx.merge(graphdef, p), b, None)))(params)
+
+
+def token_loss(model, b, _):
+    """A masked LM's cross-entropy of every real token (none masked: the head's gradients are what count)."""
+    scores = jax.nn.log_softmax(logits("bert-mlm", model, b))
+    picked = jnp.take_along_axis(scores, b["input_ids"][..., None], -1)[..., 0]
+    return -(picked * b["attention_mask"]).sum() / b["attention_mask"].sum()
+
+
+def logits_loss_and_grads(model, b, family):
+    """The model's logits, and its loss and gradients, from one compiled program."""
+    graphdef, params = nnx.split(model)
+    objective_loss = token_loss if family == "bert-mlm" else objective(family).loss
+    loss = lambda p: objective_loss(nnx.merge(graphdef, p), b, None)
+    return jax.jit(lambda p: (logits(family, nnx.merge(graphdef, p), b), jax.value_and_grad(loss)(p)))(params)
+
+
+def assert_same_grads(got, want):
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-6)
+    got, want = per_layer(got[1]), per_layer(want[1])
+    assert set(got) == set(want)
+    for name in want:
+        np.testing.assert_allclose(got[name], want[name], atol=2e-6, rtol=1e-5, err_msg=name)
+
+
+@pytest.mark.parametrize(
+    "family, policy, packed",
+    [
+        ("gpt2", "full", False),
+        ("gptj", "dots", False),
+        ("llama", "offload", False),
+        ("mistral", "full", False),
+        ("qwen3", "dots", False),
+        ("gemma2", "full", False),
+        ("gemma3", "dots", False),
+        ("opt", "full", False),
+        ("bert", "none", False),
+        ("bert", "full", True),
+        ("bert-mlm", "dots", False),
+        ("roberta", "dots", True),
+        ("t5", "none", False),
+        ("t5-v1.1", "dots", False),
+    ],
+)
+def test_scanned_model_equals_unrolled(family, policy, packed, folders, tmp_path):
+    """Stored as one stacked module per stack, each parameter with a leading layer axis (beside T5's stacks, the
+    position bias of their unrolled first block), under the same PyTorch names, exported as exactly the unrolled
+    model's tensors; and from the same weights, under each remat policy, the unrolled model's logits, loss and
+    gradients (encoders' packed rows too)."""
+    unrolled, scanned = pair(folders, family, Execution(scan_layers=True, remat=policy))
     config = CONFIGS[family]()
     params = partition.named_leaves(nnx.state(scanned, nnx.Param))
     for stack in STACKS[family]:
@@ -254,79 +302,28 @@ def test_stacked_storage_keeps_hugging_face_names(family, folders, tmp_path):
         == json.loads((folders[family] / "config.json").read_text())["architectures"]
     )
 
-
-@pytest.mark.parametrize("family", list(CONFIGS))
-def test_scanned_logits_equal_unrolled(family, folders):
-    unrolled, scanned = pair(folders, family)
-    for packed in (False, True) if family in ENCODERS else (False,):
-        b = batch(family, packed)
-        np.testing.assert_allclose(logits(family, scanned, b), logits(family, unrolled, b), atol=2e-5, rtol=1e-5)
-
-
-def loss_and_grads(model, b, family="gpt2", mesh=None):
-    graphdef, params = nnx.split(model)
-    loss = objective(family, 1 if mesh is None else 4).loss
-    return jax.jit(jax.value_and_grad(lambda p: loss(nnx.merge(graphdef, p), b, None)))(params)
-
-
-def assert_same_grads(got, want):
-    np.testing.assert_allclose(got[0], want[0], rtol=1e-6)
-    got, want = per_layer(got[1]), per_layer(want[1])
-    assert set(got) == set(want)
-    for name in want:
-        np.testing.assert_allclose(got[name], want[name], atol=2e-6, rtol=1e-5, err_msg=name)
-
-
-@pytest.mark.parametrize(
-    "family, policy, packed",
-    [
-        ("gpt2", "none", False),
-        ("gpt2", "full", False),
-        ("gptj", "dots", False),
-        ("llama", "offload", False),
-        ("mistral", "full", False),
-        ("qwen3", "dots", False),
-        ("gemma2", "full", False),
-        ("gemma3", "dots", False),
-        ("opt", "full", False),
-        ("bert", "none", False),
-        ("bert", "full", True),
-        ("roberta", "dots", True),
-        ("t5", "none", False),
-        ("t5-v1.1", "dots", False),
-    ],
-)
-def test_scanned_gradients_equal_unrolled(family, policy, packed, folders):
-    unrolled, scanned = pair(folders, family, Execution(scan_layers=True, remat=policy))
     b = batch(family, packed)
-    want = loss_and_grads(unrolled, b, family)
-    got = loss_and_grads(scanned, b, family)
+    (want_logits, want), (got_logits, got) = (logits_loss_and_grads(m, b, family) for m in (unrolled, scanned))
+    np.testing.assert_allclose(got_logits, want_logits, atol=2e-5, rtol=1e-5)
     assert_same_grads(got, want)
-
-
-@pytest.mark.parametrize("family", ["gpt2", "llama", "bert", "t5"])
-def test_rules_take_a_leading_layer_axis(family, folders):
-    """The family's own rules shard a stacked parameter behind a replicated layer axis, and a model loaded
-    onto a mesh is placed straight onto those shardings."""
-    mesh = make_mesh("dp=2,fsdp=2,mp=2")
-    _, scanned = pair(folders, family, mesh=mesh)
-    kernels = {"gpt2": "attn/c_attn", "llama": "self_attn/q_proj", "bert": "self/query", "t5": "SelfAttention/q"}
-    kernel = kernels[family] + "/kernel"
-    for name, x in partition.named_leaves(nnx.state(scanned, nnx.Param)):
-        if name.endswith(kernel):
-            assert x.sharding.spec == P(None, "fsdp", "mp"), name
-        for shard in x.addressable_shards:
-            assert shard.data.shape == x.sharding.shard_shape(x.shape), name
 
 
 @pytest.mark.parametrize("family", ["gpt2", "mistral", "bert", "t5-v1.1"])
 def test_gathered_one_layer_at_a_time_inside_the_scan(family, folders):
-    """fsdp's per-block gather works inside the scanned body: the same loss and gradients on a (dp, fsdp, mp)
-    mesh, and the program gathers one layer's weights (as many constraints as one block has, not one per layer;
-    BERT's classifier gathers its last layer's once more, where it runs apart from the scan)."""
+    """The family's own rules shard a stacked parameter behind a replicated layer axis, and a model loaded onto a
+    mesh is placed straight onto those shardings. fsdp's per-block gather works inside the scanned body: the
+    same loss and gradients on a (dp, fsdp, mp) mesh, and the program gathers one layer's weights (as many
+    constraints as one block has, not one per layer; BERT's classifier gathers its last layer's once more,
+    where it runs apart from the scan)."""
     mesh = make_mesh("dp=2,fsdp=2,mp=2")
     gathering = Gathering(mesh, tuple(partition.get_partition_rules(family.split("-")[0])))
     unrolled, model = pair(folders, family, Execution(scan_layers=True, remat="full", gather=gathering), mesh=mesh)
+    kernels = {"gpt2": "attn/c_attn", "mistral": "self_attn/q_proj", "bert": "self/query", "t5-v1.1": "SelfAttention/q"}
+    for name, x in partition.named_leaves(nnx.state(model, nnx.Param)):
+        if name.endswith(kernels[family] + "/kernel"):
+            assert x.sharding.spec == P(None, "fsdp", "mp"), name
+        for shard in x.addressable_shards:
+            assert shard.data.shape == x.sharding.shard_shape(x.shape), name
     b = on_mesh(batch(family), mesh)
     want = loss_and_grads(unrolled, b, family, mesh)
     stacks = [m.weight_gather.weights for _, m in nnx.iter_modules(model) if isinstance(m, Stacked)]
@@ -416,7 +413,7 @@ def test_scanned_and_unrolled_models_initialise_alike():
     """From one seed a fresh model's weights are the same scanned or unrolled (each layer made in turn from
     the seed's stream), and so are the modules made after the stack (a task's head): switching layouts does
     not change a run. T5's scanned stacks keep the first block's position bias apart, so they draw otherwise."""
-    for family in ("gpt2", "llama", "bert", "opt"):
+    for family in ("llama", "bert"):
         unrolled, scanned = (
             per_layer(nnx.state(from_config(CONFIGS[family](), task(family), seed=3, execution=scan), nnx.Param))
             for scan in (Execution(), Execution(scan_layers=True))
@@ -431,14 +428,13 @@ def test_scanned_training_with_dropout_runs(folders):
     b = batch()
     graphdef, params = nnx.split(scanned)
     loss = lambda p, seed: CausalLM().loss(nnx.merge(graphdef, p), b, nnx.Rngs(dropout=jax.random.key(seed)))
-    first, grads = jax.value_and_grad(loss)(params, 0)
+    first, grads = jax.jit(jax.value_and_grad(loss))(params, 0)
     assert np.isfinite(first) and all(np.isfinite(g).all() for g in jax.tree.leaves(grads))
-    assert loss(params, 1) != first and loss(params, 0) == first
+    again, other = (float(jax.jit(loss)(params, seed)) for seed in (0, 1))
+    assert again == pytest.approx(float(first), rel=1e-6) and other != pytest.approx(again, rel=1e-3)
 
 
-@pytest.mark.parametrize(
-    "family", ["gpt2", "gptj", "llama", "mistral", "qwen3", "gemma2", "gemma3", "opt", "t5", "t5-v1.1"]
-)
+@pytest.mark.parametrize("family", ["gpt2", "gptj", "mistral", "gemma2", "opt", "t5-v1.1"])
 def test_scanned_generation_equals_unrolled(family, folders):
     """Greedy tokens from a stacked KV cache (``[layers, batch, ...]``, carried through the scan; T5's
     cross-attention keys/values stacked too) equal the unrolled model's, with left padding, also on a mesh."""
@@ -499,7 +495,7 @@ def assert_same_step(got, want):
         assert np.all(np.abs(got[2][name] - after) <= tol), name
 
 
-@pytest.mark.parametrize("family", ["gpt2", "llama", "bert", "t5-v1.1"])
+@pytest.mark.parametrize("family", ["llama", "t5-v1.1"])
 def test_sharded_scanned_step_equals_one_device(family, folders):
     """A scanned model's train step on a (dp=2, fsdp=2, mp=2) mesh, per-layer gathers and remat inside the scan,
     equals the unrolled model's step on one device."""
