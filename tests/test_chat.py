@@ -70,7 +70,7 @@ def test_records_are_read_in_every_format_and_bad_ones_end_in_one_line(tmp_path)
         },
     ]
     path.write_text("\n".join(map(json.dumps, records)) + "\n")
-    assert read_chats(path) == [CHATS[1]] * 3
+    assert [chat.messages for chat in read_chats(path)] == [CHATS[1]] * 3
     bad = {
         "no assistant message": {"messages": [{"role": "user", "content": "hello?"}]},
         "message 1 must be": {"messages": [{"role": "bot", "content": "hi"}]},

@@ -4,22 +4,23 @@
         --reward_funcs rewards.py:correct --num_generations 8 --max_completion_length 256 \\
         --per_device_train_batch_size 32 --output_dir out/grpo --learning_rate 1e-6 --max_steps 500
 
-Prompts come from .jsonl/.json files or a Hub dataset: records with "prompt", a string or a conversation (a
-list of {"role", "content"}, rendered with the tokenizer's chat template or --chat_template, the generation
-prompt added, as TRL). Each step samples --num_generations completions of each prompt from the weights being
-trained (jaxseq.generation: the same arrays, one compiled sampler for the whole run), scores them with every
---reward_funcs (called as TRL calls them: prompts, completions, completion_ids and the records' other columns
-as keyword lists; completions are strings, or [{"role": "assistant", "content": ...}] for conversations),
-weighs them (--reward_weights), normalises them within each prompt's group into advantages and takes
---num_iterations updates of the clipped surrogate on them, with a k3 KL to the reference when --beta > 0.
+Prompts come from .jsonl/.json files or a Hub dataset: records with "prompt", a string or a conversation (a list
+of {"role", "content"}, rendered with the tokenizer's chat template or --chat_template, the generation prompt
+added, as TRL; a record's "tools", JSON schemas of functions, are shown to the template as TRL shows its
+trainer's tools, though no tool is called). Each step samples --num_generations completions of each prompt from
+the weights being trained (jaxseq.generation: the same arrays, one compiled sampler for the whole run), scores
+them with every --reward_funcs (called as TRL calls them: prompts, completions, completion_ids and the records'
+other columns as keyword lists; completions are strings, or [{"role": "assistant", "content": ...}] for
+conversations), weighs them (--reward_weights), normalises them within each prompt's group into advantages and
+takes --num_iterations updates of the clipped surrogate on them, with a k3 KL to the reference when --beta > 0.
 --reward_funcs and --reward_weights are lists as TRL's (--reward_weights 1.0 0.5), or repeated flags.
---per_device_train_batch_size counts completions, as TRL's: a step trains on per_device x data-parallel devices
-x --gradient_accumulation_steps completions (the global batch), sampled together as whole groups of
---num_generations, global batch / --num_generations prompts (TRL's rule: it must be divisible); an epoch is
-every prompt once (prompts x --num_generations completions, the run's train_samples). Logged every
---logging_steps as TRL logs them: reward, reward_std, rewards/<func>/mean and /std, frac_reward_zero_std,
-completions/mean_length (min, max, clipped_ratio, terminated lengths), kl (with --beta), entropy,
-clip_ratio/low_mean, high_mean, region_mean, low_min, high_max.
+--per_device_train_batch_size counts completions, as TRL's: a step trains on per_device x data-parallel devices x
+--gradient_accumulation_steps completions (the global batch), sampled together as whole groups of
+--num_generations, global batch / --num_generations prompts (TRL's rule: it must be divisible); an epoch is every
+prompt once (prompts x --num_generations completions, the run's train_samples). Logged every --logging_steps as
+TRL logs them: reward, reward_std, rewards/<func>/mean and /std, frac_reward_zero_std, completions/mean_length
+(min, max, clipped_ratio, terminated lengths), kl (with --beta), entropy, clip_ratio/low_mean, high_mean,
+region_mean, low_min, high_max.
 Writes to --output_dir what every job writes, and the model with its tokenizer as a Hugging Face folder.
 """
 
@@ -34,7 +35,7 @@ import numpy as np
 
 from jaxseq.cli import script
 from jaxseq.config import arg
-from jaxseq.data.chat import use_chat_template
+from jaxseq.data.chat import template_kwargs, use_chat_template
 from jaxseq.data.records import read_records, require_columns
 from jaxseq.data.text import load_hub_dataset
 from jaxseq.errors import JaxseqError
@@ -84,13 +85,18 @@ def load_prompts(config: PromptDataConfig) -> list[dict]:
 
 def prompt_rows(tokenizer, records: list[dict], max_prompt_length: int | None, pad: int) -> dict[str, np.ndarray]:
     """Prompts tokenised as TRL's ``_tokenize_prompts`` (conversations through the chat template with the
-    generation prompt), cut to their last ``max_prompt_length`` tokens, left-padded to the longest."""
+    generation prompt and the record's ``tools``, where TRL gives the trainer's), cut to their last
+    ``max_prompt_length`` tokens, left-padded to the longest."""
     if isinstance(records[0]["prompt"], list):
         encoded = [
-            tokenizer.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=True, return_dict=True)[
-                "input_ids"
-            ]
-            for r in records
+            tokenizer.apply_chat_template(
+                r["prompt"],
+                tools=template_kwargs(r, f"prompt {i + 1}")["tools"] or None,
+                add_generation_prompt=True,
+                tokenize=True,
+                return_dict=True,
+            )["input_ids"]
+            for i, r in enumerate(records)
         ]
     else:
         encoded = tokenizer([r["prompt"] for r in records])["input_ids"]

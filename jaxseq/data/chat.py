@@ -3,18 +3,23 @@ on the assistant's tokens only, optionally several conversations packed into one
 
 A conversation is a JSON(L) record (or a Hub dataset row) with ``messages``, a list of ``{"role", "content"}``;
 or ``prompt`` and ``completion``: strings (a user turn and the assistant's answer) or lists of messages, as in
-TRL's prompt-completion format. Rows hold:
+TRL's prompt-completion format. For tool calling, as TRL's: a record's ``tools`` (a list of JSON schemas of
+functions, or a JSON string of one) and ``chat_template_kwargs`` go to the template with its messages, an
+assistant message may carry ``tool_calls`` (with or without ``content``), and ``tool`` messages hold the
+results. Rows hold:
 
 - ``input_ids`` ``[rows, seq]``: the rendered conversations' tokens, right-padded;
 - ``attention_mask``: 0 on padding, else the conversation's number in its row (1, 2, ...: attention never
   crosses conversations, ``jaxseq.models.attention.make_mask``);
 - ``position_ids``: restarting at 0 in every conversation;
-- ``loss_mask``: 1 on the tokens the assistant wrote, every assistant turn with its end-of-turn tokens.
+- ``loss_mask``: 1 on the tokens the assistant wrote, every assistant turn with its end-of-turn tokens (of a
+  prompt-completion record, those of its completion: TRL's completion mask with its assistant mask).
 
 The assistant's tokens are found by rendering: the text of the conversation up to each assistant turn with
 the generation prompt, and up to the end of that turn, must both be prefixes of the whole conversation's text;
 the characters between them are the assistant's, and so are the tokens that start there (the tokenizer's
-offsets). Templates need no ``{% generation %}`` markers.
+offsets). Templates need no ``{% generation %}`` markers. An assistant turn's tool calls are the assistant's;
+the ``tool`` turns' results are not.
 """
 
 from __future__ import annotations
@@ -56,32 +61,74 @@ class ChatDataConfig:
 # --------------------------------------------------------------------------- reading conversations
 
 
-def conversation(record, where: str) -> list[dict]:
-    """The messages of one record (``messages``, or ``prompt`` and ``completion``), checked."""
+def template_kwargs(record: dict, where: str = "a record") -> dict:
+    """What TRL's trainers pass to ``apply_chat_template`` beside a row's messages: ``tools``, the row's
+    function schemas (a list, or a JSON string of one as datasets often store it; None without), and the
+    row's own ``chat_template_kwargs``."""
+    tools = record.get("tools")
+    if isinstance(tools, str):
+        try:
+            tools = json.loads(tools) if tools.strip() else None
+        except json.JSONDecodeError as e:
+            raise JaxseqError(f"{where}: 'tools' is not valid JSON: {e}") from None
+    if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+        raise JaxseqError(f"{where}: 'tools' must be a list of JSON schemas (objects), got {tools!r:.80}")
+    extra = record.get("chat_template_kwargs") or {}
+    if not isinstance(extra, dict):
+        raise JaxseqError(f"{where}: 'chat_template_kwargs' must be an object, got {extra!r:.80}")
+    return {"tools": tools, **extra}
+
+
+@dataclasses.dataclass(frozen=True)
+class Chat:
+    """One conversation: its messages, the keyword arguments its template gets with them (``template_kwargs``:
+    the row's tools and chat_template_kwargs) and the first message whose assistant turns are learned (a
+    prompt-completion record's completion: TRL's completion mask with its assistant mask)."""
+
+    messages: list[dict]
+    kwargs: dict = dataclasses.field(default_factory=dict)
+    learned_from: int = 0
+
+
+def _message_ok(message) -> bool:
+    if not isinstance(message, dict) or message.get("role") not in ROLES:
+        return False
+    calls = message.get("tool_calls")
+    if calls is not None and (message["role"] != "assistant" or not isinstance(calls, list)):
+        return False
+    return message.get("content") is not None or bool(calls)
+
+
+def conversation(record, where: str) -> Chat:
+    """The conversation of one record (``messages``, or ``prompt`` and ``completion``; ``tools``), checked."""
     if not isinstance(record, dict):
         raise JaxseqError(f"{where} is a {type(record).__name__}, not a record with 'messages'")
+    learned_from = 0
     if "messages" in record:
         messages = record["messages"]
     elif "prompt" in record and "completion" in record:
         prompt, completion = record["prompt"], record["completion"]
         as_turns = lambda value, role: [{"role": role, "content": value}] if isinstance(value, str) else value
-        messages = as_turns(prompt, "user") + as_turns(completion, "assistant")
+        prompt = as_turns(prompt, "user")
+        messages, learned_from = prompt + as_turns(completion, "assistant"), len(prompt)
     else:
         raise JaxseqError(f"{where} has neither 'messages' nor 'prompt' and 'completion' (it has {', '.join(record)})")
     if not isinstance(messages, list) or not messages:
         raise JaxseqError(f"{where}: the messages must be a non-empty list")
     for i, message in enumerate(messages):
-        if not isinstance(message, dict) or message.get("role") not in ROLES or "content" not in message:
+        if not _message_ok(message):
             roles = ", ".join(ROLES)
             raise JaxseqError(
-                f"{where} message {i + 1} must be {{'role': one of {roles}, 'content': ...}}, got {message!r:.80}"
+                f"{where} message {i + 1} must be {{'role': one of {roles}, 'content': ...}} (an assistant's may "
+                f"have 'tool_calls', a list, instead of 'content'), got {message!r:.80}"
             )
-    if not any(m["role"] == "assistant" for m in messages):
-        raise JaxseqError(f"{where} has no assistant message: there is nothing to learn from it")
-    return messages
+    if not any(m["role"] == "assistant" for m in messages[learned_from:]):
+        part = " in its completion" if learned_from else ""
+        raise JaxseqError(f"{where} has no assistant message{part}: there is nothing to learn from it")
+    return Chat(messages, template_kwargs(record, where), learned_from)
 
 
-def read_chats(path: str | Path) -> list[list[dict]]:
+def read_chats(path: str | Path) -> list[Chat]:
     """The conversations of a .jsonl (one record per line) or .json (a list of records) file."""
     path = Path(path)
     if not path.is_file():
@@ -100,7 +147,7 @@ def read_chats(path: str | Path) -> list[list[dict]]:
     return [conversation(record, where) for where, record in records]
 
 
-def load_hub_chats(name: str, config_name: str | None) -> dict[str, list[list[dict]]]:
+def load_hub_chats(name: str, config_name: str | None) -> dict[str, list[Chat]]:
     """The conversations of each split of a Hub dataset."""
     splits = load_hub_dataset(name, config_name)
     return {
@@ -121,21 +168,24 @@ def use_chat_template(tokenizer, template: str | None) -> None:
         raise JaxseqError("the tokenizer has no chat template; pass --chat_template (a Jinja template or a file)")
 
 
-def _render(tokenizer, messages, generation_prompt: bool) -> str:
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+def _render(tokenizer, messages, generation_prompt: bool, kwargs: dict) -> str:
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt, **kwargs)
 
 
 def assistant_spans(
-    tokenizer, messages: list[dict], where: str = "a conversation"
+    tokenizer, chat: Chat | list[dict], where: str = "a conversation"
 ) -> tuple[str, list[tuple[int, int]]]:
-    """The rendered conversation and the character spans the assistant wrote (one per assistant turn)."""
-    text = _render(tokenizer, messages, False)
+    """The rendered conversation and the character spans the assistant wrote (one per assistant turn learned,
+    its tool calls included)."""
+    chat = chat if isinstance(chat, Chat) else Chat(chat)
+    messages, kwargs = chat.messages, chat.kwargs
+    text = _render(tokenizer, messages, False, kwargs)
     spans = []
     for i, message in enumerate(messages):
-        if message["role"] != "assistant":
+        if message["role"] != "assistant" or i < chat.learned_from:
             continue
-        prefix = _render(tokenizer, messages[:i], True) if i else ""
-        end_text = _render(tokenizer, messages[: i + 1], False)
+        prefix = _render(tokenizer, messages[:i], True, kwargs) if i else ""
+        end_text = _render(tokenizer, messages[: i + 1], False, kwargs)
         if not (text.startswith(prefix) and text.startswith(end_text) and len(prefix) <= len(end_text)):
             raise JaxseqError(
                 f"{where}: the chat template renders turn {i + 1} differently inside the whole conversation, "
@@ -146,9 +196,10 @@ def assistant_spans(
     return text, spans
 
 
-def encode_chat(tokenizer, messages: list[dict], where: str = "a conversation") -> tuple[np.ndarray, np.ndarray]:
-    """Token ids of the rendered conversation and its loss mask (1 on the assistant's tokens)."""
-    text, spans = assistant_spans(tokenizer, messages, where)
+def encode_chat(tokenizer, chat: Chat | list[dict], where: str = "a conversation") -> tuple[np.ndarray, np.ndarray]:
+    """Token ids of the rendered conversation (a ``Chat``, or its messages alone) and its loss mask (1 on the
+    assistant's tokens)."""
+    text, spans = assistant_spans(tokenizer, chat, where)
     if not getattr(tokenizer, "is_fast", False):
         raise JaxseqError("chat fine-tuning needs a fast tokenizer (character offsets); load one with use_fast")
     encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
@@ -160,14 +211,14 @@ def encode_chat(tokenizer, messages: list[dict], where: str = "a conversation") 
 
 
 def encode_chats(
-    tokenizer, chats: Sequence[list[dict]], max_len: int, *, progress: bool = True, log: Log = print
+    tokenizer, chats: Sequence[Chat | list[dict]], max_len: int, *, progress: bool = True, log: Log = print
 ) -> list[tuple[np.ndarray, np.ndarray]]:
     """Every conversation encoded and cut to ``max_len`` tokens; those left without an assistant token go."""
     from tqdm.auto import tqdm
 
     encoded, cut, dropped = [], 0, 0
-    for i, messages in enumerate(tqdm(chats, desc="rendering chats", unit="chat", disable=not progress)):
-        ids, mask = encode_chat(tokenizer, messages, f"conversation {i + 1}")
+    for i, chat in enumerate(tqdm(chats, desc="rendering chats", unit="chat", disable=not progress)):
+        ids, mask = encode_chat(tokenizer, chat, f"conversation {i + 1}")
         cut += len(ids) > max_len
         ids, mask = ids[:max_len], mask[:max_len]
         if mask.any():

@@ -3,7 +3,9 @@ completion), tokenised as TRL's KTOTrainer tokenises them (trl 1.x ``KTOTrainer.
 ``DataCollatorForUnpairedPreference``).
 
 ``prompt`` and ``completion`` are strings, or conversations (lists of ``{"role", "content"}``) rendered by the
-chat template, the prompt alone with the generation prompt. Strings get the tokenizer's EOS appended to the
+chat template, the prompt alone with the generation prompt, given the record's ``tools`` (JSON schemas of
+functions, a list or a JSON string of one; messages may carry ``tool_calls`` and ``tool`` turns) and
+``chat_template_kwargs`` as TRL gives them. Strings get the tokenizer's EOS appended to the
 completion (unless it ends with it). The prompt and prompt+completion are tokenised apart and the completion
 starts where they diverge. Paired records (``chosen`` and ``rejected``, with or without ``prompt``) are
 unpaired as TRL unpairs them: the prompt extracted where there is none, then each run of 1,000 records gives
@@ -20,12 +22,12 @@ lengths ``prompt_length`` and ``completion_length``, and ``label`` (1: desirable
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Callable, Sequence
 
 import numpy as np
 
 from jaxseq.config import arg
+from jaxseq.data.chat import template_kwargs
 from jaxseq.data.preference import extract_prompt, load_pair_records
 from jaxseq.data.records import require_columns
 from jaxseq.errors import JaxseqError
@@ -111,11 +113,7 @@ def encode_unpaired(tokenizer, record: dict) -> tuple[list[int], list[int]]:
     """(prompt, completion) token ids of one unpaired record, as TRL tokenises them."""
     prompt, completion = record["prompt"], record["completion"]
     if _conversational(record):
-        tools = record.get("tools")
-        kwargs = {
-            "tools": json.loads(tools) if isinstance(tools, str) else tools,
-            **(record.get("chat_template_kwargs") or {}),
-        }
+        kwargs = template_kwargs(record)
 
         def tokens(messages, generation_prompt=False):
             return tokenizer.apply_chat_template(

@@ -4,7 +4,9 @@ tokenises them (trl 1.x ``DPOTrainer._prepare_dataset`` and ``DataCollatorForPre
 A record holds ``prompt``, ``chosen`` and ``rejected`` as strings, or as conversations (lists of
 ``{"role", "content"}``); without ``prompt``, the prompt is the longest common start of ``chosen`` and
 ``rejected`` (TRL's ``extract_prompt``). Strings get the tokenizer's EOS appended to each completion;
-conversations are rendered by the chat template (the prompt with the generation prompt). The prompt and
+conversations are rendered by the chat template (the prompt with the generation prompt), given the record's
+``tools`` (JSON schemas of functions, a list or a JSON string of one; its messages may carry ``tool_calls``
+and ``tool`` turns) and ``chat_template_kwargs`` as TRL gives them. The prompt and
 prompt+completion are tokenised apart and the completion starts where they diverge. Each pair becomes
 ``[2, length]`` arrays (chosen first): ``input_ids``, ``pair_mask`` (1 on real tokens) and ``completion_mask``
 (1 on the completion's tokens); ``--max_length`` cuts each sequence as TRL's collator does (``keep_start`` or
@@ -20,6 +22,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from jaxseq.config import arg
+from jaxseq.data.chat import template_kwargs
 from jaxseq.data.records import read_records, require_columns
 from jaxseq.data.text import load_hub_dataset
 from jaxseq.errors import JaxseqError
@@ -85,10 +88,11 @@ def encode_pair(tokenizer, record: dict) -> tuple[list[int], list[int], list[int
     if "prompt" not in record:
         record = extract_prompt(record)
     if _conversational(record):
+        kwargs = template_kwargs(record)
 
         def tokens(messages, generation_prompt=False):
             return tokenizer.apply_chat_template(
-                messages, tokenize=True, return_dict=True, add_generation_prompt=generation_prompt
+                messages, tokenize=True, return_dict=True, add_generation_prompt=generation_prompt, **kwargs
             )["input_ids"]
 
         prompt = tokens(record["prompt"], True)
