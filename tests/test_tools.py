@@ -137,10 +137,12 @@ def trl_sft(tok, records):
 def test_chat_ids_and_loss_mask_are_trls_with_assistant_masks(tok):
     for records in (CHATS, PROMPT_COMPLETION):
         expected = trl_sft(tok, records)
-        for record, (ids, learned) in zip(records, expected, strict=True):
-            got_ids, mask = encode_chat(tok, conversation(record, "a record"))
-            assert got_ids.tolist() == ids
-            assert mask.astype(bool).tolist() == learned
+        hub_rows = [dict(row) for row in as_dataset(records)]  # a Hub dataset's: absent fields None
+        for record, hub_row, (ids, learned) in zip(records, hub_rows, expected, strict=True):
+            for row in (record, hub_row):
+                got_ids, mask = encode_chat(tok, conversation(row, "a record"))
+                assert got_ids.tolist() == ids
+                assert mask.astype(bool).tolist() == learned
 
 
 def test_the_calls_are_learned_and_the_results_are_not(tok):

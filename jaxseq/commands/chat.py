@@ -4,8 +4,9 @@
         --output_dir out/chat --max_seq_length 1024
 
 Conversations come from .jsonl/.json files or a Hub dataset: records with "messages" (a list of {"role",
-"content"}), or "prompt" and "completion". Each is rendered with the tokenizer's chat template (or
---chat_template); the loss covers the tokens of every assistant turn and nothing else. Conversations are
+"content"}), or "prompt" and "completion"; for tool calling, "tools" (function schemas) and assistant
+"tool_calls", as TRL's. Each is rendered with the tokenizer's chat template (or --chat_template); the loss
+covers the tokens of every assistant turn (its tool calls too) and nothing else. Conversations are
 packed several to a row (--no_pack_sequences: one per row), attention and positions never crossing from one
 to the next. Writes to --output_dir what `jaxseq clm` writes (eval_results.json with the held-out loss and
 perplexity over assistant tokens, metrics.jsonl, TensorBoard, checkpoints), and the model with its tokenizer
