@@ -27,8 +27,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from jaxseq.config import arg
-from jaxseq.data.chat import template_kwargs
-from jaxseq.data.preference import extract_prompt, load_pair_records
+from jaxseq.data.preference import encode_completions, extract_prompt, load_pair_records
 from jaxseq.data.records import require_columns
 from jaxseq.errors import JaxseqError
 
@@ -111,26 +110,8 @@ def _conversational(record: dict) -> bool:
 
 def encode_unpaired(tokenizer, record: dict) -> tuple[list[int], list[int]]:
     """(prompt, completion) token ids of one unpaired record, as TRL tokenises them."""
-    prompt, completion = record["prompt"], record["completion"]
-    if _conversational(record):
-        kwargs = template_kwargs(record)
-
-        def tokens(messages, generation_prompt=False):
-            return tokenizer.apply_chat_template(
-                messages, tokenize=True, return_dict=True, add_generation_prompt=generation_prompt, **kwargs
-            )["input_ids"]
-
-        prompt_ids, whole = tokens(prompt, True), tokens(prompt + completion)
-    else:
-        eos = tokenizer.eos_token
-        completion = completion if completion.endswith(eos) else completion + eos
-        prompt_ids, whole = tokenizer(text=prompt)["input_ids"], tokenizer(text=prompt + completion)["input_ids"]
-    shared = 0
-    for a, b in zip(prompt_ids, whole, strict=False):
-        if a != b:
-            break
-        shared += 1
-    return prompt_ids[:shared], whole[shared:]
+    prompt, (completion,) = encode_completions(tokenizer, record, (record["completion"],))
+    return prompt, completion
 
 
 def encode_unpaired_rows(tokenizer, records: Sequence[dict], *, progress: bool = True) -> list:

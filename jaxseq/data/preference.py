@@ -79,15 +79,21 @@ def extract_prompt(record: dict) -> dict:
     )
 
 
-def _conversational(record: dict) -> bool:
-    return isinstance(record["prompt"], list) or isinstance(record["chosen"], list)
-
-
 def encode_pair(tokenizer, record: dict) -> tuple[list[int], list[int], list[int]]:
     """(prompt, chosen, rejected) token ids of one record, as TRL tokenises them."""
     if "prompt" not in record:
         record = extract_prompt(record)
-    if _conversational(record):
+    prompt, (chosen, rejected) = encode_completions(tokenizer, record, (record["chosen"], record["rejected"]))
+    return prompt, chosen, rejected
+
+
+def encode_completions(tokenizer, record: dict, completions: Sequence) -> tuple[list[int], list[list[int]]]:
+    """The token ids of ``record``'s prompt and of each of ``completions`` after it, as TRL's preference
+    trainers tokenise them: strings with EOS appended to each completion, conversations by the chat template
+    (the prompt with the generation prompt, given ``template_kwargs(record)``); the prompt and each
+    prompt+completion are tokenised apart and the completions start where they diverge."""
+    prompt = record["prompt"]
+    if isinstance(prompt, list) or any(isinstance(c, list) for c in completions):
         kwargs = template_kwargs(record)
 
         def tokens(messages, generation_prompt=False):
@@ -95,15 +101,14 @@ def encode_pair(tokenizer, record: dict) -> tuple[list[int], list[int], list[int
                 messages, tokenize=True, return_dict=True, add_generation_prompt=generation_prompt, **kwargs
             )["input_ids"]
 
-        prompt = tokens(record["prompt"], True)
-        whole = [tokens(record["prompt"] + record[c]) for c in ("chosen", "rejected")]
+        prompt_ids = tokens(prompt, True)
+        whole = [tokens(prompt + c) for c in completions]
     else:
         eos = tokenizer.eos_token
-        ends = [record[c] if record[c].endswith(eos) else record[c] + eos for c in ("chosen", "rejected")]
-        prompt = tokenizer(record["prompt"])["input_ids"]
-        whole = [tokenizer(record["prompt"] + end)["input_ids"] for end in ends]
-    shared = min(_common_prefix(prompt, ids) for ids in whole)
-    return prompt[:shared], whole[0][shared:], whole[1][shared:]
+        prompt_ids = tokenizer(prompt)["input_ids"]
+        whole = [tokenizer(prompt + (c if c.endswith(eos) else c + eos))["input_ids"] for c in completions]
+    shared = min(_common_prefix(prompt_ids, ids) for ids in whole)
+    return prompt_ids[:shared], [ids[shared:] for ids in whole]
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

@@ -14,12 +14,12 @@ pairs whose chosen or rejected sequence is longer, as TRL filters them (no seque
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Callable, Sequence
 
 import numpy as np
 
 from jaxseq.config import arg
+from jaxseq.data.chat import template_kwargs
 from jaxseq.data.preference import load_pair_records
 from jaxseq.errors import JaxseqError
 
@@ -70,11 +70,7 @@ def encode_reward_pair(tokenizer, record: dict) -> tuple[list[int], list[int]]:
         chosen, rejected = record["prompt"] + chosen, record["prompt"] + rejected
     if not conversational:
         return tokenizer(text=chosen)["input_ids"], tokenizer(text=rejected)["input_ids"]
-    tools = record.get("tools")
-    kwargs = {
-        "tools": json.loads(tools) if isinstance(tools, str) else tools,
-        **(record.get("chat_template_kwargs") or {}),
-    }
+    kwargs = template_kwargs(record)
     return tuple(
         tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True, **kwargs)["input_ids"]
         for messages in (chosen, rejected)
