@@ -34,7 +34,7 @@ from jaxseq.train.feeding import abstract_batch
 from jaxseq.train.lora import LoraConfig
 from jaxseq.train.optim import OptimizerConfig
 from jaxseq.train.results import export_model, write_results
-from jaxseq.train.spec import RunSpec, attention_kernel
+from jaxseq.train.spec import RunSpec, Teacher, attention_kernel
 from jaxseq.train.throughput import peak_flops
 from jaxseq.train.trainer import Trainer
 from jaxseq.train.trainer_config import TrainerConfig
@@ -72,7 +72,7 @@ class Prepared:
     (name -> (shape, dtype)). ``seq_len`` (and an encoder-decoder's ``target_len``): tokens per example, for
     FLOPs. ``summary(trainer)``: the job's line in the log; ``extra_eval(results)``: results under other names
     (run_clm's ``perplexity``); ``write_predictions(output_dir, suffix, predictions)``: where predictions go
-    (returns the path)."""
+    (returns the path); ``teacher``: the model the objective compares against (distillation's)."""
 
     objective: Any
     train: Any = None
@@ -86,6 +86,7 @@ class Prepared:
     summary: Callable[[Trainer], str] | None = None
     extra_eval: Callable[[dict], dict] | None = None
     write_predictions: Callable[[Path, str, np.ndarray], Path] | None = None
+    teacher: Teacher | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -360,6 +361,7 @@ def spec_of(setup: Setup, prepared: Prepared) -> RunSpec:
         dtype=args.runtime.dtype,
         pack=prepared.pack,
         packed_rows=prepared.packed_rows,
+        teacher=prepared.teacher,
     )
 
 

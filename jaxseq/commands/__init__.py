@@ -20,6 +20,7 @@ COMMANDS = {
     "dpo": ("dpo", "align a causal LM with preference pairs: DPO, IPO, hinge, robust DPO, SimPO, ORPO (as TRL)"),
     "kto": ("kto", "align a causal LM with unpaired feedback, desirable or undesirable completions: KTO (as TRL)"),
     "reward": ("reward", "train a reward model on preference pairs: a one-output classifier, Bradley-Terry (as TRL)"),
+    "distill": ("distill", "distil a teacher into a causal LM: GKD, on-policy or on the data (as TRL)"),
     "grpo": ("grpo", "train a causal LM on your reward functions with GRPO, sampling in the loop (as TRL)"),
     "seq2seq": ("seq2seq", "fine-tune T5 on source/target pairs"),
     "ner": ("ner", "fine-tune an encoder to tag words: named entities (run_ner.py flags, seqeval metrics)"),

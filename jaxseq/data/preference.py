@@ -190,13 +190,19 @@ def encode_pairs(tokenizer, records: Sequence[dict], *, progress: bool = True) -
 
 
 def load_pair_records(
-    config, *, train: bool = True, evaluate: bool = True, check: Callable[[list, str], list[dict]] = check_records
+    config,
+    *,
+    train: bool = True,
+    evaluate: bool = True,
+    check: Callable[[list, str], list[dict]] = check_records,
+    what: str = "preference pairs",
 ) -> tuple[list[dict] | None, list[dict] | None]:
     """Training and validation records from the configured files or Hub dataset (``config``: a
     ``PreferenceDataConfig`` or any section with its file, dataset and sample flags), each cut to
     --max_train_samples or --max_eval_samples; None for a stage not asked for (``train``, ``evaluate``), and
     for validation where there are no validation pairs. Pairs held out by --validation_split_percentage are
-    held out whichever stages run. ``check``: what a set's records must hold (default: pairs)."""
+    held out whichever stages run. ``check``: what a set's records must hold (default: pairs); ``what``: the
+    records' name in errors."""
     splits = None
     if config.dataset_name:
         splits = {
@@ -216,17 +222,17 @@ def load_pair_records(
         elif config.train_file:
             records, where = read_records(config.train_file), config.train_file
         elif train:
-            raise JaxseqError("give the preference pairs: --train_file FILE.jsonl or --dataset_name NAME")
+            raise JaxseqError(f"give the {what}: --train_file FILE.jsonl or --dataset_name NAME")
         else:
             raise JaxseqError(
-                "no validation pairs for --do_eval: pass --validation_file (or --train_file or --dataset_name "
+                f"no validation {what} for --do_eval: pass --validation_file (or --train_file or --dataset_name "
                 "with --validation_split_percentage)"
             )
         records = check(records, where)
         if held_out:
             held = max(1, int(len(records) * config.validation_split_percentage / 100))
             if held >= len(records):
-                raise JaxseqError(f"{len(records)} pairs are too few to hold out a validation split; add more")
+                raise JaxseqError(f"{len(records)} {what} are too few to hold out a validation split; add more")
             order = np.random.default_rng(0).permutation(len(records))
             valid, records = [records[i] for i in order[:held]], [records[i] for i in order[held:]]
     records = records[: config.max_train_samples] if train else None

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 import jax.numpy as jnp
@@ -28,11 +29,22 @@ from jaxseq.train.trainer_config import TrainerConfig
 
 
 @dataclasses.dataclass(frozen=True)
+class Teacher:
+    """A causal language model a run's objective compares against (distillation's teacher): its transformers
+    ``config`` and the ``folder`` its weights come from. It is frozen, its weights stored in the run's compute
+    dtype and sharded on the run's mesh by its family's rules."""
+
+    config: Any
+    folder: Path
+
+
+@dataclasses.dataclass(frozen=True)
 class RunSpec:
     """``config``: the model's transformers config (overrides applied); ``task``: the model's task
     (``models.registry.TASKS``); ``objective``: the loss and evaluation (``train.objectives``); ``pack``: pack
     short examples into shared rows, pooling each one's ``"first"`` or ``"last"`` token; ``packed_rows``: the
-    data's rows already hold several examples (segment ids in ``attention_mask``)."""
+    data's rows already hold several examples (segment ids in ``attention_mask``); ``teacher``: a ``Teacher``
+    the objective compares against (``Task.needs_teacher``)."""
 
     mesh: Mesh
     config: Any
@@ -44,6 +56,7 @@ class RunSpec:
     dtype: str = "float32"
     pack: str | None = None
     packed_rows: bool = False
+    teacher: Teacher | None = None
 
     @property
     def scan_layers(self) -> bool:
@@ -65,20 +78,51 @@ class RunSpec:
         """``execution``, decided here if this is its first use: then ``say`` (default: a logged warning) says
         why attention falls back to XLA, if it does."""
         if "_execution" not in vars(self):
-            trainer = self.trainer
-            execution = decide_execution(
-                self.config,
-                self.task,
-                mesh=self.mesh,
-                dtype=jnp.dtype(self.dtype),
-                scan_layers=trainer.scan_layers,
-                attention=trainer.attention,
-                remat=trainer.remat,
-                packed=self.pack is not None or self.packed_rows,
-                say=say,
-            )
+            execution = self._decide(self.config, self.task, say)
             object.__setattr__(self, "_execution", execution)  # frozen: a cache, not a field
         return vars(self)["_execution"]
+
+    def _decide(self, config, task: str, say: Callable[[str], None] | None) -> Execution:
+        trainer = self.trainer
+        return decide_execution(
+            config,
+            task,
+            mesh=self.mesh,
+            dtype=jnp.dtype(self.dtype),
+            scan_layers=trainer.scan_layers,
+            attention=trainer.attention,
+            remat=trainer.remat,
+            packed=self.pack is not None or self.packed_rows,
+            say=say,
+        )
+
+    @property
+    def teacher_execution(self) -> Execution:
+        """How the teacher's blocks run: as the run's flags decide for its own config (``decided``)."""
+        if "_teacher_execution" not in vars(self):
+            object.__setattr__(self, "_teacher_execution", self._decide(self.teacher.config, "causal-lm", None))
+        return vars(self)["_teacher_execution"]
+
+    def abstract_teacher(self) -> nnx.Module | None:
+        """The teacher's model with shapes and dtypes only (None: the run has no teacher)."""
+        if self.teacher is None:
+            return None
+        dtype = jnp.dtype(self.dtype)
+        return abstract_model(
+            self.teacher.config, "causal-lm", dtype=dtype, param_dtype=dtype, execution=self.teacher_execution
+        )
+
+    def build_teacher(self) -> nnx.Module:
+        """The teacher on the run's mesh, its weights read from its folder in the compute dtype."""
+        dtype = jnp.dtype(self.dtype)
+        return load_pretrained(
+            self.teacher.folder,
+            "causal-lm",
+            mesh=self.mesh,
+            dtype=dtype,
+            param_dtype=dtype,
+            execution=self.teacher_execution,
+        )
 
     def abstract_model(self, say: Callable[[str], None] | None = None) -> nnx.Module:
         """The run's model with shapes and dtypes only (a plan's); ``say``: why attention falls back to XLA, when
@@ -135,6 +179,8 @@ class RunSpec:
             lora=self.lora,
             loss_scaling=self.loss_scaling,
             skip_nonfinite_updates=config.skip_nonfinite_updates,
+            teacher=self.abstract_teacher(),
+            load_teacher=self.build_teacher,
         )
 
 

@@ -46,6 +46,11 @@ def with_reference(task: Task, training: Training, frozen, batch):
     return {**batch, **jax.lax.stop_gradient(task.reference(training.reference_model(frozen), batch))}
 
 
+def with_teacher(task: Task, training: Training, frozen) -> Task:
+    """``task`` comparing against its teacher of the ``frozen`` weights, when it has one (``needs_teacher``)."""
+    return task.with_teacher(training.teacher_model(frozen)) if task.needs_teacher else task
+
+
 def for_mesh(task: Task, mesh: jax.sharding.Mesh) -> Task:
     """``task`` for batches split over ``mesh``'s batch axes: a task whose memory depends on the rows each
     device holds (``CausalLM``'s loss chunks) learns how many devices share the rows and what they are
@@ -99,7 +104,7 @@ def train_step_fn(
 
     def loss_of(params, frozen, batch, key, scale=None):
         model, key = training.train_model(params, frozen, key)
-        loss, metrics = task.loss_and_metrics(
+        loss, metrics = with_teacher(task, training, frozen).loss_and_metrics(
             model, with_reference(task, training, frozen, batch), nnx.Rngs(dropout=key)
         )
         return (loss if scale is None else loss * scale), metrics
@@ -189,7 +194,8 @@ class TrainProgram:
     optimizer, the state's shapes and shardings, and the jitted steps. ``model`` is built as the run executes
     it (``jaxseq.models.execution``: with fsdp each block gathers its own weights); it may be abstract
     (``nnx.eval_shape``): a plan compiles ``step`` for a topology from ``abstract_state`` alone; the Trainer
-    builds the real state with ``init_state``."""
+    builds the real state with ``init_state``. ``teacher``: a teacher's model (abstract or not) for a task
+    that compares against one (``Task.needs_teacher``), ``load_teacher()`` building it with its weights."""
 
     def __init__(
         self,
@@ -204,13 +210,22 @@ class TrainProgram:
         lora: LoraConfig | None = None,
         loss_scaling: bool = False,
         skip_nonfinite_updates: bool = False,
+        teacher: nnx.Module | None = None,
+        load_teacher: Callable[[], nnx.Module] | None = None,
     ):
         self.mesh = mesh
         self.task = task = for_mesh(task, mesh)
         rules = family_for(model.config.model_type).partition_rules
         param_specs = sharding.match_partition_rules(rules, nnx.state(model))
         self.training = training = training_for(
-            model, param_specs, mesh, lora, reference=task.needs_reference, seed=seed
+            model,
+            param_specs,
+            mesh,
+            lora,
+            reference=task.needs_reference,
+            seed=seed,
+            teacher=teacher,
+            load_teacher=load_teacher,
         )
         self.graphdef = training.graphdef
         self.ema_decay, self.eval_with_ema = optimizer.ema_decay, optimizer.eval_with_ema
@@ -252,7 +267,7 @@ class TrainProgram:
         def eval_step(params, frozen, batch):
             """The task's per-example outputs (``Task.predict``)."""
             batch = with_reference(task, training, frozen, batch)
-            return task.predict(training.eval_model(params, frozen), batch)
+            return with_teacher(task, training, frozen).predict(training.eval_model(params, frozen), batch)
 
         self.eval_step = jax.jit(
             eval_step,

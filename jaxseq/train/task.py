@@ -27,6 +27,9 @@ class Task:
     - ``needs_reference``/``reference``: columns the steps add to each batch from a frozen reference model
       (the starting weights; with LoRA the base, adapters off), without gradients; ``precomputes_reference``:
       computed once for every set before training instead;
+    - ``needs_teacher``/``with_teacher``: a second model of its own beside the one that trains, frozen
+      (distillation's teacher, on the same mesh), given to the task in each step as ``with_teacher(teacher)``,
+      the task that compares against it;
     - ``for_batch_shards``: the task for batches split over this many devices (memory that depends on the rows
       each device holds, e.g. the loss's chunks);
     - ``samples_in_the_loop``/``rollout``: the batch a step trains on is made from the data's batch with the
@@ -36,6 +39,7 @@ class Task:
     packed_outputs: bool = False
     needs_reference: bool = False
     precomputes_reference: bool = False
+    needs_teacher: bool = False
     samples_in_the_loop: bool = False
 
     def loss(self, model, batch: Batch, rngs: nnx.Rngs | None) -> jax.Array:
@@ -57,6 +61,10 @@ class Task:
 
     def reference(self, model, batch: Batch) -> dict[str, jax.Array]:
         return {}
+
+    def with_teacher(self, teacher: nnx.Module) -> Task:
+        """This task comparing against ``teacher`` (``needs_teacher``), inside a step's program."""
+        return self
 
     def for_batch_shards(self, batch_shards: int, device: jax.Device | None = None) -> Task:
         return self

@@ -4,18 +4,20 @@
 (``Task.needs_reference``: DPO, GRPO with a KL) a frozen copy of the starting weights is the steps' second
 input. ``LoraTraining`` trains LoRA's adapters and the task head (``jaxseq.train.lora``) beside the model's own
 weights, frozen (QLoRA: its blocks' kernels quantised), whose base with the adapters off is the reference.
+``WithTeacher`` adds to either a teacher (``Task.needs_teacher``: distillation), another model, frozen.
 
 Either gives: the trained tree's shapes and specs (``abstract_trained``, ``specs``); the frozen tree's
 shardings and shapes (``frozen_shardings``, ``abstract_frozen``; None: nothing frozen); the first frozen and
 trained trees from the loaded model's state (``freeze``, ``init``); the model a loss sees in a train step
-(``train_model``); the reference model (``reference_model``); the plain model of the trained weights
-(``merged_model``), what evaluation and sampling run (``eval_model``) and what a finished run exports
-(``export``)."""
+(``train_model``); the reference model (``reference_model``) and the teacher (``teacher_model``); the plain
+model of the trained weights (``merged_model``), what evaluation and sampling run (``eval_model``) and what a
+finished run exports (``export``)."""
 
 from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import jax
@@ -25,6 +27,7 @@ from flax import nnx, traverse_util
 
 from jaxseq import sharding
 from jaxseq.models.hub import save_pretrained
+from jaxseq.models.registry import family_for
 from jaxseq.train.checkpoint import abstract_like
 from jaxseq.train.lora import Lora, LoraConfig
 from jaxseq.train.quantize import quantize_onto
@@ -62,6 +65,10 @@ class Training:
     def reference_model(self, frozen) -> nnx.Module:
         """The model of a task's reference columns (``Task.reference``): the starting weights."""
         return nnx.merge(self.graphdef, frozen)
+
+    def teacher_model(self, frozen) -> nnx.Module:
+        """The teacher a task compares against (``Task.needs_teacher``; ``WithTeacher``)."""
+        raise ValueError("this run has no teacher")
 
     def merged_model(self, trained, frozen) -> nnx.Module:
         """The trained weights as a plain model (for export)."""
@@ -164,15 +171,72 @@ class LoraTraining(Training):
         return super().export(trained, frozen, output_dir, tokenizer, base_model=base_model)
 
 
+class WithTeacher(Training):
+    """``inner``'s way of training beside a teacher (distillation): another model, frozen, each weight sharded
+    on the same mesh by its family's partition rules. The frozen tree is ``(inner's, the teacher's)``; the
+    teacher's weights come from ``load()`` (a model built on the mesh) when the run starts."""
+
+    def __init__(self, inner: Training, teacher: nnx.Module, mesh: jax.sharding.Mesh, load: Callable[[], nnx.Module]):
+        """``teacher``: the teacher's model, abstract or not (its shapes and family)."""
+        self.inner, self.load = inner, load
+        self.graphdef, self.abstract_trained, self.specs = inner.graphdef, inner.abstract_trained, inner.specs
+        self.teacher_graphdef, params = nnx.split(teacher)
+        specs = sharding.match_partition_rules(family_for(teacher.config.model_type).partition_rules, params)
+        sharding.check_divisible(params, specs, mesh)
+        shardings = sharding.make_shardings(mesh, specs)
+        self.frozen_shardings = (inner.frozen_shardings, shardings)
+        self.abstract_frozen = (inner.abstract_frozen, abstract_like(params, shardings))
+
+    def freeze(self, params):
+        return self.inner.freeze(params), sharding.shard(nnx.state(self.load()), self.frozen_shardings[1])
+
+    def init(self, params):
+        return self.inner.init(params)
+
+    def train_model(self, trained, frozen, key: jax.Array) -> tuple[nnx.Module, jax.Array]:
+        return self.inner.train_model(trained, frozen[0], key)
+
+    def reference_model(self, frozen) -> nnx.Module:
+        return self.inner.reference_model(frozen[0])
+
+    def teacher_model(self, frozen) -> nnx.Module:
+        return nnx.merge(self.teacher_graphdef, frozen[1])
+
+    def merged_model(self, trained, frozen) -> nnx.Module:
+        return self.inner.merged_model(trained, frozen[0])
+
+    def eval_model(self, trained, frozen) -> nnx.Module:
+        return self.inner.eval_model(trained, frozen[0])
+
+    def describe(self, trained, frozen) -> str | None:
+        line = self.inner.describe(trained, frozen[0])
+        teacher = f"the teacher ({_count(frozen[1]):,} parameters) frozen"
+        return teacher if line is None else f"{line}; {teacher}"
+
+    def export(self, trained, frozen, output_dir: str | os.PathLike, tokenizer=None, *, base_model=None) -> Path:
+        return self.inner.export(trained, frozen[0], output_dir, tokenizer, base_model=base_model)
+
+
 def training_for(
-    model: nnx.Module, param_specs, mesh: jax.sharding.Mesh, lora: LoraConfig | None, *, reference: bool, seed: int
+    model: nnx.Module,
+    param_specs,
+    mesh: jax.sharding.Mesh,
+    lora: LoraConfig | None,
+    *,
+    reference: bool,
+    seed: int,
+    teacher: nnx.Module | None = None,
+    load_teacher: Callable[[], nnx.Module] | None = None,
 ) -> Training:
     """How ``model`` (``param_specs``: its parameters' PartitionSpecs) trains: LoRA's adapters when ``lora`` is
-    on, else every weight; ``reference``: the task needs a reference model (``Task.needs_reference``)."""
+    on, else every weight; ``reference``: the task needs a reference model (``Task.needs_reference``);
+    ``teacher`` (and ``load_teacher``, which builds it with its weights): a teacher beside it (``WithTeacher``)."""
     graphdef, params = nnx.split(model)
     if lora is not None and lora.enabled:
-        return LoraTraining(Lora(lora, model, param_specs), graphdef, params, param_specs, mesh, seed=seed)
-    return Training(graphdef, params, param_specs, mesh, reference=reference)
+        training = LoraTraining(Lora(lora, model, param_specs), graphdef, params, param_specs, mesh, seed=seed)
+    else:
+        training = Training(graphdef, params, param_specs, mesh, reference=reference)
+    return training if teacher is None else WithTeacher(training, teacher, mesh, load_teacher)
 
 
 def _count(tree) -> int:
