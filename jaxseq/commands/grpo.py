@@ -31,6 +31,7 @@ import importlib.util
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxseq.cli import script
@@ -41,9 +42,11 @@ from jaxseq.data.text import load_hub_dataset
 from jaxseq.errors import JaxseqError
 from jaxseq.harness import EvalTasksConfig
 from jaxseq.mesh import data_parallel_size
-from jaxseq.models.source import ModelSource
+from jaxseq.models import load_pretrained
+from jaxseq.models.hub import load_config, resolve
+from jaxseq.models.source import ModelSource, load_tokenizer, pad_with_eos
 from jaxseq.runner import Job, Prepared, Setup, run
-from jaxseq.train.rl import GRPO, GRPOConfig, Rollout, prompts_per_step
+from jaxseq.train.rl import GRPO, GRPOConfig, RewardModel, Rollout, prompts_per_step
 
 TASK = "causal-lm"
 
@@ -111,12 +114,26 @@ def prompt_rows(tokenizer, records: list[dict], max_prompt_length: int | None, p
     return {"input_ids": ids, "attention_mask": mask, "prompt_index": np.arange(len(encoded), dtype=np.int32)}
 
 
-def load_reward_funcs(specs: list[str] | None) -> list[tuple[str, object]]:
-    """(name, function) of each ``path/to/file.py:function``; the name is the function's, as TRL's."""
+def is_function_spec(spec: str) -> bool:
+    """Whether ``spec`` names a Python function (``path/to/file.py:function``, or an existing file's); anything
+    else names a reward model (a folder or Hub id)."""
+    path, colon, _ = spec.rpartition(":")
+    return bool(colon) and (path.endswith(".py") or Path(path).is_file())
+
+
+def load_reward_funcs(specs: list[str] | None, *, mesh=None, dtype: str = "float32") -> list[tuple[str, object]]:
+    """(name, function) of each spec: a ``path/to/file.py:function``, named as the function (TRL's name), or a
+    reward model (``load_reward_model``), named as the tail of its folder or Hub id (TRL's, from the model's
+    ``config._name_or_path``)."""
     if not specs:
-        raise JaxseqError("give at least one reward function: --reward_funcs path/to/file.py:function")
+        raise JaxseqError(
+            "give at least one reward function: --reward_funcs path/to/file.py:function, or a reward model folder"
+        )
     funcs = []
     for spec in specs:
+        if not is_function_spec(spec):
+            funcs.append(load_reward_model(spec, mesh=mesh, dtype=dtype))
+            continue
         path, _, name = spec.rpartition(":")
         if not path or not name:
             raise JaxseqError(f"--reward_funcs {spec!r} is not path/to/file.py:function")
@@ -130,6 +147,54 @@ def load_reward_funcs(specs: list[str] | None) -> list[tuple[str, object]]:
             raise JaxseqError(f"--reward_funcs {spec!r}: {path} defines no function {name}")
         funcs.append((getattr(func, "__name__", name), func))
     return funcs
+
+
+def load_reward_model(spec: str, *, mesh=None, dtype: str = "float32") -> tuple[str, RewardModel]:
+    """(name, scorer) of the reward model ``spec``, a folder or Hub id, as TRL's GRPOTrainer loads a reward
+    model given by name: a sequence classifier with one label, its own tokenizer (AutoTokenizer of the same
+    folder) with EOS as its pad token where it has none, and that pad token the model's; on ``mesh``, computing
+    in ``dtype``. Anything that is not such a model: a one-line error."""
+    what = (
+        f"--reward_funcs {spec!r} is neither path/to/file.py:function nor a reward model (a folder with "
+        "config.json, or a Hub id)"
+    )
+    if spec.endswith(".py") or not spec.strip():
+        raise JaxseqError(what)
+    local = Path(spec).expanduser()
+    if local.is_dir() and not (local / "config.json").is_file():
+        raise JaxseqError(
+            f"--reward_funcs {spec!r} is a folder without config.json, not a reward model (a sequence classifier "
+            "with one label, what jaxseq reward writes)"
+        )
+    try:
+        folder = resolve(spec)
+        config = load_config(folder)
+    except JaxseqError as e:
+        raise JaxseqError(f"{what}: {e}") from None
+    heads = [a for a in (config.architectures or []) if not a.endswith("ForSequenceClassification")]
+    if config.architectures and heads:
+        raise JaxseqError(
+            f"--reward_funcs {spec!r} is a {heads[0]}, not a reward model: a sequence classifier with one label "
+            "(what jaxseq reward writes)"
+        )
+    if config.architectures and config.num_labels != 1:
+        raise JaxseqError(
+            f"--reward_funcs {spec!r} is a classifier of {config.num_labels} labels; a reward model has one"
+        )
+    try:
+        tokenizer = pad_with_eos(load_tokenizer(folder, fast=False))
+    except JaxseqError as e:
+        raise JaxseqError(f"--reward_funcs {spec!r}: {e}") from None
+    model = load_pretrained(
+        folder,
+        "sequence-classification",
+        mesh=mesh,
+        dtype=jnp.dtype(dtype),
+        num_labels=1,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    name = spec.rstrip("/").split("/")[-1]
+    return name, RewardModel(model, tokenizer, name)
 
 
 def prepare(setup: Setup) -> Prepared:
@@ -148,9 +213,13 @@ def prepare(setup: Setup) -> Prepared:
     accumulate = trainer.gradient_accumulation_steps
     step_prompts = prompts_per_step(trainer.per_device_train_batch_size, devices, accumulate, grpo.num_generations)
     config = setup.config
-    funcs = load_reward_funcs(grpo.reward_funcs)
+    funcs = load_reward_funcs(grpo.reward_funcs, mesh=setup.mesh, dtype=args.runtime.dtype)
     tokenizer = setup.tokenizer
     records = load_prompts(data)
+    micro_batch = trainer.per_device_train_batch_size * devices
+    for _, func in funcs:  # a reward model scores a micro-batch of completions at a time, all of one shape
+        if isinstance(func, RewardModel):
+            func.size(micro_batch, [r["prompt"] for r in records], grpo.max_completion_length)
     if isinstance(records[0]["prompt"], list):
         use_chat_template(tokenizer, data.chat_template)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id

@@ -1,7 +1,8 @@
 """GRPO, TRL's names and formulas (trl 1.16 ``GRPOTrainer``): group-normalised advantages, the clipped surrogate
 with a k3 KL to the reference, the ``dapo``/``grpo``/``bnpo``/``dr_grpo`` normalisations, and the rollout that
 samples completions from the policy being trained (``jaxseq.generation``, the training weights themselves) and
-scores them with the user's reward functions. The losses are pure functions of per-token log-probs."""
+scores them with the user's reward functions and reward models (``RewardModel``). The losses are pure functions
+of per-token log-probs."""
 
 from __future__ import annotations
 
@@ -12,11 +13,14 @@ from collections.abc import Callable, Mapping, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from jaxseq.config import arg
 from jaxseq.data.batches import train_indices
 from jaxseq.errors import JaxseqError
-from jaxseq.generation import generate
+from jaxseq.generation import generate, parameter_mesh
+from jaxseq.mesh import batch_sharding, data_parallel_size
+from jaxseq.models.hub import position_limit
 from jaxseq.train.task import Policy, Task
 
 LOSS_TYPES = ("dapo", "grpo", "bnpo", "dr_grpo")
@@ -125,7 +129,8 @@ class GRPOConfig:
         None,
         "reward functions, path/to/file.py:function each (several as TRL's list, --reward_funcs a.py:f b.py:g, "
         "or the flag repeated): called as TRL calls them, f(prompts=..., completions=..., completion_ids=..., "
-        "**other_columns) -> list of floats (None: unscored)",
+        "**other_columns) -> list of floats (None: unscored); or reward models, a folder or Hub id of a sequence "
+        "classifier with one label (what jaxseq reward writes), scoring prompt + completion as TRL's",
     )
     reward_weights: list[float] | None = arg(
         None,
@@ -397,3 +402,92 @@ class Rollout:
                 )
             out[:, j] = [np.nan if v is None else float(v) for v in values]
         return out
+
+
+class RewardModel:
+    """A reward model, a sequence classifier with one label (what ``jaxseq reward`` writes), scoring completions
+    as TRL 1.16's ``GRPOTrainer._calculate_rewards`` scores with one: the texts are prompt + completion
+    (conversations: the messages of both through the reward tokenizer's chat template, no generation prompt, no
+    tools), tokenised without special tokens and right-padded with its pad token, and a completion's reward is
+    ``logits[:, 0]`` at the last token that is not padding (transformers' rule, ``config.pad_token_id`` the
+    tokenizer's). Called as a reward function is (``prompts``, ``completions``; the rest ignored).
+
+    ``model``: the classifier, on the run's mesh (its batch is split over the data-parallel axes); ``tokenizer``
+    its own, with a pad token. One jitted program scores ``rows`` texts of ``width`` tokens at a time
+    (``size``: the rows of a step's micro-batch and the longest prompt's tokens + the completion's budget), the
+    texts of a call in slices of ``rows``; a text longer than ``width`` widens it (a second program, said)."""
+
+    def __init__(self, model, tokenizer, name: str, *, rows: int | None = None, width: int | None = None):
+        if tokenizer.pad_token_id is None:
+            raise JaxseqError(f"reward model {name}: its tokenizer has no pad token")
+        self.tokenizer, self.name = tokenizer, name
+        self.limit = position_limit(model.config)
+        graphdef, self.state = nnx.split(model)
+        mesh = parameter_mesh(self.state)
+        self.sharding = None if mesh is None else batch_sharding(mesh)
+        self.replicas = 1 if mesh is None else data_parallel_size(mesh)
+        self.rows, self.width = None, width
+        if rows is not None:
+            self.size(rows)
+        self.program = jax.jit(lambda state, ids, mask: nnx.merge(graphdef, state)(ids, mask)[:, 0])
+
+    def size(self, rows: int, prompts: Sequence | None = None, max_completion_length: int = 0) -> None:
+        """Fix the scoring program's shape: ``rows`` texts at a time (rounded up to the data-parallel devices);
+        the width from ``prompts`` (each rendered with an empty completion) + ``max_completion_length``."""
+        self.rows = -(-rows // self.replicas) * self.replicas
+        if prompts:
+            empty = lambda p: [{"role": "assistant", "content": ""}] if isinstance(p, list) else ""
+            longest = max(map(len, self.encode([self.texts([p], [empty(p)])[0] for p in prompts])))
+            self.width = self._fit(longest + max_completion_length)
+
+    def _fit(self, tokens: int) -> int:
+        """A width for ``tokens``: a multiple of 8 at most the model's positions."""
+        width = -(-tokens // 8) * 8
+        return width if self.limit is None else min(width, self.limit)
+
+    def texts(self, prompts: Sequence, completions: Sequence) -> list[str]:
+        """TRL's texts: conversations rendered by the chat template, strings concatenated."""
+        if prompts and isinstance(prompts[0], list):
+            if not getattr(self.tokenizer, "chat_template", None):
+                raise JaxseqError(
+                    f"reward model {self.name}: its tokenizer has no chat template for conversational prompts; "
+                    "save one with its tokenizer (TRL renders prompt + completion with the reward model's own)"
+                )
+            render = self.tokenizer.apply_chat_template
+            return [render(p + c, tools=None, tokenize=False) for p, c in zip(prompts, completions)]
+        return [p + c for p, c in zip(prompts, completions)]
+
+    def encode(self, texts: Sequence[str]) -> list[list[int]]:
+        return [list(ids) for ids in self.tokenizer(list(texts), add_special_tokens=False)["input_ids"]]
+
+    def scores(self, texts: Sequence[str]) -> np.ndarray:
+        """``[texts]`` float32: each text's score."""
+        encoded = self.encode(texts)
+        longest = max(map(len, encoded))
+        if self.limit is not None and longest > self.limit:
+            raise JaxseqError(
+                f"reward model {self.name}: a prompt + completion of {longest} tokens exceeds its {self.limit} "
+                "positions; lower --max_completion_length or --max_prompt_length"
+            )
+        if self.width is None:
+            self.width = self._fit(longest)
+        elif longest > self.width:  # rare: re-tokenised completions longer than their budget
+            self.width = self._fit(-(-longest // 64) * 64)
+            print(f"reward model {self.name}: a text of {longest} tokens widens its scoring to {self.width}")
+        rows = self.rows or -(-len(encoded) // self.replicas) * self.replicas
+        count = -(-len(encoded) // rows) * rows
+        ids = np.full((count, self.width), self.tokenizer.pad_token_id, np.int32)
+        mask = np.zeros((count, self.width), np.int32)
+        for i in range(count):
+            row = encoded[min(i, len(encoded) - 1)]  # the slices' last rows: copies of the last text
+            ids[i, : len(row)], mask[i, : len(row)] = row, 1
+        out = []
+        for start in range(0, count, rows):
+            chunk = [a[start : start + rows] for a in (ids, mask)]
+            if self.sharding is not None:
+                chunk = [jax.device_put(a, self.sharding) for a in chunk]
+            out.append(np.asarray(self.program(self.state, *chunk), np.float32))
+        return np.concatenate(out)[: len(encoded)]
+
+    def __call__(self, prompts: Sequence, completions: Sequence, **_) -> list[float]:
+        return self.scores(self.texts(prompts, completions)).tolist()
