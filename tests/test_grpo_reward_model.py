@@ -122,6 +122,11 @@ def test_reward_model_scores_equal_trls(reward_folder, tmp_path):
         assert np.ptp(want) > 1e-3  # the texts score apart: a wrong token or padding would show
         assert name == trl_name == "tiny-rm"
     assert scorer.program._cache_size() == 1
+    ((_, half),) = load_reward_funcs([str(reward_folder)], mesh=mesh, dtype="bfloat16")  # the run's --dtype
+    prompts, completions = zip(*PLAIN)
+    got = np.asarray(half(prompts=prompts, completions=completions))
+    want, _ = trl_rewards(reward_folder, tmp_path, list(prompts), list(completions))
+    assert 1e-5 < np.abs(got - want).max() < 5e-2, got - want  # bfloat16's rounding, no more
 
 
 def letters_reward_model(root, vocab):
@@ -184,7 +189,7 @@ def test_jaxseq_grpo_raises_a_reward_models_score(tmp_path):
         "--report_to", "none", "--save_strategy", "no", "--seed", 0,
     ])  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "reward functions: rm" in result.stdout
+    assert "reward functions: rm" in result.stdout and "widens" not in result.stdout  # one scoring program
     logged = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in logged if "train/reward" in r]
     assert [r["step"] for r in train] == list(range(1, steps + 1))

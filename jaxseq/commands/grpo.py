@@ -13,6 +13,13 @@ them with every --reward_funcs (called as TRL calls them: prompts, completions, 
 other columns as keyword lists; completions are strings, or [{"role": "assistant", "content": ...}] for
 conversations), weighs them (--reward_weights), normalises them within each prompt's group into advantages and
 takes --num_iterations updates of the clipped surrogate on them, with a k3 KL to the reference when --beta > 0.
+A --reward_funcs that is not file.py:function is a reward model: a folder (or Hub id) of a sequence classifier
+with one label, as jaxseq reward writes it, mixed freely with functions (--reward_funcs out/reward
+rewards.py:correct --reward_weights 1.0 0.5). It scores as TRL's GRPOTrainer scores with one: prompt + completion
+(conversations: their messages through the reward model's own tokenizer's chat template), tokenised by its own
+tokenizer (EOS pads where it has no pad token) without special tokens, right-padded; the reward is its output
+at the last token. It runs in JAX on the run's devices (--mesh), weights sharded as the policy's, computing in
+--dtype, one compiled program for the run; its figures are named after the folder (rewards/<folder>/mean).
 --reward_funcs and --reward_weights are lists as TRL's (--reward_weights 1.0 0.5), or repeated flags.
 --per_device_train_batch_size counts completions, as TRL's: a step trains on per_device x data-parallel devices x
 --gradient_accumulation_steps completions (the global batch), sampled together as whole groups of

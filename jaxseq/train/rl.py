@@ -384,7 +384,8 @@ class Rollout:
         return rows, {k: np.float32(v) for k, v in figures.items()}
 
     def rewards(self, records: Sequence[dict], completion_ids: list[list[int]]) -> np.ndarray:
-        """``[completions, functions]``: each function called as TRL's ``_calculate_rewards`` calls it (None: NaN)."""
+        """``[completions, functions]``: each function called as TRL's ``_calculate_rewards`` calls it (None: NaN);
+        a ``RewardModel`` is called the same way and scores as TRL scores with a reward model."""
         texts = self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
         prompts = [r["prompt"] for r in records]
         conversational = isinstance(prompts[0], list)
