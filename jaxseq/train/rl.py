@@ -468,7 +468,7 @@ class RewardModel:
         if self.limit is not None and longest > self.limit:
             raise JaxseqError(
                 f"reward model {self.name}: a prompt + completion of {longest} tokens exceeds its {self.limit} "
-                "positions; lower --max_completion_length or --max_prompt_length"
+                "positions (it scores whole prompts, as TRL's); lower --max_completion_length or shorten the prompts"
             )
         if self.width is None:
             self.width = self._fit(longest)
