@@ -31,7 +31,12 @@ JAXSEQ = Path(sys.executable).with_name("jaxseq")  # the console command of the 
 JOB = re.compile(r"(?:^|[\s|\"'])jaxseq\s+(\S+)")
 """A command line that runs `jaxseq` (after a pipe or inside quotes too), and which job."""
 EXEMPT = re.compile(r"#.*\b(needs (the Hub|a TPU|\d+ devices|several hosts)|not run in CI)")
-SHORTER = {"clm": "--max_steps 4 --max_eval_samples 16", "ner": "--max_steps 4", "qa": "--max_steps 4"}
+SHORTER = {
+    "clm": "--max_steps 4 --max_eval_samples 16",
+    "ner": "--max_steps 4",
+    "qa": "--max_steps 4",
+    "distill": "--max_steps 4",
+}
 """Flags appended to a job's README commands so that they run in seconds (later flags win)."""
 TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}{{ eos_token }}\n{% endfor %}"

@@ -17,7 +17,7 @@ from tests.conftest import shared_asset
 
 transformers = pytest.importorskip("transformers")
 
-from jaxseq.commands import COMMANDS, chat, clm, dpo, glue, grpo, kto, mlm, ner, qa, reward, seq2seq, t5_mlm  # noqa: E402
+from jaxseq.commands import COMMANDS, chat, clm, distill, dpo, glue, grpo, kto, mlm, ner, qa, reward, seq2seq, t5_mlm  # noqa: E402
 from jaxseq.commands import main as jaxseq  # noqa: E402
 from jaxseq.config import stage_flags  # noqa: E402
 from jaxseq.errors import JaxseqError  # noqa: E402
@@ -283,6 +283,23 @@ def test_reward_stages(gpt2, tmp_path):
 
 
 @pytest.mark.slow
+def test_distill_stages(gpt2, tmp_path):
+    """Trained on its own samples of the training prompts (--lmbda 1, DistillationTrainer's reverse KL) against
+    its starting weights as the teacher, evaluated on the validation conversations' completions; evaluated
+    alone from its export against the same teacher, the same figures."""
+    prompts = [{"prompt": words(6, i)} for i in range(8)]
+    chats = [
+        {"messages": [{"role": "user", "content": words(6, i)}, {"role": "assistant", "content": words(4, -i)}]}
+        for i in range(4)
+    ]
+    train = ("--train_file", jsonl(tmp_path / "train.jsonl", prompts), *TRAIN, "--max_new_tokens", 4)
+    evaluate = ("--validation_file", jsonl(tmp_path / "valid.jsonl", chats), "--teacher_model_name_or_path", gpt2,
+                "--lmbda", 1, "--max_length", 64, *EVAL)  # fmt: skip
+    trained, _ = trained_then_alone(distill, gpt2, tmp_path, train, evaluate)
+    assert trained["eval_loss"] > 0
+
+
+@pytest.mark.slow
 def test_grpo_trains_with_do_train(gpt2, tmp_path):
     (tmp_path / "rewards.py").write_text(REWARD)
     prompts = jsonl(tmp_path / "prompts.jsonl", [{"prompt": words(4, i)} for i in range(8)])
@@ -382,6 +399,10 @@ ERRORS = {
     "reward --do_eval, no validation pairs": (
         reward, "gpt2", ["--do_eval", "--train_file", "{pairs}"], "--do_eval needs validation pairs",
     ),
+    "distill --do_eval, no validation rows": (
+        distill, "gpt2", ["--do_eval", "--train_file", "{chats}", "--teacher_model_name_or_path", "{gpt2}"],
+        "--do_eval needs validation rows",
+    ),
     "grpo --do_eval": (grpo, "gpt2", ["--do_eval"], "--do_eval: jaxseq grpo has no evaluation"),
     "grpo --no_do_train": (grpo, "gpt2", ["--no_do_train"], "nothing to do: pass --do_train or --do_eval"),
     "seq2seq --do_eval, no validation file": (
@@ -404,7 +425,9 @@ ERRORS = {
 def test_a_stage_without_its_data_ends_in_one_line(case, request, text, tmp_path, capsys):
     job, model, flags, message = ERRORS[case]
     pairs = jsonl(tmp_path / "pairs.jsonl", [{"prompt": "a", "chosen": " b", "rejected": " c"}])
-    flags = [f.format(text=text, pairs=pairs) for f in flags]
+    chats = jsonl(tmp_path / "chats.jsonl", [{"prompt": "a", "completion": " b"}])
+    gpt2 = request.getfixturevalue("gpt2") if "{gpt2}" in flags else None
+    flags = [f.format(text=text, pairs=pairs, chats=chats, gpt2=gpt2) for f in flags]
     out = tmp_path / "out"
     code = run(job, "--model_name_or_path", request.getfixturevalue(model), *flags, "--output_dir", out)
     error = capsys.readouterr().err.strip().splitlines()
