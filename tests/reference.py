@@ -54,3 +54,25 @@ def scaled_diff(mask, got, want) -> float:
     mask = np.ones(want.shape[:1], np.int32) if mask is None else np.asarray(mask)
     scale = max_diff_on(mask, want, np.zeros_like(want))
     return max_diff_on(mask, got, want) / max(scale, 1e-30)
+
+
+def assert_gradients_match(model, grads, want: dict) -> None:
+    """jaxseq's gradients of ``model`` (an ``nnx.State``) equal torch's ``want`` (numpy arrays by PyTorch name,
+    a tied head listed once), within 1e-4 of each tensor's scale and 1e-6 of the largest gradient (a gradient
+    that is 0 in exact arithmetic, e.g. a reward model's final norm bias, is noise there)."""
+    from flax import nnx
+
+    from jaxseq.models.hub import torch_layout
+
+    flat = {"/".join(map(str, p)): np.asarray(v.get_value()) for p, v in nnx.to_flat_state(grads)}
+    largest = max(np.abs(w).max() for w in want.values())
+    compared = 0
+    for name, (path, transposed) in torch_layout(model).items():
+        if name not in want:  # a tied head
+            continue
+        array = flat["/".join(map(str, path))]
+        array = (array.T if transposed else array)[tuple(slice(0, n) for n in want[name].shape)]
+        error = np.abs(array - want[name]).max()
+        assert error <= 1e-4 * np.abs(want[name]).max() + 1e-6 * largest, (name, error, np.abs(want[name]).max())
+        compared += 1
+    assert compared == len(want)

@@ -38,8 +38,8 @@ from jaxseq.models import load_pretrained  # noqa: E402
 from jaxseq.runner import Setup, parse_job  # noqa: E402
 from jaxseq.train.distill import Distill, DistillConfig, OnPolicy, generalized_jsd  # noqa: E402
 from jaxseq.train.objectives import CausalLM  # noqa: E402
-from tests.reference import perturb  # noqa: E402
-from tests.test_reward import assert_gradients_match, dataset  # noqa: E402
+from tests.reference import assert_gradients_match, perturb  # noqa: E402
+from tests.test_reward import dataset  # noqa: E402
 from tests.tiny import tiny_config  # noqa: E402
 
 TEMPLATE = (
@@ -83,7 +83,8 @@ def tok():
 def folders(tok, tmp_path_factory):
     """A tiny Llama student and a wider, deeper Llama teacher of its vocabulary, perturbed, as folders."""
     root = tmp_path_factory.mktemp("distill-models")
-    common = {"vocab_size": len(tok), "max_position_embeddings": 128, "eos_token_id": tok.eos_token_id}
+    common = {"vocab_size": len(tok), "max_position_embeddings": 128, "eos_token_id": tok.eos_token_id,
+              "pad_token_id": tok.eos_token_id}  # fmt: skip
     teacher = {"hidden_size": 48, "intermediate_size": 80, "num_hidden_layers": 3}
     for name, overrides, seed in (("student", {}, 0), ("teacher", teacher, 1)):
         torch.manual_seed(seed)

@@ -30,13 +30,12 @@ from jaxseq.data.preference import PreferenceDataConfig, encode_pair, encode_pai
 from jaxseq.errors import JaxseqError  # noqa: E402
 from jaxseq.mesh import make_mesh  # noqa: E402
 from jaxseq.models import load_pretrained  # noqa: E402
-from jaxseq.models.weights import torch_layout  # noqa: E402
 from jaxseq.train.lora import LoraConfig  # noqa: E402
 from jaxseq.train.optim import OptimizerConfig  # noqa: E402
 from jaxseq.train.preference import DPO, LOSS_TYPES, METRICS, REFERENCE_FREE, DPOConfig  # noqa: E402
 from jaxseq.train.step import TrainProgram  # noqa: E402
 from jaxseq.train.training import Training  # noqa: E402
-from tests.reference import perturb  # noqa: E402
+from tests.reference import assert_gradients_match, perturb  # noqa: E402
 
 TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}{{ eos_token }}\n{% endfor %}"
@@ -176,21 +175,6 @@ def test_loss_metrics_and_gradients_equal_trl(tok, folders, tmp_path, loss_type)
     for key in METRICS:
         assert abs(float(metrics[key]) - want_metrics[key]) <= 1e-4 * max(1.0, abs(want_metrics[key])), key
     assert_gradients_match(policy, grads, want_grads)
-
-
-def assert_gradients_match(model, grads, want: dict[str, np.ndarray]) -> None:
-    """jaxseq's gradients (an ``nnx.State``) equal torch's, by PyTorch name, within 1e-4 of each tensor's scale."""
-    flat = {"/".join(map(str, p)): np.asarray(v.get_value()) for p, v in nnx.to_flat_state(grads)}
-    compared = 0
-    for name, (path, transposed) in torch_layout(model).items():
-        if name not in want:  # the tied lm_head
-            continue
-        array = flat["/".join(map(str, path))]
-        array = (array.T if transposed else array)[tuple(slice(0, n) for n in want[name].shape)]
-        scale = max(np.abs(want[name]).max(), 1e-12)
-        assert np.abs(array - want[name]).max() <= 1e-4 * scale, (name, np.abs(array - want[name]).max(), scale)
-        compared += 1
-    assert compared == len(want)
 
 
 REFERENCE_FREE_CASES = {

@@ -43,8 +43,7 @@ from jaxseq.train.rl import GRPO, LOSS_TYPES, GRPOConfig, Rollout, group_advanta
 from jaxseq.train.step import TrainProgram  # noqa: E402
 from jaxseq.train.task import Policy  # noqa: E402
 from jaxseq.train.training import Training  # noqa: E402
-from tests.reference import perturb  # noqa: E402
-from tests.test_dpo import assert_gradients_match  # noqa: E402
+from tests.reference import assert_gradients_match, perturb  # noqa: E402
 
 TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}{{ eos_token }}\n{% endfor %}"

@@ -38,8 +38,8 @@ from jaxseq.train.kto import KTO, LOSS_TYPES, METRICS, KTOConfig  # noqa: E402
 from jaxseq.train.lora import LoraConfig  # noqa: E402
 from jaxseq.train.optim import OptimizerConfig  # noqa: E402
 from jaxseq.train.step import TrainProgram  # noqa: E402
-from tests.reference import perturb  # noqa: E402
-from tests.test_reward import assert_gradients_match, dataset  # noqa: E402
+from tests.reference import assert_gradients_match, perturb  # noqa: E402
+from tests.test_reward import dataset  # noqa: E402
 from tests.tiny import tiny_config  # noqa: E402
 
 TEMPLATE = (

@@ -30,10 +30,9 @@ from jaxseq.commands import reward  # noqa: E402
 from jaxseq.data.reward import encode_reward_pairs, reward_rows  # noqa: E402
 from jaxseq.errors import JaxseqError  # noqa: E402
 from jaxseq.models import load_pretrained  # noqa: E402
-from jaxseq.models.weights import torch_layout  # noqa: E402
 from jaxseq.runner import Setup, parse_job  # noqa: E402
 from jaxseq.train.reward import METRICS, RewardModeling  # noqa: E402
-from tests.reference import perturb  # noqa: E402
+from tests.reference import assert_gradients_match, perturb  # noqa: E402
 from tests.tiny import tiny_config  # noqa: E402
 
 TEMPLATE = (
@@ -137,22 +136,6 @@ def test_pairs_are_tokenised_as_trl_tokenises_them(tok, trainer, kind):
     assert 0 < len(kept) == len(rows["input_ids"]) < len(records)
     for (chosen, rejected), ids, mask in zip(kept, rows["input_ids"], rows["pair_mask"], strict=True):
         assert [ids[0][mask[0] > 0].tolist(), ids[1][mask[1] > 0].tolist()] == [chosen, rejected]
-
-
-def assert_gradients_match(model, grads, want: dict[str, np.ndarray]) -> None:
-    """jaxseq's gradients (an ``nnx.State``) equal torch's, by PyTorch name, within 1e-4 of each tensor's scale
-    (and 1e-6 of the largest gradient: the plain loss's gradient of the final norm's bias is 0 in exact
-    arithmetic, each pair's chosen and rejected pulling the one score weight apart)."""
-    flat = {"/".join(map(str, p)): np.asarray(v.get_value()) for p, v in nnx.to_flat_state(grads)}
-    largest = max(np.abs(w).max() for w in want.values())
-    compared = 0
-    for name, (path, transposed) in torch_layout(model).items():
-        array = flat["/".join(map(str, path))]
-        array = (array.T if transposed else array)[tuple(slice(0, n) for n in want[name].shape)]
-        error = np.abs(array - want[name]).max()
-        assert error <= 1e-4 * np.abs(want[name]).max() + 1e-6 * largest, (name, error, np.abs(want[name]).max())
-        compared += 1
-    assert compared == len(want)
 
 
 CASES = {"plain": (False, None), "margin": (True, None), "margin, centred": (True, 0.01), "centred": (False, 0.5)}

@@ -44,3 +44,40 @@ def test_tiny_config_builds_in_jaxseq_and_loads_from_pytorch(model_type, tmp_pat
     want = torch_forward(ref, **inputs).logits.numpy()
     assert got.shape == want.shape
     assert scaled_diff(mask, got, want) < 1e-4
+
+
+@pytest.mark.parametrize("model_type", sorted(FAMILIES))
+def test_gradients_equal_pytorchs_where_the_pad_id_is_a_real_token(model_type, tmp_path):
+    """Every parameter's gradient equals transformers', the pad id (as EOS often is) among the real tokens:
+    where transformers' embedding has a ``padding_idx`` (Llama and its descendants, Gemma, OPT, BERT, RoBERTa)
+    that row gets none, elsewhere (GPT-2, GPT-J, T5) it trains as any token."""
+    import jax
+    from flax import nnx
+
+    from jaxseq.models.weights import torch_layout
+    from tests.reference import assert_gradients_match
+
+    task = next(t for t in ("causal-lm", "seq2seq-lm", "masked-lm") if t in FAMILIES[model_type].tasks)
+    ids, mask = padded_batch(32, lengths=(8, 5), low=3)
+    ids[0, 2] = ids[1, 1] = 1  # the pad id, among the real tokens
+    config = tiny_config(model_type, pad_token_id=1)
+    ref = perturb(getattr(transformers, FAMILIES[model_type].tasks[task].hf_architecture)(config)).eval()
+    ref.save_pretrained(tmp_path)
+    weights = np.random.default_rng(0).normal(size=(*ids.shape, config.vocab_size)).astype(np.float32)
+    inputs = dict(input_ids=torch.as_tensor(ids).long(), attention_mask=torch.as_tensor(mask).long())
+    if task == "seq2seq-lm":
+        inputs["decoder_input_ids"] = inputs["input_ids"]
+    logits = ref(**inputs).logits
+    (logits * torch.as_tensor(weights) * torch.as_tensor(mask)[..., None]).sum().backward()
+    model = load_pretrained(tmp_path, task)
+    named = torch_layout(model)  # MoE experts: transformers fuses them in memory, not in checkpoints
+    want = {n: p.grad.numpy() for n, p in ref.named_parameters() if p.grad is not None and n in named}
+    assert "embed" in " ".join(want) or "wte" in " ".join(want) or "shared" in " ".join(want)
+    args = (jnp.asarray(ids), jnp.asarray(mask)) + ((jnp.asarray(ids),) if task == "seq2seq-lm" else ())
+    graphdef, state = nnx.split(model)
+
+    def loss(state):
+        out = nnx.merge(graphdef, state)(*args)
+        return (getattr(out, "logits", out)[..., : config.vocab_size] * weights * mask[..., None]).sum()
+
+    assert_gradients_match(model, jax.grad(loss)(state), want)

@@ -141,6 +141,17 @@ def tied_logits(h: jax.Array, embedding: jax.Array, dtype) -> jax.Array:
     return dot_general(h.astype(dtype), embedding.astype(dtype), dims, preferred_element_type=jnp.float32)
 
 
+def embedding_lookup(embed: nnx.Embed, ids: jax.Array, padding_idx: int | None) -> jax.Array:
+    """``embed(ids)`` with row ``padding_idx`` looked up without gradient, as transformers' ``nn.Embedding(...,
+    padding_idx)``: the token embeddings of Llama, Mistral, Qwen, Gemma, Phi-3, OPT, BERT and RoBERTa (the
+    config's ``pad_token_id``) and RoBERTa's positions. The pad token's embedding never trains, also where the
+    pad id is a real token (a pad token set to EOS)."""
+    x = embed(ids)
+    if padding_idx is None:
+        return x
+    return jnp.where((ids == padding_idx)[..., None], jax.lax.stop_gradient(x), x)
+
+
 def one_hot_lookup(embed: nnx.Embed, ids: jax.Array) -> jax.Array:
     """``embed(ids)`` for a table of a few rows (BERT's token types, T5's position buckets) as a one-hot
     product, as T5X computes its position bias: the gradient is a matmul, where a gather's is a scatter-add

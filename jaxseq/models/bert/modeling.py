@@ -21,6 +21,7 @@ from jaxseq.models.layers import (
     activation,
     blocks,
     dropout,
+    embedding_lookup,
     normal,
     one_hot_lookup,
     padded_vocab_size,
@@ -34,6 +35,7 @@ class BertEmbeddings(nnx.Module):
     ``position_ids`` to look them up (RoBERTa's ``padding_idx + 1``; 0 here)."""
 
     position_offset = 0
+    position_padding_idx = None  # the position row that never trains (RoBERTa's padding_idx)
 
     def __init__(self, config, *, dtype, param_dtype, rngs: nnx.Rngs):
         d, std = config.hidden_size, config.initializer_range
@@ -43,10 +45,13 @@ class BertEmbeddings(nnx.Module):
         self.token_type_embeddings = nnx.Embed(config.type_vocab_size, d, embedding_init=normal(std), **kw)
         self.LayerNorm = nnx.LayerNorm(d, epsilon=config.layer_norm_eps, **kw)
         self.hidden_dropout = config.hidden_dropout_prob
+        self.pad_token_id = config.pad_token_id
 
     def __call__(self, input_ids, token_type_ids, position_ids, rngs=None):
-        x = self.word_embeddings(input_ids) + one_hot_lookup(self.token_type_embeddings, token_type_ids)
-        x = x + self.position_embeddings(position_ids + self.position_offset if self.position_offset else position_ids)
+        x = embedding_lookup(self.word_embeddings, input_ids, self.pad_token_id)
+        x = x + one_hot_lookup(self.token_type_embeddings, token_type_ids)
+        positions = position_ids + self.position_offset if self.position_offset else position_ids
+        x = x + embedding_lookup(self.position_embeddings, positions, self.position_padding_idx)
         return dropout(self.LayerNorm(x), self.hidden_dropout, rngs)
 
     def default_positions(self, input_ids):

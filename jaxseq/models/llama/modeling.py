@@ -46,7 +46,16 @@ from jaxseq.models.attention import (
 )
 from jaxseq.models.execution import Execution
 from jaxseq.models.heads import DecoderLM, LastTokenClassifier
-from jaxseq.models.layers import Linear, Stacked, activation, blocks, normal, padded_vocab_size, tied_logits
+from jaxseq.models.layers import (
+    Linear,
+    Stacked,
+    activation,
+    blocks,
+    embedding_lookup,
+    normal,
+    padded_vocab_size,
+    tied_logits,
+)
 from jaxseq.models.outputs import BaseOutput
 
 ROPE_TYPES = ("default", "linear", "llama3")
@@ -339,7 +348,7 @@ class LlamaModel(nnx.Module):
         windows = tuple(dict.fromkeys(self.windows))
         ropes = tuple(self.rope(position_ids, window) for window in windows)
         masks = tuple(self.mask(attention_mask, seq, cache, index, window) for window in windows)
-        x = self.embed_tokens(input_ids)
+        x = embedding_lookup(self.embed_tokens, input_ids, self.config.pad_token_id)
         if self.embed_scale is not None:  # Gemma's, in the compute dtype as transformers rounds it
             x = x * jnp.asarray(self.embed_scale, x.dtype)
         x, cache = run_blocks(self.layers, self.remat, x, masks, ropes, cache=cache, rngs=rngs)

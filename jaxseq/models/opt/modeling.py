@@ -28,7 +28,17 @@ from jaxseq.models.attention import (
 )
 from jaxseq.models.execution import Execution
 from jaxseq.models.heads import DecoderLM, LastTokenClassifier
-from jaxseq.models.layers import Linear, Stacked, activation, blocks, dropout, normal, padded_vocab_size, tied_logits
+from jaxseq.models.layers import (
+    Linear,
+    Stacked,
+    activation,
+    blocks,
+    dropout,
+    embedding_lookup,
+    normal,
+    padded_vocab_size,
+    tied_logits,
+)
 from jaxseq.models.outputs import BaseOutput
 
 POSITION_OFFSET = 2  # rows of the position table below position 0 (fairseq's padding_idx + 1)
@@ -150,7 +160,7 @@ class OPTDecoder(nnx.Module):
             position_ids = (index + jnp.arange(seq, dtype=jnp.int32))[None, :]
         elif position_ids is None:
             position_ids = mask_positions(attention_mask, seq, index)
-        x = self.embed_tokens(input_ids)
+        x = embedding_lookup(self.embed_tokens, input_ids, self.config.pad_token_id)
         x = x if self.project_in is None else self.project_in(x)
         x = x + self.embed_positions(position_ids + POSITION_OFFSET)
         mask = decoder_mask(attention_mask, seq, cache, index)

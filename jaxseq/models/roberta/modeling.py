@@ -27,7 +27,7 @@ from jaxseq.models.layers import Linear, dropout, gelu_exact, normal, padded_voc
 class RobertaEmbeddings(BertEmbeddings):
     def __init__(self, config, *, dtype, param_dtype, rngs: nnx.Rngs):
         super().__init__(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-        self.padding_idx = config.pad_token_id
+        self.padding_idx = self.position_padding_idx = config.pad_token_id
         self.position_offset = config.pad_token_id + 1
 
     def default_positions(self, input_ids):
