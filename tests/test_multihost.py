@@ -3,7 +3,8 @@ collectives) train a tiny GPT-2 on a dp=4,mp=2 mesh and match 1 process with 8 d
 and final parameters. GLUE fine-tuning (packed: each process packs its own examples) through
 scripts/finetune_glue.py, whose 2-process checkpoint then restores in a 1-process run; causal-LM pretraining
 through scripts/pretrain_clm.py, each process tokenizing its share of the text. scripts/generate.py on 2
-processes writes the completions of 1 process."""
+processes writes the completions of 1 process. GRPO on 2 processes, a prompt's group of completions spanning
+both, logs 1 process's rewards and losses."""
 
 import json
 import os
@@ -273,3 +274,57 @@ def test_two_processes_generate_what_one_does(tmp_path, tiny_gpt2):
     records = (one / "completions.jsonl").read_text().splitlines()
     assert len(records) == 5
     assert (two / "completions.jsonl").read_text().splitlines() == records
+
+
+GRPO_REWARD = """
+import os
+
+def fraction_of_a(prompts, completions, completion_ids, **kwargs):
+    with open(os.path.join({log!r}, f"{{os.getpid()}}.txt"), "a") as f:
+        f.write(f"{{len(completion_ids)}}\\n")
+    return [sum(t == {a} for t in ids) / max(len(ids), 1) for ids in completion_ids]
+"""
+
+
+def test_two_processes_train_grpo_as_one_with_groups_across_them(tmp_path):
+    """GRPO as 2 processes x 4 devices and as 1 x 8 on a dp=8 mesh: 3 completions a device, groups of 8, so
+    the second prompt's group spans both processes. Each process scores only its own 12 completions of the
+    step's 24; the rewards are gathered before the groups are normalised; both layouts sample the same
+    completions, so every step's reward and loss (two updates per sampled batch, a KL to the reference) match."""
+    from tests.tiny import LETTERS, letters_gpt2
+
+    vocab = letters_gpt2(tmp_path / "model")
+    logs = {name: tmp_path / f"calls-{name}" for name in ("one", "two")}
+    rng = np.random.default_rng(0)
+    prompts = [{"prompt": " ".join(rng.choice(LETTERS, 1 + i % 4))} for i in range(16)]  # lengths 1 to 4
+    (tmp_path / "prompts.jsonl").write_text("".join(json.dumps(p) + "\n" for p in prompts))
+    args = lambda name: [
+        "--model_name_or_path", tmp_path / "model", "--train_file", tmp_path / "prompts.jsonl",
+        "--reward_funcs", f"{tmp_path / f'rewards_{name}.py'}:fraction_of_a", "--mesh", "dp=8",
+        "--num_generations", 8, "--per_device_train_batch_size", 3, "--num_iterations", 2, "--beta", 0.04,
+        "--max_completion_length", 6, "--max_steps", 8, "--logging_steps", 1, "--learning_rate", 3e-3,
+        "--save_strategy", "no", "--report_to", "none", "--seed", 0,
+    ]  # fmt: skip
+    for name, log in logs.items():
+        log.mkdir()
+        (tmp_path / f"rewards_{name}.py").write_text(GRPO_REWARD.format(log=str(log), a=vocab["a"]))
+    cache, one, two = tmp_path / "xla", tmp_path / "one", tmp_path / "two"
+    finish([launch(args("one"), 8, one, cache, script="grpo.py")])
+    port = free_port()
+    flags = lambda rank: ["--coordinator_address", f"127.0.0.1:{port}", "--num_processes", 2, "--process_id", rank]
+    finish([launch(args("two"), 4, two, cache, flags(rank), script="grpo.py") for rank in range(2)])
+
+    calls = {name: sorted(p.read_text().split() for p in log.iterdir()) for name, log in logs.items()}
+    assert calls["one"] == [["24"] * 4]  # one process scores all 24 completions of each of the 4 sampled batches
+    assert calls["two"] == [["12"] * 4] * 2  # each of two scores its own 12
+    logged = {}
+    for name, out in (("one", one), ("two", two)):
+        records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        train = [r for r in records if "train/reward" in r]
+        assert [r["step"] for r in train] == list(range(1, 9)), name
+        logged[name] = {k: np.array([r[f"train/{k}"] for r in train]) for k in ("reward", "loss", "kl")}
+    a, b = logged["one"], logged["two"]
+    assert np.array_equal(a["reward"][::2], a["reward"][1::2])  # a sampled batch serves two steps
+    assert len(set(a["reward"].tolist())) > 1 and len(set(a["loss"].tolist())) == 8  # 4 batches, 8 updates
+    for k in a:
+        np.testing.assert_allclose(b[k], a[k], atol=1e-5, err_msg=k)

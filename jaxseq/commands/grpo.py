@@ -24,10 +24,14 @@ at the last token. It runs in JAX on the run's devices (--mesh), weights sharded
 --per_device_train_batch_size counts completions, as TRL's: a step trains on per_device x data-parallel devices x
 --gradient_accumulation_steps completions (the global batch), sampled together as whole groups of
 --num_generations, global batch / --num_generations prompts (TRL's rule: it must be divisible); an epoch is every
-prompt once (prompts x --num_generations completions, the run's train_samples). Logged every --logging_steps as
-TRL logs them: reward, reward_std, rewards/<func>/mean and /std, frac_reward_zero_std, completions/mean_length
-(min, max, clipped_ratio, terminated lengths), kl (with --beta), entropy, clip_ratio/low_mean, high_mean,
-region_mean, low_min, high_max.
+prompt once (prompts x --num_generations completions, the run's train_samples). Several processes
+(--coordinator_address, --num_processes, --process_id) sample what one process does: the sampler is one program
+over the whole mesh, each device drawing its own rows (keyed by the seed, the step and the row, not by the
+process layout); each process scores the completions it trains on with the reward functions (TRL's way), and
+the rewards are gathered before each group is normalised, so a group may span processes. Logged every
+--logging_steps as TRL logs them: reward, reward_std, rewards/<func>/mean and /std, frac_reward_zero_std,
+completions/mean_length (min, max, clipped_ratio, terminated lengths), kl (with --beta), entropy,
+clip_ratio/low_mean, high_mean, region_mean, low_min, high_max.
 Writes to --output_dir what every job writes, and the model with its tokenizer as a Hugging Face folder.
 """
 
@@ -214,8 +218,6 @@ def prepare(setup: Setup) -> Prepared:
             "--per_device_train_batch_size rows (completions) of prompt + completion tokens with jaxseq clm"
         )
     args.stages.stages((True, False))  # it only trains: stage flags that ask for nothing end here
-    if jax.process_count() > 1:
-        raise JaxseqError("jaxseq grpo runs in one process for now (all its devices, --mesh); start it on one host")
     devices = data_parallel_size(setup.mesh)
     accumulate = trainer.gradient_accumulation_steps
     step_prompts = prompts_per_step(trainer.per_device_train_batch_size, devices, accumulate, grpo.num_generations)

@@ -80,6 +80,11 @@ class Feeder:
         self.eval_packed_rows: dict[str, int | None] = dict.fromkeys(self.eval_sets)  # rows a packed batch
         self._eval_layouts: dict[str, tuple] = {}  # _eval_layout's, per eval set
 
+    @property
+    def local(self) -> slice:
+        """The rows of each training micro-batch this process's devices hold (what ``device_batch`` takes)."""
+        return self._mine
+
     def size_packing(self, total_steps: int) -> None:
         """Packed rows of each step's micro-batches (one of a few counts, ``packing.row_buckets`` of what the
         steps need), and of every eval batch (``eval_batch``). Every data-parallel shard packs its own

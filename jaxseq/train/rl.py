@@ -14,6 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.experimental import multihost_utils
+from jax.sharding import NamedSharding
 
 from jaxseq.config import arg
 from jaxseq.data.batches import train_indices
@@ -21,6 +23,7 @@ from jaxseq.errors import JaxseqError
 from jaxseq.generation import generate, parameter_mesh
 from jaxseq.mesh import batch_sharding, data_parallel_size
 from jaxseq.models.hub import position_limit
+from jaxseq.sharding import gather
 from jaxseq.train.task import Policy, Task
 
 LOSS_TYPES = ("dapo", "grpo", "bnpo", "dr_grpo")
@@ -303,24 +306,46 @@ class Rollout:
 
     def __call__(self, policy: Policy, batch, step: int):
         """The batch of step ``step``: the run's global batch counts completions (TRL's), and ``batch``, the
-        feeder's completion slots, only paces the run; the step's prompts are drawn here (``step_prompts``)."""
+        feeder's completion slots, only paces the run; the step's prompts are drawn here (``step_prompts``).
+
+        Several processes: every process draws the same prompts and calls the sampler with all of them, one
+        program over the whole mesh in which each device samples only its own rows (the draws are keyed by the
+        seed, the step and each row's place in the step's batch, so they do not depend on how many processes
+        share the mesh); the completions' tokens are gathered (a few integers a row), each process scores the
+        completions it trains on (``mine``), the rewards are gathered so that every group is normalised whole
+        wherever its rows were scored, and each process places its own rows (``policy.local``)."""
         c = self.config
         sampled = step // c.num_iterations  # steps μk .. μk+μ-1 train on the completions of prompt batch k
         if self._cached is not None and self._cached[0] == sampled:
             return self._cached[1], self._cached[2]  # a reused batch, logged again as TRL averages it in
         accumulate = policy.accumulate
         count = prompts_per_step(policy.per_device_batch, policy.replicas, accumulate, c.num_generations)
+        micro = count * c.num_generations // accumulate
+        mine = np.concatenate([np.arange(a * micro, (a + 1) * micro)[policy.local] for a in range(accumulate)])
         model = policy.model()  # QLoRA: the quantised base with its adapters, dequantised inside the sampler
-        rows, figures = self.sample(model, self.step_prompts(sampled, count), seed=self.seed * 1_000_003 + sampled)
-        if c.num_iterations > 1:  # the old policy's log-probs, before this batch's first update
-            if self._logps is None:
-                self._logps = jax.jit(lambda m, b: completion_logps(m, b, c.temperature)[0])
-            rows["old_logps"] = np.asarray(self._logps(model, rows))
+        rows, figures = self.sample(
+            model, self.step_prompts(sampled, count), seed=self.seed * 1_000_003 + sampled, mine=mine
+        )
+        rows = {k: v[mine] for k, v in rows.items()}
         if accumulate > 1:
             rows = {k: v.reshape(accumulate, -1, *v.shape[1:]) for k, v in rows.items()}
         device = policy.place(rows, stacked=accumulate > 1)
+        if c.num_iterations > 1:  # the old policy's log-probs, before this batch's first update
+            device["old_logps"] = self.old_logps(model, device, stacked=accumulate > 1)
         self._cached = (sampled, device, figures)
         return device, figures
+
+    def old_logps(self, model, batch: Mapping[str, jax.Array], *, stacked: bool) -> jax.Array:
+        """The completion tokens' log-probs of the placed ``batch`` (``[micro-batches, rows, tokens]`` when
+        ``stacked``, each micro-batch in turn) under ``model``, laid out as the batch's ``completion_mask``."""
+        if self._logps is None:
+            temperature = self.config.temperature
+            one = lambda m, b: completion_logps(m, b, temperature)[0]
+            each = (lambda m, b: jax.lax.map(lambda x: one(m, x), b)) if stacked else one
+            layout = getattr(batch["completion_mask"], "sharding", None)
+            self._logps = jax.jit(each, out_shardings=layout if isinstance(layout, NamedSharding) else None)
+        names = ("input_ids", "attention_mask", "completion_mask")
+        return self._logps(model, {k: batch[k] for k in names})
 
     def step_prompts(self, sampled: int, count: int) -> dict[str, np.ndarray]:
         """The ``count`` prompt rows of prompt batch ``sampled``: an order that is a function of the seed and the
@@ -328,9 +353,10 @@ class Rollout:
         index = next(train_indices(len(self.prompts["input_ids"]), count, self.seed, sampled))
         return {name: rows[index] for name, rows in self.prompts.items()}
 
-    def sample(self, model, prompts: Mapping[str, np.ndarray], *, seed: int):
+    def sample(self, model, prompts: Mapping[str, np.ndarray], *, seed: int, mine: np.ndarray | None = None):
         """(GRPO's rows, TRL's rollout figures) for host prompt rows ``input_ids``/``attention_mask`` (left-padded)
-        and ``prompt_index``, sampled from ``model``."""
+        and ``prompt_index``, sampled from ``model``: every completion's row, the same on every process.
+        ``mine``: the completions this process scores with the reward functions (``rewards``; None: all)."""
         c, g = self.config, self.config.num_generations
         ids = np.repeat(prompts["input_ids"], g, axis=0)
         mask = np.repeat(prompts["attention_mask"], g, axis=0)
@@ -347,13 +373,13 @@ class Rollout:
             pad_token_id=self.pad,
             seed=seed,
         )
-        completion = np.asarray(out.sequences)
+        completion = gather(out.sequences)  # with several processes: every process's rows
         is_eos = np.isin(completion, self.eos)
         ended = is_eos.any(axis=1)
         length = np.where(ended, is_eos.argmax(axis=1) + 1, completion.shape[1])
         completion_mask = (np.arange(completion.shape[1])[None] < length[:, None]).astype(np.int32)
         records = [self.records[i] for i in np.repeat(prompts["prompt_index"], g)]
-        rewards = self.rewards(records, [row[:n].tolist() for row, n in zip(completion, length)])
+        rewards = self.rewards(records, [row[:n].tolist() for row, n in zip(completion, length)], mine)
         total = np.nansum(rewards * self.weights, axis=1)
         total[np.isnan(rewards).all(axis=1)] = np.nan
         advantages, zero_std = group_advantages(total, g, c.scale_rewards)
@@ -383,9 +409,32 @@ class Rollout:
             figures[f"rewards/{name}/std"] = np.nanstd(column, ddof=1)
         return rows, {k: np.float32(v) for k, v in figures.items()}
 
-    def rewards(self, records: Sequence[dict], completion_ids: list[list[int]]) -> np.ndarray:
+    def rewards(
+        self, records: Sequence[dict], completion_ids: list[list[int]], mine: np.ndarray | None = None
+    ) -> np.ndarray:
         """``[completions, functions]``: each function called as TRL's ``_calculate_rewards`` calls it (None: NaN);
-        a ``RewardModel`` is called the same way and scores as TRL scores with a reward model."""
+        a ``RewardModel`` is called the same way and scores as TRL scores with a reward model.
+
+        ``mine``: with several processes, the completions this process scores with the reward functions, as
+        TRL's processes each score their own; the processes' scores are then gathered (TRL's ``gather``), so
+        every process holds every completion's. A reward model scores every completion on every process: it is
+        one program over the whole mesh, which each device runs on its own rows, so every process must call it
+        with the same texts."""
+        shared = mine is None or jax.process_count() == 1
+        mine = np.arange(len(records)) if shared else np.asarray(mine)
+        out = np.full((len(records), len(self.funcs)), np.nan, np.float32)
+        local = [j for j, (_, func) in enumerate(self.funcs) if not isinstance(func, RewardModel)]
+        for j, (name, func) in enumerate(self.funcs):
+            rows = mine if j in local else np.arange(len(records))
+            out[rows, j] = self._score(name, func, [records[i] for i in rows], [completion_ids[i] for i in rows])
+        if not shared and local:  # every process's scores of its own completions, gathered
+            scores = np.asarray(multihost_utils.process_allgather(out[mine][:, local]))
+            where = np.asarray(multihost_utils.process_allgather(mine.astype(np.int32)))
+            out[where.reshape(-1)[:, None], np.asarray(local)[None]] = scores.reshape(-1, len(local))
+        return out
+
+    def _score(self, name: str, func: RewardFunc, records: Sequence[dict], completion_ids: list[list[int]]):
+        """One function's rewards of ``records``' completions, called as TRL calls it (None: NaN)."""
         texts = self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
         prompts = [r["prompt"] for r in records]
         conversational = isinstance(prompts[0], list)
@@ -393,16 +442,13 @@ class Rollout:
         columns = {
             k: [r[k] for r in records] for k in records[0] if k not in ("prompt", "completion", "completion_ids")
         }
-        out = np.empty((len(records), len(self.funcs)), np.float32)
-        for j, (name, func) in enumerate(self.funcs):
-            values = func(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns)
-            if len(values) != len(records):
-                raise JaxseqError(
-                    f"reward function {name} returned {len(values)} rewards for {len(records)} completions; "
-                    "return one per completion"
-                )
-            out[:, j] = [np.nan if v is None else float(v) for v in values]
-        return out
+        values = func(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns)
+        if len(values) != len(records):
+            raise JaxseqError(
+                f"reward function {name} returned {len(values)} rewards for {len(records)} completions; "
+                "return one per completion"
+            )
+        return [np.nan if v is None else float(v) for v in values]
 
 
 class RewardModel:
@@ -487,7 +533,7 @@ class RewardModel:
             chunk = [a[start : start + rows] for a in (ids, mask)]
             if self.sharding is not None:
                 chunk = [jax.device_put(a, self.sharding) for a in chunk]
-            out.append(np.asarray(self.program(self.state, *chunk), np.float32))
+            out.append(gather(self.program(self.state, *chunk)).astype(np.float32))
         return np.concatenate(out)[: len(encoded)]
 
     def __call__(self, prompts: Sequence, completions: Sequence, **_) -> list[float]:

@@ -79,11 +79,13 @@ class Policy:
     """What a task sampling in the loop gets of the run: ``model()``, the training weights as they are now as
     a model to sample with (with QLoRA the quantised base with its adapters); the batch's layout
     (``per_device_batch`` rows a data-parallel replica, ``replicas`` of them, ``accumulate`` micro-batches a
-    step); ``place(rows, stacked)``, host rows onto the mesh as a global batch (``stacked``: a leading
-    micro-batch axis)."""
+    step); ``place(rows, stacked)``, this process's host rows onto the mesh as a global batch (``stacked``: a
+    leading micro-batch axis); ``local``, the rows of each micro-batch this process holds (with several
+    processes its share, which ``place`` takes; with one, all)."""
 
     model: Callable[[], nnx.Module]
     per_device_batch: int
     replicas: int
     accumulate: int
     place: Callable[..., dict]
+    local: slice = dataclasses.field(default_factory=lambda: slice(None))

@@ -94,6 +94,7 @@ class Trainer:
             replicas=self.feed.dp,
             accumulate=config.gradient_accumulation_steps,
             place=self.feed.device_batch,
+            local=self.feed.local,
         )
         self._stepped = False  # whether a train step has run (then every step's program is compiled or compiling)
         self.checkpointer = Checkpointer(
