@@ -128,8 +128,12 @@ def run_blocks(blocks, remat: str, x, mask, *args, cache: Cache | None, rngs, **
 
 
 def update_kv(cache: KVCache, k: jax.Array, v: jax.Array, index: jax.Array) -> KVCache:
-    """Write ``k``/``v`` (``[batch, t, heads, dim]``) into the cache at sequence position ``index``."""
+    """Write ``k``/``v`` (``[batch, t, heads, dim]``) into the cache at sequence position ``index``: one for
+    every row, or ``[batch]``, each row's own (``jaxseq.engine``'s slots)."""
     new = KVCache.of(k, v, cache.k.dtype)
+    if jnp.ndim(index) == 1:
+        put = jax.vmap(lambda old, rows, at: jax.lax.dynamic_update_slice(old, rows, (0, at, 0)))
+        return KVCache(put(cache.k, new.k, index), put(cache.v, new.v, index))
     start = (0, 0, index, 0)
     return KVCache(
         jax.lax.dynamic_update_slice(cache.k, new.k, start),
@@ -138,8 +142,9 @@ def update_kv(cache: KVCache, k: jax.Array, v: jax.Array, index: jax.Array) -> K
 
 
 def query_positions(q_len: int, index: jax.Array | int = 0) -> jax.Array:
-    """Absolute positions of the queries of this call: ``index .. index + q_len - 1``."""
-    return index + jnp.arange(q_len, dtype=jnp.int32)
+    """Absolute positions of the queries of this call: ``index .. index + q_len - 1`` (``[q_len]``; a
+    ``[batch]`` ``index``, each row's own: ``[batch, q_len]``)."""
+    return jnp.asarray(index, jnp.int32)[..., None] + jnp.arange(q_len, dtype=jnp.int32)
 
 
 def make_mask(
@@ -161,7 +166,8 @@ def make_mask(
     examples are packed into one row (``jaxseq.data.packing``). In self-attention without a cache
     (``q_len == kv_len``, not ``cross``) a query attends only to keys of its own segment; a padding query
     attends to every real key (its output is discarded; a fully masked row would only make NaNs). None
-    means no padding. ``cross``: the keys are another sequence's (encoder-decoder attention)."""
+    means no padding. ``cross``: the keys are another sequence's (encoder-decoder attention). ``index``: the
+    cache position of the first query, one for every row or ``[batch]``, each row's own."""
     mask = jnp.ones((1, 1, q_len, kv_len), dtype=bool)
     if key_mask is not None:
         keys = key_mask[:, None, None, :]
@@ -170,12 +176,12 @@ def make_mask(
             queries = key_mask[:, None, :, None]
             mask = mask & ((queries == keys) | (queries == 0))
     if causal:
-        q_pos = query_positions(q_len, index)[:, None]
-        k_pos = jnp.arange(kv_len, dtype=jnp.int32)[None, :]
+        q_pos = query_positions(q_len, index)[..., None]
+        k_pos = jnp.arange(kv_len, dtype=jnp.int32)
         seen = k_pos <= q_pos
         if window is not None:
             seen = seen & (k_pos > q_pos - window)
-        mask = mask & seen[None, None]
+        mask = mask & (seen[None, None] if seen.ndim == 2 else seen[:, None])  # an index per row: [batch, ...]
     return mask
 
 
