@@ -98,7 +98,7 @@ def test_a_sampled_request_draws_the_same_whatever_runs_beside_it(folder, tok):
 
 
 def test_stop_strings_eos_and_budgets_end_requests(folder, tok):
-    root, reference, _ = folder
+    root, _, _ = folder
     engine = Engine(load_pretrained(root, "causal-lm"), tok, max_batch_size=2, max_len=64)
     greedy = engine.generate([tok(PROMPTS[0])["input_ids"]], SamplingParams(max_tokens=12, temperature=0))[0]
     text = greedy.text
