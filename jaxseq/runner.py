@@ -66,13 +66,16 @@ NOT_SAVED = ("plan", "hub", "distributed")
 @dataclasses.dataclass
 class Prepared:
     """What a job's ``prepare`` gives the runner besides what its ``Setup`` holds (the model's config,
-    checkpoint and tokenizer). ``objective``: the loss and evaluation (``train.objectives``). ``train`` (None:
-    no training), ``evals`` and ``predicts`` (sets to predict, by suffix): arrays by name or ``data.rows``. A
-    plan reads only what its batches' shapes depend on: packed data; otherwise ``row``, one example's arrays
-    (name -> (shape, dtype)). ``seq_len`` (and an encoder-decoder's ``target_len``): tokens per example, for
-    FLOPs. ``summary(trainer)``: the job's line in the log; ``extra_eval(results)``: results under other names
-    (run_clm's ``perplexity``); ``write_predictions(output_dir, suffix, predictions)``: where predictions go
-    (returns the path); ``teacher``: the model the objective compares against (distillation's)."""
+        checkpoint and tokenizer). ``objective``: the loss and evaluation (``train.objectives``). ``train`` (None:
+        no training), ``evals`` and ``predicts`` (sets to predict, by suffix): arrays by name or ``data.rows``. A
+        plan reads only what its batches' shapes depend on: packed data; otherwise ``row``, one example's arrays
+        (name -> (shape, dtype)). ``seq_len`` (and an encoder-decoder's ``target_len``): tokens per example, for
+        FLOPs. ``summary(trainer)``: the job's line in the log; ``extra_eval(results)``: results under other names
+        (run_clm's ``perplexity``); ``write_predictions(output_dir, suffix, predictions)``: where predictions go
+        (returns the path); ``teacher``: the model the objective compares against (distillation's). ``plans``: other
+    programs of the run that a plan compiles beside its train step, by name (GRPO's sampler): each ``(program, topo)
+    -> plan`` (``program``: the run's ``TrainProgram``), written under its name in plan.json; the run fits only if
+    each of them does."""
 
     objective: Any
     train: Any = None
@@ -87,6 +90,7 @@ class Prepared:
     extra_eval: Callable[[dict], dict] | None = None
     write_predictions: Callable[[Path, str, np.ndarray], Path] | None = None
     teacher: Teacher | None = None
+    plans: Mapping[str, Callable[..., dict]] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -415,10 +419,20 @@ def plan(spec: RunSpec, prepared: Prepared, topo) -> dict:
             "segment_ids": "attention_mask",  # 1, 2, ... per example of a row, 0 for padding
         }
     result["layers"] = "scanned" if spec.scan_layers else "unrolled"
+    others = {name: other(program, topo) for name, other in prepared.plans.items()}
+    step_fits = result["fits"]
+    for name, other in others.items():
+        result[name] = other
+        result["fits"] = result["fits"] and other["fits"]
     output_dir = Path(spec.trainer.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     write_plan(output_dir / "plan.json", result)
     print(format_table(result))
-    if not result["fits"]:
+    for name, other in others.items():
+        print(f"{name}: {format_table(other)}")
+    if not step_fits:
         raise JaxseqError(refusal(result, remat=spec.trainer.remat))
+    for name, other in others.items():
+        if not other["fits"]:
+            raise JaxseqError(f"the {name}: {refusal(other, remat=spec.trainer.remat)}")
     return result

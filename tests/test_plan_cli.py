@@ -237,3 +237,50 @@ def test_a_packed_glue_plan_without_a_tokenizer_says_what_to_pass(tmp_path):
     result, plan_ = plan("finetune_glue.py", tmp_path / "unpacked", *args, "--no_pack_sequences")
     assert result.returncode == 0, result.stderr[-2000:]
     assert "packing" not in plan_ and plan_["inputs"]["input_ids"]["shape"] == [8 * 32, 128]
+
+
+def test_grpo_plans_its_train_step_and_its_sampler(tmp_path):
+    """A GRPO plan reads the prompts only for their length (the longest: 7 tokens of the letters' tokenizer; no
+    weights): its train step takes --per_device_train_batch_size completions a device of 7 prompt + 16
+    completion tokens with their advantages, completion mask and (--num_iterations 2) old log-probs, the KL's
+    reference inside the step (--beta); the sampler's program is compiled too, all 4 prompts x 8 completions of
+    a step at once with the training state held meanwhile, under "sampler" in plan.json. Without prompts or
+    --max_prompt_length it stops in one line."""
+    from tests.tiny import LETTERS, letters_gpt2
+
+    letters_gpt2(tmp_path / "model")
+    prompts = [{"prompt": " ".join(LETTERS[: 3 + i % 5])} for i in range(8)]
+    (tmp_path / "prompts.jsonl").write_text("".join(json.dumps(p) + "\n" for p in prompts))
+    common = [
+        "--model_name_or_path", tmp_path / "model", "--num_generations", 8, "--max_completion_length", 16,
+        "--per_device_train_batch_size", 4, "--mesh", "fsdp=8", "--compile_topology", "v5e-8",
+    ]  # fmt: skip
+    data, reused = ["--train_file", tmp_path / "prompts.jsonl"], ["--num_iterations", 2, "--beta", 0.04]
+    result, plan_ = plan("grpo.py", tmp_path / "plan", *common, *data, *reused)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert set(plan_) == FIELDS | {"sampler"} and plan_["fits"]
+    check_fields({k: v for k, v in plan_.items() if k != "sampler"}, "v5e-8", 8)
+    rows = 4 * 8
+    assert plan_["inputs"] == {
+        "input_ids": {"shape": [rows, 7 + 16], "dtype": "int32"},
+        "attention_mask": {"shape": [rows, 7 + 16], "dtype": "int32"},
+        "completion_mask": {"shape": [rows, 16], "dtype": "int32"},
+        "advantages": {"shape": [rows], "dtype": "float32"},
+        "old_logps": {"shape": [rows, 16], "dtype": "float32"},
+    }
+    # a reference beside the trained weights (--beta): twice the parameters of a run without it
+    result, plain = plan("grpo.py", tmp_path / "no-kl", *common, *data)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "old_logps" not in plain["inputs"]
+    memory, sampler = plan_["bytes_per_device"], plan_["sampler"]
+    assert memory["parameters"] > plain["bytes_per_device"]["parameters"]
+    assert sampler["fits"] and sampler["inputs"] == {"input_ids": {"shape": [rows, 32], "dtype": "int32"}}
+    taken = sampler["bytes_per_device"]  # the same training state, and this device's rows of prompt tokens
+    assert (taken["parameters"], taken["optimizer_state"]) == (memory["parameters"], memory["optimizer_state"])
+    assert taken["batch"] == 2 * (rows // 8) * 32 * 4 and taken["total"] > taken["parameters"]
+    assert "sampler: plan for v5e-8" in result.stdout and sampler["estimated_step_seconds"] is None
+
+    result, found = plan("grpo.py", tmp_path / "no-prompts", *common)
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 1 and len(lines) == 1 and found is None, result.stderr[-2000:]
+    assert "--max_prompt_length" in lines[0]

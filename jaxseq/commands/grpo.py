@@ -33,11 +33,15 @@ the rewards are gathered before each group is normalised, so a group may span pr
 completions/mean_length (min, max, clipped_ratio, terminated lengths), kl (with --beta), entropy,
 clip_ratio/low_mean, high_mean, region_mean, low_min, high_max.
 Writes to --output_dir what every job writes, and the model with its tokenizer as a Hugging Face folder.
+--compile_topology plans the run for a TPU slice: its train step on a step's completions (the longest prompt +
+--max_completion_length tokens each; the prompts read only for their length, else --max_prompt_length) and its
+sampler's program, both in plan.json (the sampler's memory under "sampler"); no weights are read.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.util
 from pathlib import Path
 
@@ -57,7 +61,7 @@ from jaxseq.models import load_pretrained
 from jaxseq.models.hub import load_config, resolve
 from jaxseq.models.source import ModelSource, load_tokenizer, pad_with_eos
 from jaxseq.runner import Job, Prepared, Setup, run
-from jaxseq.train.rl import GRPO, GRPOConfig, RewardModel, Rollout, prompts_per_step
+from jaxseq.train.rl import GRPO, GRPOConfig, RewardModel, Rollout, plan_sampler, prompts_per_step
 
 TASK = "causal-lm"
 
@@ -212,12 +216,9 @@ def prepare(setup: Setup) -> Prepared:
     """Prompt rows and the GRPO objective with its rollout."""
     args = setup.args
     data, grpo, trainer = args.data, args.grpo, args.trainer
-    if setup.planning:  # a plan compiles the step of batches it knows; GRPO's are sampled (x --num_generations)
-        raise JaxseqError(
-            "jaxseq grpo cannot be planned yet: its batches are sampled in the loop; plan the same model and "
-            "--per_device_train_batch_size rows (completions) of prompt + completion tokens with jaxseq clm"
-        )
     args.stages.stages((True, False))  # it only trains: stage flags that ask for nothing end here
+    if setup.planning:
+        return planned(setup)
     devices = data_parallel_size(setup.mesh)
     accumulate = trainer.gradient_accumulation_steps
     step_prompts = prompts_per_step(trainer.per_device_train_batch_size, devices, accumulate, grpo.num_generations)
@@ -258,6 +259,56 @@ def prepare(setup: Setup) -> Prepared:
             f"device); loss {grpo.loss_type}, beta {grpo.beta}, {grpo.num_iterations} update(s) per sampled batch"
         ),
     )
+
+
+def planned(setup: Setup) -> Prepared:
+    """A plan's GRPO: the train step of a step's completions (--per_device_train_batch_size rows of the longest
+    prompt + --max_completion_length tokens, with their advantages and completion mask, the old log-probs with
+    --num_iterations > 1; the reference's come from the frozen weights inside the step with --beta) and the
+    sampler's program. No weights are read, nor reward models; the prompts only for their length, else
+    --max_prompt_length is it."""
+    args = setup.args
+    data, grpo, trainer = args.data, args.grpo, args.trainer
+    prompts_per_step(
+        trainer.per_device_train_batch_size,
+        data_parallel_size(setup.mesh),
+        trainer.gradient_accumulation_steps,
+        grpo.num_generations,
+    )  # TRL's rule, before anything compiles
+    if data.train_file or data.dataset_name:
+        if setup.tokenizer_name is None:
+            raise JaxseqError(
+                "a GRPO plan reads the prompts for their length with the tokenizer: pass --tokenizer_name (or "
+                "--model_name_or_path), or --max_prompt_length instead of the prompts"
+            )
+        records, tokenizer = load_prompts(data), setup.tokenizer
+        if isinstance(records[0]["prompt"], list):
+            use_chat_template(tokenizer, data.chat_template)
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        width = prompt_rows(tokenizer, records, data.max_prompt_length, pad or 0)["input_ids"].shape[1]
+    elif data.max_prompt_length:
+        width = data.max_prompt_length
+    else:
+        raise JaxseqError(
+            "a GRPO plan needs the prompts' length: pass --max_prompt_length N, or the prompts (--train_file or "
+            "--dataset_name) with a tokenizer"
+        )
+    completion = grpo.max_completion_length
+    seq = width + completion
+    row = {
+        "input_ids": ((seq,), np.int32),
+        "attention_mask": ((seq,), np.int32),
+        "completion_mask": ((completion,), np.int32),
+        "advantages": ((), np.float32),
+    }
+    if grpo.num_iterations > 1:
+        row["old_logps"] = ((completion,), np.float32)
+    config = setup.config
+    eos = [int(e) for e in np.atleast_1d(config.eos_token_id if config.eos_token_id is not None else 0)]
+    pad = config.pad_token_id if getattr(config, "pad_token_id", None) is not None else eos[0]
+    rows = trainer.per_device_train_batch_size * data_parallel_size(setup.mesh) * trainer.gradient_accumulation_steps
+    sampler = functools.partial(plan_sampler, rows=rows, prompt_length=width, config=grpo, eos=eos, pad=pad)
+    return Prepared(objective=GRPO(grpo), seq_len=seq, row=row, plans={"sampler": sampler})
 
 
 def completion_slots(prompts: int, num_generations: int) -> dict[str, np.ndarray]:

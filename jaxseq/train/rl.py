@@ -24,6 +24,7 @@ from jaxseq.generation import generate, parameter_mesh
 from jaxseq.mesh import batch_sharding, data_parallel_size
 from jaxseq.models.hub import position_limit
 from jaxseq.sharding import gather
+from jaxseq.train.objectives import AUTO_CHUNK, CausalLM
 from jaxseq.train.task import Policy, Task
 
 LOSS_TYPES = ("dapo", "grpo", "bnpo", "dr_grpo")
@@ -106,24 +107,41 @@ def grpo_loss(
     return loss, figures
 
 
-def completion_logps(model, batch: Mapping[str, jax.Array], temperature: float = 1.0):
+def completion_logps(model, batch: Mapping[str, jax.Array], temperature: float = 1.0, lm: CausalLM | None = None):
     """(log-probs, entropies), ``[completions, tokens]`` each, of the completion tokens of ``batch`` (``input_ids``
     and ``attention_mask`` ``[rows, prompt + completion]``, the completions the last ``completion_mask.shape[1]``
     positions) from the logits divided by ``temperature``, as TRL scores them. Positions count real tokens (a
-    left-padded prompt starts at 0), as the sampler placed them."""
+    left-padded prompt starts at 0), as the sampler placed them. ``lm``: a causal-LM loss fitted to the mesh
+    (``CausalLM.for_batch_shards``) whose chunks these follow: the float32 logits of a chunk of completion
+    positions at a time, each made and dropped inside a ``jax.checkpoint`` (the ``[rows, tokens, vocab]``
+    logits of a 1024-token completion and a 150k vocabulary are 4.6 GB for 8 rows); None: all at once."""
     ids, mask = batch["input_ids"].astype(jnp.int32), batch["attention_mask"]
     width = batch["completion_mask"].shape[-1]
     positions = jnp.maximum(jnp.cumsum(mask, axis=1) - 1, 0)
     vocab = model.config.vocab_size
-    if hasattr(model, "hidden_states"):  # the vocabulary projection of the completion positions only
-        h = model.hidden_states(ids, mask, positions).last_hidden_state
-        logits = model.logits(h[:, -width - 1 : -1])
-    else:
-        logits = model(ids, mask, positions).logits[:, -width - 1 : -1]
-    logp = jax.nn.log_softmax(logits[..., :vocab].astype(jnp.float32) / temperature, axis=-1)
-    chosen = jnp.take_along_axis(logp, ids[:, -width:, None], axis=-1)[..., 0]
-    entropy = -(jnp.exp(logp) * logp).sum(-1)
-    return chosen, entropy
+    targets = ids[:, -width:]
+
+    def scores(logits, targets):
+        logp = jax.nn.log_softmax(logits[..., :vocab].astype(jnp.float32) / temperature, axis=-1)
+        chosen = jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
+        return chosen, -(jnp.exp(logp) * logp).sum(-1)
+
+    if not hasattr(model, "hidden_states"):
+        return scores(model(ids, mask, positions).logits[:, -width - 1 : -1], targets)
+    h = model.hidden_states(ids, mask, positions).last_hidden_state[:, -width - 1 : -1]
+    tokens = None if lm is None else lm._chunk_tokens(ids.shape[0], width, vocab)
+    if not tokens:  # the vocabulary projection of the completion positions only
+        return scores(model.logits(h), targets)
+    chunk = lm.chunk_positions(ids.shape[0], width, tokens)
+    one = jax.checkpoint(lambda h, t: scores(model.logits(h), t))
+    if width <= chunk:
+        return one(h, targets)
+    rows, chunks = ids.shape[0], -(-width // chunk)
+    pad = chunks * chunk - width
+    h = jnp.pad(h, ((0, 0), (0, pad), (0, 0))).reshape(rows, chunks, chunk, h.shape[-1]).swapaxes(0, 1)
+    targets = jnp.pad(targets, ((0, 0), (0, pad))).reshape(rows, chunks, chunk).swapaxes(0, 1)
+    out = jax.lax.map(lambda xs: one(*xs), (h, targets))  # every chunk keeps every row (and its sharding)
+    return tuple(x.swapaxes(0, 1).reshape(rows, chunks * chunk)[:, :width] for x in out)
 
 
 @dataclasses.dataclass
@@ -221,13 +239,19 @@ class GRPO(Task):
 
     metric_names = ("loss",)
 
-    def __init__(self, config: GRPOConfig, rollout: Rollout | None = None):
+    def __init__(self, config: GRPOConfig, rollout: Rollout | None = None, lm: CausalLM | None = None):
         self.config, self.rollout_source = config, rollout
+        self.lm = CausalLM(AUTO_CHUNK) if lm is None else lm  # how the log-probs' logits are chunked
         self.needs_reference = config.beta != 0.0
         self.samples_in_the_loop = rollout is not None
 
+    def for_batch_shards(self, batch_shards: int, device: jax.Device | None = None) -> GRPO:
+        """This loss for batches split over ``batch_shards`` devices: its log-probs' logits in the causal-LM
+        loss's chunks for them (``CausalLM.for_batch_shards``)."""
+        return GRPO(self.config, self.rollout_source, self.lm.for_batch_shards(batch_shards, device))
+
     def per_token(self, model, batch):
-        return completion_logps(model, batch, self.config.temperature)
+        return completion_logps(model, batch, self.config.temperature, self.lm)
 
     def reference(self, model, batch) -> dict[str, jax.Array]:
         return {"ref_logps": self.per_token(model, batch)[0]}
@@ -272,7 +296,7 @@ class GRPO(Task):
 
     def rollout(self, policy: Policy, batch, step: int):
         """The batch step ``step`` trains on, from a batch of prompts."""
-        return self.rollout_source(policy, batch, step)
+        return self.rollout_source(policy, batch, step, lm=self.lm)
 
 
 RewardFunc = Callable[..., Sequence[float | None]]
@@ -304,7 +328,7 @@ class Rollout:
         self._logps = None
         self._cached: tuple[int, dict, dict] | None = None
 
-    def __call__(self, policy: Policy, batch, step: int):
+    def __call__(self, policy: Policy, batch, step: int, lm: CausalLM | None = None):
         """The batch of step ``step``: the run's global batch counts completions (TRL's), and ``batch``, the
         feeder's completion slots, only paces the run; the step's prompts are drawn here (``step_prompts``).
 
@@ -313,7 +337,8 @@ class Rollout:
         seed, the step and each row's place in the step's batch, so they do not depend on how many processes
         share the mesh); the completions' tokens are gathered (a few integers a row), each process scores the
         completions it trains on (``mine``), the rewards are gathered so that every group is normalised whole
-        wherever its rows were scored, and each process places its own rows (``policy.local``)."""
+        wherever its rows were scored, and each process places its own rows (``policy.local``). ``lm``: the
+        chunks of the old log-probs' logits (``completion_logps``)."""
         c = self.config
         sampled = step // c.num_iterations  # steps μk .. μk+μ-1 train on the completions of prompt batch k
         if self._cached is not None and self._cached[0] == sampled:
@@ -331,16 +356,16 @@ class Rollout:
             rows = {k: v.reshape(accumulate, -1, *v.shape[1:]) for k, v in rows.items()}
         device = policy.place(rows, stacked=accumulate > 1)
         if c.num_iterations > 1:  # the old policy's log-probs, before this batch's first update
-            device["old_logps"] = self.old_logps(model, device, stacked=accumulate > 1)
+            device["old_logps"] = self.old_logps(model, device, stacked=accumulate > 1, lm=lm)
         self._cached = (sampled, device, figures)
         return device, figures
 
-    def old_logps(self, model, batch: Mapping[str, jax.Array], *, stacked: bool) -> jax.Array:
+    def old_logps(self, model, batch: Mapping[str, jax.Array], *, stacked: bool, lm: CausalLM | None = None):
         """The completion tokens' log-probs of the placed ``batch`` (``[micro-batches, rows, tokens]`` when
         ``stacked``, each micro-batch in turn) under ``model``, laid out as the batch's ``completion_mask``."""
         if self._logps is None:
             temperature = self.config.temperature
-            one = lambda m, b: completion_logps(m, b, temperature)[0]
+            one = lambda m, b: completion_logps(m, b, temperature, lm)[0]
             each = (lambda m, b: jax.lax.map(lambda x: one(m, x), b)) if stacked else one
             layout = getattr(batch["completion_mask"], "sharding", None)
             self._logps = jax.jit(each, out_shardings=layout if isinstance(layout, NamedSharding) else None)
@@ -538,3 +563,58 @@ class RewardModel:
 
     def __call__(self, prompts: Sequence, completions: Sequence, **_) -> list[float]:
         return self.scores(self.texts(prompts, completions)).tolist()
+
+
+def plan_sampler(program, topo, *, rows: int, prompt_length: int, config: GRPOConfig, eos: Sequence[int], pad: int):
+    """The plan (``jaxseq.plan.compile_plan``'s, memory only) of GRPO's sampler on the slice ``topo``, from the
+    run's ``program`` (a ``TrainProgram`` on an abstract model): ``rows`` completions a step (the global batch)
+    of ``prompt_length`` prompt tokens (bucketed as ``generate`` buckets them) + ``--max_completion_length``,
+    sampled from the training weights as the run samples them (``Training.eval_model``: with LoRA the adapters
+    folded in, with QLoRA dequantised where used), the whole training state held meanwhile (an argument of the
+    program, counted in its memory). Its step time is left out: the loop's length is the completions'."""
+    from jaxseq import generation
+    from jaxseq.plan import compile_plan
+
+    mesh, training = program.mesh, program.training
+    state, frozen = program.abstract_state, program.abstract_frozen
+    settings = generation.Settings(
+        max_new_tokens=config.max_completion_length,
+        do_sample=True,
+        top_k=config.top_k,
+        use_top_p=config.top_p < 1.0,
+        eos=tuple(int(e) for e in eos),
+        pad=int(pad),
+        return_logprobs=False,
+        decoder_start=None,
+        mesh=mesh,
+    )
+
+    def sample(params, frozen, opt_state, ema, ids, mask, seed, temperature, top_p):
+        graphdef, weights = nnx.split(training.eval_model(params, frozen))
+        run = generation.program(graphdef, settings)
+        return run(weights, ids, mask, jax.random.key(seed), temperature, top_p, jnp.int32(0), None)[0]
+
+    width = -(-prompt_length // generation.PROMPT_BUCKET) * generation.PROMPT_BUCKET
+    tokens = jax.ShapeDtypeStruct((rows, width), jnp.int32, sharding=batch_sharding(mesh))
+    scalar = lambda dtype: jax.ShapeDtypeStruct((), dtype, sharding=NamedSharding(mesh, jax.sharding.PartitionSpec()))
+    lowered = jax.jit(sample, keep_unused=True).lower(
+        state.params, frozen, state.opt_state, state.ema, tokens, tokens, scalar(jnp.uint32), scalar(jnp.float32),
+        scalar(jnp.float32),
+    )  # fmt: skip
+    kinds = {"params": "parameters", "frozen": "frozen weights", "opt_state": "optimizer state", "ema": "EMA weights"}
+    plan = compile_plan(
+        lowered,
+        topo,
+        parameters=(state.params, frozen, state.ema),
+        optimizer_state=state.opt_state,
+        batch=(tokens, tokens),
+        argument_kinds={**kinds, "ids": "batch", "mask": "batch"},
+    )
+    plan.update(
+        estimated_step_seconds=None,
+        estimated_mfu=None,
+        compiled_flops_per_device=None,
+        estimate_method=f"memory only: the loop samples up to {config.max_completion_length} tokens",
+        inputs={"input_ids": {"shape": [rows, width], "dtype": "int32"}},
+    )
+    return plan
