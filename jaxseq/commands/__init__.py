@@ -26,6 +26,7 @@ COMMANDS = {
     "ner": ("ner", "fine-tune an encoder to tag words: named entities (run_ner.py flags, seqeval metrics)"),
     "qa": ("qa", "fine-tune an encoder to answer questions from a context: SQuAD v1.1/v2.0 (run_qa.py flags)"),
     "generate": ("generate", "generate text with a causal or seq2seq language model (`jaxseq generate --help`)"),
+    "serve": ("serve", "serve a causal LM with OpenAI's API (completions, chat, streaming), batching continuously"),
     "eval": ("eval", "evaluate a causal LM on lm-evaluation-harness tasks, as `lm_eval --model hf` does"),
     "push": ("push", "push a finished run's model, results and model card to the Hugging Face Hub"),
 }
