@@ -92,14 +92,24 @@ def _insert(cache: Cache, small: Cache, row) -> Cache:
 
 
 def _choose(logits, seeds, counts, temperature, top_p, top_k: int):
-    """int32 ``[rows]``: each row's next token, the argmax where its temperature is 0, else drawn with the key
-    of its seed folded with its token count."""
+    """int32 ``[rows]``: each row's next token, the argmax where its temperature is 0, else a draw from
+    ``filter_logits``' distribution by inverse transform sampling with one uniform number of the key of its
+    seed folded with its token count (a row's draws depend on nothing else). The nucleus's sort runs only when
+    a row asks for one, and nothing is drawn in a step of greedy rows alone."""
+    logits = logits.astype(jnp.float32)
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    warm = jnp.where(temperature > 0, temperature, 1.0)[:, None]
-    filtered = filter_logits(logits.astype(jnp.float32), temperature=warm, top_k=top_k, top_p=top_p[:, None])
-    keys = jax.vmap(lambda s, c: jax.random.fold_in(jax.random.key(s), c))(seeds, counts)
-    drawn = jax.vmap(lambda k, row: jax.random.categorical(k, row))(keys, filtered).astype(jnp.int32)
-    return jnp.where(temperature > 0, drawn, greedy)
+
+    def draw(_):
+        scaled = filter_logits(logits / jnp.where(temperature > 0, temperature, 1.0)[:, None], top_k=top_k)
+        scaled = jax.lax.cond(
+            jnp.any(top_p < 1.0), lambda x: filter_logits(x, top_p=top_p[:, None]), lambda x: x, scaled
+        )
+        cdf = jnp.cumsum(jax.nn.softmax(scaled, axis=-1), axis=-1)
+        u = jax.vmap(lambda s, c: jax.random.uniform(jax.random.fold_in(jax.random.key(s), c)))(seeds, counts)
+        drawn = jnp.minimum(jnp.sum(cdf < u[:, None] * cdf[:, -1:], axis=-1), logits.shape[-1] - 1)
+        return jnp.where(temperature > 0, drawn.astype(jnp.int32), greedy)
+
+    return jax.lax.cond(jnp.any(temperature > 0), draw, lambda _: greedy, None)
 
 
 class Engine:
@@ -180,6 +190,22 @@ class Engine:
         new = _choose(out.logits[:, 0], seeds, counts, temperature, top_p, self.top_k)
         index = jnp.where(busy, out.cache.index, 0)
         return shard_cache(out.cache, self.mesh)._replace(index=index), new
+
+    def warm_up(self) -> None:
+        """Compile what requests run before the first one comes: the decode step and the prefill of every
+        power-of-two prompt bucket, each run once on an idle slot (the next request overwrites it)."""
+        idle = np.zeros(self.slots, np.int32)
+        args = (self.last, idle, idle, np.zeros(self.slots, bool), idle, idle, np.ones(self.slots, np.float32))
+        self.cache, _ = self._decode(self.state, self.cache, *args, np.ones(self.slots, np.float32))
+        width = SMALLEST_BUCKET
+        while width <= self.max_len:
+            ids = np.full((1, width), self.pad, np.int32)
+            mask = np.ones((1, width), np.int32)
+            self.cache, _ = self._prefill(width)(
+                self.state, self.cache, ids, mask, np.int32(0), np.int32(0), np.float32(1), np.float32(1)
+            )
+            width *= 2
+        self.cache = self.cache._replace(index=jnp.zeros((self.slots,), jnp.int32))
 
     # ------------------------------------------------------------------ requests
 

@@ -76,13 +76,34 @@ def filter_logits(logits: jax.Array, *, temperature=1.0, top_k: int = 0, top_p=1
         kth = jax.lax.top_k(logits, min(top_k, logits.shape[-1]))[0][..., -1:]
         logits = jnp.where(logits >= kth, logits, -jnp.inf)
     if not (isinstance(top_p, (int, float)) and top_p >= 1.0):
-        ordered = jnp.sort(logits, axis=-1)[..., ::-1]
-        probs = jax.nn.softmax(ordered, axis=-1)
-        mass_before = jnp.cumsum(probs, axis=-1) - probs
-        # a token stays if the more likely tokens before it hold less than top_p (so the first always does)
-        threshold = jnp.min(jnp.where(mass_before < top_p, ordered, jnp.inf), axis=-1, keepdims=True)
-        logits = jnp.where(logits >= threshold, logits, -jnp.inf)
+        logits = jnp.where(logits >= nucleus_threshold(logits, top_p), logits, -jnp.inf)
     return logits
+
+
+NUCLEUS_CANDIDATES = 1024
+"""The most likely tokens ``nucleus_threshold`` looks among first: a full sort of a 50k vocabulary costs 230 ms
+for 16 rows on a CPU, the 1024 largest 12 ms."""
+
+
+def nucleus_threshold(logits: jax.Array, top_p) -> jax.Array:
+    """``[..., 1]``: the smallest logit of the nucleus, the tokens whose more likely tokens hold less than
+    ``top_p`` of the mass (so the most likely always stays). Found among the ``NUCLEUS_CANDIDATES`` most likely
+    tokens when they hold ``top_p`` in every row, else by sorting them all: the same tokens either way."""
+
+    def among(ordered, log_z):
+        probs = jnp.exp(ordered - log_z)
+        before = jnp.cumsum(probs, axis=-1) - probs
+        threshold = jnp.min(jnp.where(before < top_p, ordered, jnp.inf), axis=-1, keepdims=True)
+        return threshold, (before[..., -1:] + probs[..., -1:]) >= top_p
+
+    log_z = jax.nn.logsumexp(logits, axis=-1, keepdims=True)
+    candidates = jax.lax.top_k(logits, min(NUCLEUS_CANDIDATES, logits.shape[-1]))[0]
+    threshold, held = among(candidates, log_z)
+    return jax.lax.cond(
+        jnp.all(held),
+        lambda: threshold,
+        lambda: among(jnp.sort(logits, axis=-1)[..., ::-1], log_z)[0],
+    )
 
 
 def choose_tokens(

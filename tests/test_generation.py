@@ -225,6 +225,22 @@ def test_filters_match_transformers_warpers():
         np.testing.assert_allclose(got[~np.isinf(got)], want.numpy()[~np.isinf(got)], rtol=1e-6, err_msg=str(kw))
 
 
+@pytest.mark.parametrize("spread", [8.0, 0.01])
+def test_the_nucleus_of_a_large_vocabulary_is_transformers(spread):
+    """A 5000-token vocabulary: peaked logits (the nucleus among the 1024 most likely tokens) and nearly flat
+    ones (it is not: every token sorted), a top_p per row, as transformers' warper of each row's top_p."""
+    from transformers.generation import logits_process as lp
+
+    logits = (np.random.RandomState(1).randn(3, 5000) * spread).astype(np.float32)
+    top_p = np.array([0.5, 0.9, 0.99], np.float32)
+    got = np.asarray(filter_logits(jnp.asarray(logits), top_p=jnp.asarray(top_p)[:, None]))
+    for row, p in enumerate(top_p):
+        want = lp.TopPLogitsWarper(float(p))(None, torch.as_tensor(logits[row : row + 1])).numpy()[0]
+        np.testing.assert_array_equal(np.isinf(got[row]), np.isinf(want), err_msg=f"top_p {p}")
+    kept = (~np.isinf(got)).sum(-1)
+    assert (kept[-1] > 1024) == (spread < 1)  # which of the two ways found it
+
+
 @pytest.mark.parametrize(
     "kw, expected",
     [
