@@ -43,12 +43,16 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib.util
+from collections.abc import Sequence
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding
 
+from jaxseq import generation
 from jaxseq.cli import script
 from jaxseq.config import arg
 from jaxseq.data.chat import template_kwargs, use_chat_template
@@ -56,12 +60,13 @@ from jaxseq.data.records import read_records, require_columns
 from jaxseq.data.text import load_hub_dataset
 from jaxseq.errors import JaxseqError
 from jaxseq.harness import EvalTasksConfig
-from jaxseq.mesh import data_parallel_size
+from jaxseq.mesh import batch_sharding, data_parallel_size
 from jaxseq.models import load_pretrained
 from jaxseq.models.hub import load_config, resolve
 from jaxseq.models.source import ModelSource, load_tokenizer, pad_with_eos
+from jaxseq.plan import compile_plan
 from jaxseq.runner import Job, Prepared, Setup, run
-from jaxseq.train.rl import GRPO, GRPOConfig, RewardModel, Rollout, plan_sampler, prompts_per_step
+from jaxseq.train.rl import GRPO, GRPOConfig, RewardModel, Rollout, prompts_per_step
 
 TASK = "causal-lm"
 
@@ -332,3 +337,55 @@ JOB = Job(
 @script
 def main(argv) -> int:
     return run(JOB, argv)
+
+
+def plan_sampler(program, topo, *, rows: int, prompt_length: int, config: GRPOConfig, eos: Sequence[int], pad: int):
+    """The plan (``jaxseq.plan.compile_plan``'s, memory only) of GRPO's sampler on the slice ``topo``, from the
+    run's ``program`` (a ``TrainProgram`` on an abstract model): ``rows`` completions a step (the global batch)
+    of ``prompt_length`` prompt tokens (bucketed as ``generate`` buckets them) + ``--max_completion_length``,
+    sampled from the training weights as the run samples them (``Training.eval_model``: with LoRA the adapters
+    folded in, with QLoRA dequantised where used), the whole training state held meanwhile (an argument of the
+    program, counted in its memory). Its step time is left out: the loop's length is the completions'."""
+    mesh, training = program.mesh, program.training
+    state, frozen = program.abstract_state, program.abstract_frozen
+    settings = generation.Settings(
+        max_new_tokens=config.max_completion_length,
+        do_sample=True,
+        top_k=config.top_k,
+        use_top_p=config.top_p < 1.0,
+        eos=tuple(int(e) for e in eos),
+        pad=int(pad),
+        return_logprobs=False,
+        decoder_start=None,
+        mesh=mesh,
+    )
+
+    def sample(params, frozen, opt_state, ema, ids, mask, seed, temperature, top_p):
+        graphdef, weights = nnx.split(training.eval_model(params, frozen))
+        run = generation.program(graphdef, settings)
+        return run(weights, ids, mask, jax.random.key(seed), temperature, top_p, jnp.int32(0), None)[0]
+
+    width = -(-prompt_length // generation.PROMPT_BUCKET) * generation.PROMPT_BUCKET
+    tokens = jax.ShapeDtypeStruct((rows, width), jnp.int32, sharding=batch_sharding(mesh))
+    scalar = lambda dtype: jax.ShapeDtypeStruct((), dtype, sharding=NamedSharding(mesh, jax.sharding.PartitionSpec()))
+    lowered = jax.jit(sample, keep_unused=True).lower(
+        state.params, frozen, state.opt_state, state.ema, tokens, tokens, scalar(jnp.uint32), scalar(jnp.float32),
+        scalar(jnp.float32),
+    )  # fmt: skip
+    kinds = {"params": "parameters", "frozen": "frozen weights", "opt_state": "optimizer state", "ema": "EMA weights"}
+    plan = compile_plan(
+        lowered,
+        topo,
+        parameters=(state.params, frozen, state.ema),
+        optimizer_state=state.opt_state,
+        batch=(tokens, tokens),
+        argument_kinds={**kinds, "ids": "batch", "mask": "batch"},
+    )
+    plan.update(
+        estimated_step_seconds=None,
+        estimated_mfu=None,
+        compiled_flops_per_device=None,
+        estimate_method=f"memory only: the loop samples up to {config.max_completion_length} tokens",
+        inputs={"input_ids": {"shape": [rows, width], "dtype": "int32"}},
+    )
+    return plan
