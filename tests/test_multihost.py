@@ -4,7 +4,7 @@ and final parameters. GLUE fine-tuning (packed: each process packs its own examp
 scripts/finetune_glue.py, whose 2-process checkpoint then restores in a 1-process run; causal-LM pretraining
 through scripts/pretrain_clm.py, each process tokenizing its share of the text. scripts/generate.py on 2
 processes writes the completions of 1 process. GRPO on 2 processes, a prompt's group of completions spanning
-both, logs 1 process's rewards and losses."""
+both, logs 1 process's rewards and losses; so does on-policy distillation its losses."""
 
 import json
 import os
@@ -328,3 +328,50 @@ def test_two_processes_train_grpo_as_one_with_groups_across_them(tmp_path):
     assert len(set(a["reward"].tolist())) > 1 and len(set(a["loss"].tolist())) == 8  # 4 batches, 8 updates
     for k in a:
         np.testing.assert_allclose(b[k], a[k], atol=1e-5, err_msg=k)
+
+
+DISTILL_TEMPLATE = (
+    "{% for m in messages %}{{ m['content'] }}{% if m['role'] == 'assistant' %} <eos>{% endif %} {% endfor %}"
+)
+
+
+def test_two_processes_distill_on_policy_as_one(tmp_path):
+    """``jaxseq distill`` at --lmbda 0.5 as 2 processes x 4 devices and as 1 x 8 on a dp=4,mp=2 mesh, two
+    micro-batches a step: each process holds 4 rows of each micro-batch of 8; an on-policy step gathers every
+    process's prompts, samples every row in one program and places each process's own, so both layouts train
+    on the same completions and log the same loss every step, on-policy steps and the data's alike."""
+    import shutil
+
+    import torch
+
+    from jaxseq.train.distill import DistillConfig, OnPolicy
+    from tests.tiny import LETTERS, letters_gpt2
+
+    letters_gpt2(tmp_path / "student")
+    teacher = tmp_path / "teacher"
+    config = transformers.GPT2Config.from_pretrained(tmp_path / "student")
+    config.update({"n_layer": 3, "n_embd": 48, "initializer_range": 0.3})  # a teacher far from uniform
+    torch.manual_seed(1)
+    transformers.GPT2LMHeadModel(config).save_pretrained(teacher)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (tmp_path / "student" / name).exists():
+            shutil.copy(tmp_path / "student" / name, teacher / name)
+    rng = np.random.default_rng(0)
+    words = lambda n: " ".join(rng.choice(LETTERS, n))
+    records = [{"prompt": words(1 + i % 4), "completion": words(1 + i % 3)} for i in range(16)]
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    (tmp_path / "template.jinja").write_text(DISTILL_TEMPLATE)
+    seed, steps = 0, 6
+    on_policy = [OnPolicy(DistillConfig(lmbda=0.5), 4, [0], 1, seed).on_policy(s) for s in range(steps)]
+    assert 0 < sum(on_policy) < steps  # the run has both kinds of steps
+    args = [
+        "--model_name_or_path", tmp_path / "student", "--teacher_model_name_or_path", teacher,
+        "--train_file", tmp_path / "rows.jsonl", "--chat_template", tmp_path / "template.jinja",
+        "--lmbda", 0.5, "--max_new_tokens", 4, "--mesh", "dp=4,mp=2", "--per_device_train_batch_size", 2,
+        "--gradient_accumulation_steps", 2, "--max_steps", steps, "--logging_steps", 1, "--learning_rate", 3e-3,
+        "--save_strategy", "no", "--report_to", "none", "--seed", seed,
+    ]  # fmt: skip
+    one, two, _ = one_and_two(args, tmp_path, script="distill.py")
+    a, b = losses(one), losses(two)
+    assert len(a) == steps and min(a) > 0.05 and len(set(a)) == steps, a
+    np.testing.assert_allclose(b, a, atol=1e-5)

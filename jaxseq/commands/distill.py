@@ -12,7 +12,7 @@ family and size) is frozen, its weights stored in the compute dtype (--dtype) an
 as the student's are. The loss is the generalized Jensen-Shannon divergence between the student's and the
 teacher's next-token distributions on the completion tokens (--beta 0: forward KL, 1: reverse KL), the logits
 of both made a chunk at a time (--loss_chunk_tokens). With probability --lmbda a step trains on completions
-the student samples from its prompts (on-policy, --temperature, --max_new_tokens; one process) instead of
+the student samples from its prompts (on-policy, --temperature, --max_new_tokens) instead of
 the data's. --lmbda 1 is TRL's DistillationTrainer (always on-policy, its defaults, --temperature also in the
 loss); rows may then be "prompt" alone. Sequence-level distillation is `jaxseq generate --prompts_file` with
 the teacher, then `jaxseq chat` on what it wrote. Logged: loss (metrics.jsonl prefixes train/ and eval/).
@@ -75,11 +75,6 @@ def prepare(setup: Setup) -> Prepared:
     main_process = jax.process_index() == 0
     do_train, do_eval, _ = args.stages.stages()
     on_policy = do_train and distill.lmbda > 0
-    if on_policy and jax.process_count() > 1:
-        raise JaxseqError(
-            "on-policy distillation (--lmbda above 0) runs in one process for now (all its devices, --mesh); "
-            "start it on one host, or pass --lmbda 0"
-        )
     train, valid = load_distill_rows(
         data, tokenizer, prompts_only=distill.lmbda == 1, progress=main_process, train=do_train, evaluate=do_eval
     )

@@ -21,6 +21,7 @@ import numpy as np
 from jaxseq.config import arg
 from jaxseq.errors import JaxseqError
 from jaxseq.generation import generate
+from jaxseq.sharding import gather
 from jaxseq.train.objectives import AUTO_CHUNK, CausalLM
 from jaxseq.train.task import Policy, Task
 
@@ -183,7 +184,7 @@ class OnPolicy:
     alone), a step's batch is replaced by the student's own completions of its prompts, sampled at
     ``temperature`` from all of the vocabulary (TRL's ``top_k`` 0, ``top_p`` 1) up to ``max_new_tokens``
     tokens, each ending at its first EOS (``eos_token_ids``); the prompts are left-padded to ``prompt_width``
-    tokens, so that every on-policy batch has one shape. One process only (the batch's rows are read back)."""
+    tokens, so that every on-policy batch has one shape. Any number of processes (``__call__``)."""
 
     def __init__(self, config: DistillConfig, prompt_width: int, eos_token_ids: Sequence[int], pad_id: int, seed: int):
         self.config, self.prompt_width, self.seed = config, prompt_width, seed
@@ -193,15 +194,22 @@ class OnPolicy:
         return bool(np.random.default_rng((self.seed, step)).random() < self.config.lmbda)
 
     def __call__(self, policy: Policy, batch: Mapping[str, jax.Array], step: int):
+        """The batch of step ``step``: ``batch`` itself, or the student's completions of its prompts.
+
+        Several processes: each holds only its share of ``batch``'s rows, so its prompts (``input_ids`` and
+        ``prompt_length``, a few integers a row) are gathered first; every process then calls the sampler with
+        every prompt, one program over the whole mesh in which each device samples its own rows (the draws are
+        keyed by the seed, the step and each row's place in the batch, not by the process layout), and places
+        the rows of each micro-batch it holds (``policy.local``)."""
         if not self.on_policy(step):
             return batch
-        host = {k: np.asarray(jax.device_get(batch[k])) for k in ("input_ids", "prompt_length")}
+        host = gather({k: batch[k] for k in ("input_ids", "prompt_length")})  # every process's rows
         stacked = host["input_ids"].ndim == 3
         ids = host["input_ids"].reshape(-1, host["input_ids"].shape[-1])
         rows = self.sample(policy.model(), ids, host["prompt_length"].reshape(-1), seed=self.seed * 1_000_003 + step)
-        if stacked:
-            rows = {k: v.reshape(policy.accumulate, -1, *v.shape[1:]) for k, v in rows.items()}
-        return policy.place(rows, stacked=stacked)
+        micro = {k: v.reshape(policy.accumulate if stacked else 1, -1, *v.shape[1:]) for k, v in rows.items()}
+        mine = {k: v[:, policy.local] for k, v in micro.items()}  # this process's rows of each micro-batch
+        return policy.place(mine if stacked else {k: v[0] for k, v in mine.items()}, stacked=stacked)
 
     def sample(self, model, ids: np.ndarray, prompt_length: np.ndarray, *, seed: int) -> dict[str, np.ndarray]:
         """Rows of each prompt (the first ``prompt_length`` tokens of each row of ``ids``) with a completion
@@ -224,7 +232,7 @@ class OnPolicy:
             pad_token_id=self.pad,
             seed=seed,
         )
-        completion = np.asarray(out.sequences)
+        completion = gather(out.sequences)  # with several processes: every process's rows
         is_eos = np.isin(completion, self.eos)
         length = np.where(is_eos.any(axis=1), is_eos.argmax(axis=1) + 1, completion.shape[1])
         completion_mask = (np.arange(completion.shape[1])[None] < length[:, None]).astype(np.int32)
