@@ -75,7 +75,16 @@ class EngineThread:
         while not self.stopping.is_set():
             if not self._take(block=not self.engine.busy):
                 return
-            for request in self.engine.step():
+            try:
+                changed = self.engine.step()
+            except Exception as e:  # the requests in flight end with a server error; the thread serves on
+                for listener in self.listeners.values():
+                    listener(([], f"the engine failed: {type(e).__name__}: {e}", "failed"))
+                self.listeners.clear()
+                self.engine.running.clear()
+                self.engine.waiting.clear()
+                continue
+            for request in changed:
                 self._report(request)
 
     def _report(self, request: Request) -> None:
@@ -199,6 +208,8 @@ class Service:
             update = await updates.get()
             if update[2] == "error":
                 raise BadRequest(update[1])
+            if update[2] == "failed":
+                raise BadRequest(update[1], status=500)
             yield update
             if update[2] is not None:
                 return
