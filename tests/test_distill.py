@@ -288,9 +288,10 @@ def test_distill_flags_shape_the_rows_and_the_loss(folders, tmp_path, monkeypatc
                                                              *files[4:]])  # fmt: skip
 
 
-def test_a_distill_plan_lowers_the_runs_own_step(folders, tmp_path):
-    """The run's train step on a dp=4, mp=2 mesh and the plan's, from abstract weights (the teacher's too) and
-    rows of --max_length tokens, lower to the same program."""
+@pytest.mark.parametrize("quantization", ["none", "int8"])
+def test_a_distill_plan_lowers_the_runs_own_step(folders, tmp_path, quantization):
+    """The run's train step on a dp=4, mp=2 mesh and the plan's, from abstract weights (the teacher's too: with
+    --teacher_quantization its codes and scales) and rows of --max_length tokens, lower to the same program."""
     from tests.test_run_spec import lowered_texts
 
     (tmp_path / "rows.jsonl").write_text("".join(json.dumps(as_messages(r)) + "\n" for r in CHATS * 2))
@@ -298,9 +299,100 @@ def test_a_distill_plan_lowers_the_runs_own_step(folders, tmp_path):
         "--model_name_or_path", folders[0], "--teacher_model_name_or_path", folders[1], "--lmbda", 0,
         "--train_file", tmp_path / "rows.jsonl", "--max_length", 48, "--output_dir", tmp_path / "out",
         "--max_steps", 1, "--per_device_train_batch_size", 2, "--report_to", "none",
+        "--teacher_quantization", quantization,
     ]  # fmt: skip
     run, plan, names = lowered_texts(distill.JOB, [str(a) for a in argv], make_mesh("dp=4,mp=2"))
     assert names == {"input_ids", "attention_mask", "loss_mask", "prompt_length"} and run == plan
+    assert all(("xi8>" in text) == (quantization == "int8") for text in plan.values())  # the codes are inputs
+
+
+# --------------------------------------------------------------------------- a quantised teacher
+
+
+def test_an_int8_teacher_is_its_kernels_quantised_and_dequantised(tok, folders, tmp_path):
+    """--teacher_quantization int8 on a dp=4, mp=2 mesh: the teacher's frozen tree holds int8 codes and float32
+    scales in place of each of its blocks' 7 dense kernels (3 layers each), nothing else changed; the loss
+    against it equals the loss against the teacher whose kernels were quantised and dequantised on the host by
+    the same functions, and is a little off the full-precision teacher's."""
+    from jaxseq.runner import spec_of
+    from jaxseq.train.quantize import dequantize, quantize
+
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(as_messages(r)) + "\n" for r in CHATS))
+    argv = ["--model_name_or_path", folders[0], "--teacher_model_name_or_path", folders[1], "--lmbda", 0,
+            "--teacher_quantization", "int8", "--train_file", tmp_path / "rows.jsonl", "--output_dir", tmp_path / "o",
+            "--max_steps", 1, "--report_to", "none"]  # fmt: skip
+    setup = Setup(distill.JOB, parse_job(distill.JOB, [str(a) for a in argv]), mesh=make_mesh("dp=4,mp=2"))
+    spec = spec_of(setup, distill.prepare(setup))
+    assert spec.teacher.quantization == "int8"
+    student = spec.build_model(setup.checkpoint, setup.overrides)
+    training = spec.program(student, 1).training
+    frozen = training.freeze(nnx.state(student))
+    stored = {"/".join(map(str, path)): v for path, v in jax.tree_util.tree_flatten_with_path(frozen[1])[0]}
+    codes = [v for k, v in stored.items() if k.endswith("['codes']")]  # the blocks stacked: a kernel's 3 layers
+    assert len(codes) == 7 and {(c.dtype.name, c.shape[0]) for c in codes} == {("int8", 3)}
+    assert {v.dtype.name for k, v in stored.items() if k.endswith("['scales']")} == {"float32"}
+    assert not any(k.endswith("['kernel']") and "layers" in k for k in stored)
+    assert training.quantizer.kind == "int8" and len(training.quantizer.quantized) == 7
+
+    host = spec.build_teacher()  # the kernels to quantise are left on the host, NumPy arrays
+    state = nnx.state(host)
+    flat = dict(nnx.to_flat_state(state))
+    for path in training.quantizer.quantized:
+        kernel = flat[(*path, "kernel")]
+        assert isinstance(kernel.get_value(), np.ndarray)
+        q = quantize(jnp.asarray(kernel.get_value()), "int8")
+        kernel.set_value(np.asarray(dequantize(q["codes"], q["scales"], "int8", jnp.float32)))
+    graphdef = nnx.graphdef(host)
+    full = load_pretrained(folders[1], "causal-lm", mesh=spec.mesh)
+    batch = {k: jnp.asarray(v) for k, v in rows_of(tok, CHATS, tmp_path).items()}
+    objective = Distill(DistillConfig(lmbda=0.0, beta=0.5), lm=CausalLM(None))
+    loss_of = lambda teacher, tree: float(
+        jax.jit(lambda t: objective.with_teacher(teacher(t)).loss(student, batch))(tree)
+    )
+    quantized = loss_of(training.teacher_model, frozen)
+    dequantized = loss_of(lambda s: nnx.merge(graphdef, s), nnx.from_flat_state(flat))
+    exact = loss_of(lambda s: nnx.merge(nnx.graphdef(full), s), nnx.state(full))
+    assert quantized > 1e-3 and quantized == pytest.approx(dequantized, rel=1e-5, abs=1e-7)
+    assert 20 * abs(quantized - dequantized) < abs(quantized - exact) < 0.05 * exact, (quantized, dequantized, exact)
+
+
+def test_an_nf4_teacher_runs_end_to_end(tok, tmp_path, capsys):
+    """--teacher_quantization nf4 (a teacher whose dense layers take inputs in blocks of 64): two steps train,
+    the log says how the teacher is stored; nf4 on a layer of other inputs stops in one line."""
+    common = {"vocab_size": len(tok), "max_position_embeddings": 128, "eos_token_id": tok.eos_token_id,
+              "pad_token_id": tok.eos_token_id}  # fmt: skip
+    shapes = {"student": {"hidden_size": 64, "intermediate_size": 64}, "teacher": {"hidden_size": 64,
+              "intermediate_size": 128, "num_hidden_layers": 3}}  # fmt: skip
+    for name, overrides in shapes.items():
+        torch.manual_seed(len(name))
+        model = transformers.LlamaForCausalLM(tiny_config("llama", **common, **overrides))
+        perturb(model, std=0.05, seed=len(name)).save_pretrained(tmp_path / name)
+        tok.save_pretrained(tmp_path / name)
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(as_messages(r)) + "\n" for r in CHATS))
+    args = lambda teacher, out: [
+        "--model_name_or_path", tmp_path / "student", "--teacher_model_name_or_path", teacher,
+        "--teacher_quantization", "nf4", "--train_file", tmp_path / "rows.jsonl", "--output_dir", tmp_path / out,
+        "--lmbda", 0, "--max_steps", 2, "--per_device_train_batch_size", 1, "--logging_steps", 1,
+        "--save_strategy", "no", "--report_to", "none", "--mesh", "dp=4,mp=2",
+    ]  # fmt: skip
+    assert distill.main([str(a) for a in args(tmp_path / "teacher", "out")]) == 0
+    logged = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    got = [r["train/loss"] for r in logged if "train/loss" in r]
+    assert len(got) == 2 and all(np.isfinite(got)) and min(got) > 1e-3
+    log = "".join(capsys.readouterr())
+    assert "(nf4)" in log and "its blocks' kernels nf4) frozen" in log, log[-3000:]
+    assert distill.main([str(a) for a in args(folders_teacher(tmp_path, tok), "odd")]) != 0
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert error.startswith("error: the teacher: --teacher_quantization nf4 needs inputs in blocks of 64"), error
+
+
+def folders_teacher(root: Path, tok) -> Path:
+    """A Llama teacher of ``tok``'s vocabulary whose layers take 48 inputs (not whole blocks of 64)."""
+    config = tiny_config("llama", vocab_size=len(tok), hidden_size=48, intermediate_size=80,
+                         max_position_embeddings=128)  # fmt: skip
+    transformers.LlamaForCausalLM(config).save_pretrained(root / "odd-teacher")
+    tok.save_pretrained(root / "odd-teacher")
+    return root / "odd-teacher"
 
 
 # --------------------------------------------------------------------------- the installed command, one device

@@ -9,13 +9,15 @@ for tool calling as `jaxseq chat` reads them; rendered with the student tokenize
 --chat_template) and tokenised as TRL's GKD trainer tokenises them (sequences longer than --max_length keep
 their last tokens). The teacher (--teacher_model_name_or_path: a causal LM of the student's vocabulary, any
 family and size) is frozen, its weights stored in the compute dtype (--dtype) and sharded on the run's mesh
-as the student's are. The loss is the generalized Jensen-Shannon divergence between the student's and the
-teacher's next-token distributions on the completion tokens (--beta 0: forward KL, 1: reverse KL), the logits
-of both made a chunk at a time (--loss_chunk_tokens). With probability --lmbda a step trains on completions
-the student samples from its prompts (on-policy, --temperature, --max_new_tokens) instead of
-the data's. --lmbda 1 is TRL's DistillationTrainer (always on-policy, its defaults, --temperature also in the
-loss); rows may then be "prompt" alone. Sequence-level distillation is `jaxseq generate --prompts_file` with
-the teacher, then `jaxseq chat` on what it wrote. Logged: loss (metrics.jsonl prefixes train/ and eval/).
+as the student's are; --teacher_quantization int8 or nf4 stores its blocks' dense kernels quantised instead
+(as QLoRA's base), each layer dequantised where it is used. The loss is the generalized Jensen-Shannon
+divergence between the student's and the teacher's next-token distributions on the completion tokens (--beta
+0: forward KL, 1: reverse KL), the logits of both made a chunk at a time (--loss_chunk_tokens). With
+probability --lmbda a step trains on completions the student samples from its prompts (on-policy,
+--temperature, --max_new_tokens) instead of the data's. --lmbda 1 is TRL's DistillationTrainer (always
+on-policy, its defaults, --temperature also in the loss); rows may then be "prompt" alone. Sequence-level
+distillation is `jaxseq generate --prompts_file` with the teacher, then `jaxseq chat` on what it wrote.
+Logged: loss (metrics.jsonl prefixes train/ and eval/).
 Writes to --output_dir what every job writes, and the student with its tokenizer as a Hugging Face folder.
 """
 
@@ -35,6 +37,7 @@ from jaxseq.models.source import ModelSource, model_config
 from jaxseq.runner import Job, Prepared, Setup, run
 from jaxseq.train.distill import Distill, DistillConfig, OnPolicy
 from jaxseq.train.objectives import CausalLM
+from jaxseq.train.quantize import QUANTIZE
 from jaxseq.train.spec import Teacher
 
 TASK = "causal-lm"
@@ -46,10 +49,17 @@ class TeacherConfig:
     teacher_model_name_or_path: str | None = arg(
         None, "the teacher: Hub id or local folder of a causal LM with the student's vocabulary (required)"
     )
+    teacher_quantization: str = arg(
+        "none",
+        "store the teacher's block kernels quantised on the devices, as QLoRA's base (int8: a scale per output "
+        "channel; nf4: 4-bit NormalFloat, an absmax scale per 64 inputs), each layer dequantised where used",
+        choices=QUANTIZE,
+    )
 
 
-def load_teacher(name: str | None, student_config, *, weights: bool) -> Teacher:
-    """The teacher's config and folder, checked: a causal LM jaxseq has, of the student's vocabulary."""
+def load_teacher(name: str | None, student_config, *, weights: bool, quantization: str = "none") -> Teacher:
+    """The teacher's config and folder, checked: a causal LM jaxseq has, of the student's vocabulary;
+    ``quantization``: how its block kernels are stored (``Teacher``)."""
     if not name:
         raise JaxseqError("give the teacher: --teacher_model_name_or_path (a Hub id or a model folder)")
     config, folder, _ = model_config(ModelSource(model_name_or_path=name), TASK, weights=weights)
@@ -59,13 +69,18 @@ def load_teacher(name: str | None, student_config, *, weights: bool) -> Teacher:
             "distillation compares their next-token distributions over one vocabulary; pick a teacher of the "
             "student's tokenizer"
         )
-    return Teacher(config, folder)
+    return Teacher(config, folder, quantization)
 
 
 def prepare(setup: Setup) -> Prepared:
     """Rows tokenised as TRL's GKD collator, the teacher, and the loss (with its on-policy sampler)."""
     args, data, distill = setup.args, setup.args.data, setup.args.distill
-    teacher = load_teacher(args.teacher.teacher_model_name_or_path, setup.config, weights=not setup.planning)
+    teacher = load_teacher(
+        args.teacher.teacher_model_name_or_path,
+        setup.config,
+        weights=not setup.planning,
+        quantization=args.teacher.teacher_quantization,
+    )
     lm = CausalLM(distill.loss_chunk_tokens or None)
     if setup.planning:
         rows = {**dict.fromkeys(ROW, ((data.max_length,), np.int32)), "prompt_length": ((), np.int32)}
@@ -102,7 +117,9 @@ def prepare(setup: Setup) -> Prepared:
         teacher=teacher,
         summary=lambda _: (
             f"{count:,} training rows of at most {seq} tokens; teacher {teacher.config.model_type} from "
-            f"{teacher.folder}; beta {distill.beta}, "
+            f"{teacher.folder}"
+            + ("" if teacher.quantization == "none" else f" ({teacher.quantization})")
+            + f"; beta {distill.beta}, "
             + (
                 f"on-policy with probability {distill.lmbda} (temperature {distill.temperature}, at most "
                 f"{distill.max_new_tokens} new tokens)"

@@ -26,16 +26,19 @@ from jaxseq.train.optim import OptimizerConfig
 from jaxseq.train.step import TrainProgram
 from jaxseq.train.task import Task
 from jaxseq.train.trainer_config import TrainerConfig
+from jaxseq.train.training import teacher_lora_config
 
 
 @dataclasses.dataclass(frozen=True)
 class Teacher:
     """A causal language model a run's objective compares against (distillation's teacher): its transformers
     ``config`` and the ``folder`` its weights come from. It is frozen, its weights stored in the run's compute
-    dtype and sharded on the run's mesh by its family's rules."""
+    dtype and sharded on the run's mesh by its family's rules; ``quantization`` (``int8``, ``nf4``): its
+    blocks' dense kernels stored quantised instead, as QLoRA's base (``jaxseq.train.training.WithTeacher``)."""
 
     config: Any
     folder: Path
+    quantization: str = "none"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,8 +116,11 @@ class RunSpec:
         )
 
     def build_teacher(self) -> nnx.Module:
-        """The teacher on the run's mesh, its weights read from its folder in the compute dtype."""
+        """The teacher on the run's mesh, its weights read from its folder in the compute dtype; the kernels it
+        stores quantised stay on the host until quantised (the devices never hold them in full precision)."""
         dtype = jnp.dtype(self.dtype)
+        quantization = self.teacher.quantization
+        on_host = quantized_kernels(self.abstract_teacher(), teacher_lora_config(quantization))
         return load_pretrained(
             self.teacher.folder,
             "causal-lm",
@@ -122,6 +128,7 @@ class RunSpec:
             dtype=dtype,
             param_dtype=dtype,
             execution=self.teacher_execution,
+            on_host=set(on_host),
         )
 
     def abstract_model(self, say: Callable[[str], None] | None = None) -> nnx.Module:
@@ -181,6 +188,7 @@ class RunSpec:
             skip_nonfinite_updates=config.skip_nonfinite_updates,
             teacher=self.abstract_teacher(),
             load_teacher=self.build_teacher,
+            teacher_quantization="none" if self.teacher is None else self.teacher.quantization,
         )
 
 

@@ -195,7 +195,8 @@ class TrainProgram:
     it (``jaxseq.models.execution``: with fsdp each block gathers its own weights); it may be abstract
     (``nnx.eval_shape``): a plan compiles ``step`` for a topology from ``abstract_state`` alone; the Trainer
     builds the real state with ``init_state``. ``teacher``: a teacher's model (abstract or not) for a task
-    that compares against one (``Task.needs_teacher``), ``load_teacher()`` building it with its weights."""
+    that compares against one (``Task.needs_teacher``), ``load_teacher()`` building it with its weights,
+    ``teacher_quantization`` how its block kernels are stored (``WithTeacher``)."""
 
     def __init__(
         self,
@@ -212,6 +213,7 @@ class TrainProgram:
         skip_nonfinite_updates: bool = False,
         teacher: nnx.Module | None = None,
         load_teacher: Callable[[], nnx.Module] | None = None,
+        teacher_quantization: str = "none",
     ):
         self.mesh = mesh
         self.task = task = for_mesh(task, mesh)
@@ -226,6 +228,7 @@ class TrainProgram:
             seed=seed,
             teacher=teacher,
             load_teacher=load_teacher,
+            teacher_quantization=teacher_quantization,
         )
         self.graphdef = training.graphdef
         self.ema_decay, self.eval_with_ema = optimizer.ema_decay, optimizer.eval_with_ema

@@ -26,11 +26,12 @@ import numpy as np
 from flax import nnx, traverse_util
 
 from jaxseq import sharding
+from jaxseq.errors import JaxseqError
 from jaxseq.models.hub import save_pretrained
 from jaxseq.models.registry import family_for
 from jaxseq.train.checkpoint import abstract_like
 from jaxseq.train.lora import Lora, LoraConfig
-from jaxseq.train.quantize import quantize_onto
+from jaxseq.train.quantize import QUANTIZE, quantize_onto
 
 
 class Training:
@@ -116,20 +117,9 @@ class LoraTraining(Training):
         """The model's state ``params`` on the frozen tree's shardings. QLoRA: each kernel quantised on the
         devices, one at a time (``quantize_onto``: a kernel on the host, as QLoRA loads them, one layer at a
         time), so that they never hold the full-precision model."""
-        lora = self.lora
-        if not lora.quantized:
+        if not self.lora.quantized:
             return sharding.shard(params, self.frozen_shardings)
-        flat = {path: v.get_value() for path, v in nnx.to_flat_state(params)}
-        placed = dict(nnx.to_flat_state(self._param_shardings))
-        frozen_shardings = traverse_util.flatten_dict(self.frozen_shardings)
-        out = {}
-        for path in lora.quantized:
-            kernel = (*path, "kernel")
-            parts = {part: frozen_shardings[(*kernel, part)] for part in ("codes", "scales")}
-            quantized = quantize_onto(flat.pop(kernel), lora.kind, placed[kernel].get_value(), parts)
-            out.update({(*kernel, part): array for part, array in quantized.items()})
-        out.update({path: jax.device_put(value, frozen_shardings[path]) for path, value in flat.items()})
-        return traverse_util.unflatten_dict(out)
+        return frozen_quantized(self.lora, params, self._param_shardings, self.frozen_shardings)
 
     def init(self, params):
         """Fresh adapters (``Lora.init``: B at zero) and the task head from the model's state ``params``; with
@@ -174,21 +164,42 @@ class LoraTraining(Training):
 class WithTeacher(Training):
     """``inner``'s way of training beside a teacher (distillation): another model, frozen, each weight sharded
     on the same mesh by its family's partition rules. The frozen tree is ``(inner's, the teacher's)``; the
-    teacher's weights come from ``load()`` (a model built on the mesh) when the run starts."""
+    teacher's weights come from ``load()`` (a model built on the mesh) when the run starts. ``quantization``
+    (``int8``, ``nf4``; ``jaxseq.train.quantize``): the dense kernels of the teacher's blocks are stored
+    quantised, as QLoRA's base (``Lora``, no adapters): the teacher's tree holds their codes and scales, and
+    each layer dequantises its own kernel where it is used, inside the step."""
 
-    def __init__(self, inner: Training, teacher: nnx.Module, mesh: jax.sharding.Mesh, load: Callable[[], nnx.Module]):
+    def __init__(
+        self,
+        inner: Training,
+        teacher: nnx.Module,
+        mesh: jax.sharding.Mesh,
+        load: Callable[[], nnx.Module],
+        quantization: str = "none",
+    ):
         """``teacher``: the teacher's model, abstract or not (its shapes and family)."""
         self.inner, self.load = inner, load
         self.graphdef, self.abstract_trained, self.specs = inner.graphdef, inner.abstract_trained, inner.specs
         self.teacher_graphdef, params = nnx.split(teacher)
+        self.teacher_parameters = _count(params)
         specs = sharding.match_partition_rules(family_for(teacher.config.model_type).partition_rules, params)
         sharding.check_divisible(params, specs, mesh)
+        self.quantizer = teacher_quantizer(teacher, specs, quantization)
+        self._param_shardings = sharding.make_shardings(mesh, specs)
+        if self.quantizer is not None:
+            self.quantizer.fit_scales(mesh)
+            params, specs = jax.eval_shape(self.quantizer.freeze, params), self.quantizer.frozen_specs
+            sharding.check_divisible(params, specs, mesh)
         shardings = sharding.make_shardings(mesh, specs)
         self.frozen_shardings = (inner.frozen_shardings, shardings)
         self.abstract_frozen = (inner.abstract_frozen, abstract_like(params, shardings))
 
     def freeze(self, params):
-        return self.inner.freeze(params), sharding.shard(nnx.state(self.load()), self.frozen_shardings[1])
+        teacher = nnx.state(self.load())
+        if self.quantizer is None:
+            return self.inner.freeze(params), sharding.shard(teacher, self.frozen_shardings[1])
+        frozen = frozen_quantized(self.quantizer, teacher, self._param_shardings, self.frozen_shardings[1])
+        return self.inner.freeze(params), frozen
 
     def init(self, params):
         return self.inner.init(params)
@@ -200,6 +211,8 @@ class WithTeacher(Training):
         return self.inner.reference_model(frozen[0])
 
     def teacher_model(self, frozen) -> nnx.Module:
+        if self.quantizer is not None:  # each quantised layer dequantises its kernel where it is used
+            return self.quantizer.training_model(self.teacher_graphdef, None, frozen[1])
         return nnx.merge(self.teacher_graphdef, frozen[1])
 
     def merged_model(self, trained, frozen) -> nnx.Module:
@@ -210,11 +223,50 @@ class WithTeacher(Training):
 
     def describe(self, trained, frozen) -> str | None:
         line = self.inner.describe(trained, frozen[0])
-        teacher = f"the teacher ({_count(frozen[1]):,} parameters) frozen"
+        stored = "" if self.quantizer is None else f", its blocks' kernels {self.quantizer.kind}"
+        teacher = f"the teacher ({self.teacher_parameters:,} parameters{stored}) frozen"
         return teacher if line is None else f"{line}; {teacher}"
 
     def export(self, trained, frozen, output_dir: str | os.PathLike, tokenizer=None, *, base_model=None) -> Path:
         return self.inner.export(trained, frozen[0], output_dir, tokenizer, base_model=base_model)
+
+
+def teacher_quantizer(teacher: nnx.Module, specs, quantization: str) -> Lora | None:
+    """QLoRA's quantisation of a teacher's block kernels (``quantization`` ``int8`` or ``nf4``), a ``Lora`` whose
+    adapters are never made: it quantises (``freeze``), shards (``frozen_specs``) and dequantises where used
+    (``training_model(graphdef, None, frozen)``). None: ``none``."""
+    if quantization == "none":
+        return None
+    try:
+        return Lora(teacher_lora_config(quantization), teacher, specs)
+    except JaxseqError as e:  # QLoRA's words for the teacher's flag
+        raise JaxseqError(f"the teacher: {e}".replace("--quantize", "--teacher_quantization")) from None
+
+
+def teacher_lora_config(quantization: str) -> LoraConfig:
+    """QLoRA's settings that quantise a teacher's block kernels as ``quantization`` (``quantized_kernels``: every
+    dense kernel inside its blocks; nothing kept whole, no adapter ever made)."""
+    if quantization not in QUANTIZE:
+        raise JaxseqError(f"--teacher_quantization must be one of {', '.join(QUANTIZE)}, got {quantization!r}")
+    return LoraConfig(lora_rank=1, lora_trainable="", quantize=quantization)
+
+
+def frozen_quantized(lora: Lora, params, param_shardings, frozen_shardings) -> dict:
+    """A model's state ``params`` as ``lora``'s frozen tree on ``frozen_shardings``: each of ``lora.quantized``'s
+    kernels quantised on the devices, one at a time (``quantize_onto``: a kernel on the host, as QLoRA loads
+    them, one layer at a time), so that they never hold the full-precision model; ``param_shardings``: the
+    state's own shardings, where a kernel goes to be quantised."""
+    flat = {path: v.get_value() for path, v in nnx.to_flat_state(params)}
+    placed = dict(nnx.to_flat_state(param_shardings))
+    frozen_shardings = traverse_util.flatten_dict(frozen_shardings)
+    out = {}
+    for path in lora.quantized:
+        kernel = (*path, "kernel")
+        parts = {part: frozen_shardings[(*kernel, part)] for part in ("codes", "scales")}
+        quantized = quantize_onto(flat.pop(kernel), lora.kind, placed[kernel].get_value(), parts)
+        out.update({(*kernel, part): array for part, array in quantized.items()})
+    out.update({path: jax.device_put(value, frozen_shardings[path]) for path, value in flat.items()})
+    return traverse_util.unflatten_dict(out)
 
 
 def training_for(
@@ -227,16 +279,18 @@ def training_for(
     seed: int,
     teacher: nnx.Module | None = None,
     load_teacher: Callable[[], nnx.Module] | None = None,
+    teacher_quantization: str = "none",
 ) -> Training:
     """How ``model`` (``param_specs``: its parameters' PartitionSpecs) trains: LoRA's adapters when ``lora`` is
     on, else every weight; ``reference``: the task needs a reference model (``Task.needs_reference``);
-    ``teacher`` (and ``load_teacher``, which builds it with its weights): a teacher beside it (``WithTeacher``)."""
+    ``teacher`` (and ``load_teacher``, which builds it with its weights): a teacher beside it (``WithTeacher``),
+    its block kernels stored as ``teacher_quantization`` says."""
     graphdef, params = nnx.split(model)
     if lora is not None and lora.enabled:
         training = LoraTraining(Lora(lora, model, param_specs), graphdef, params, param_specs, mesh, seed=seed)
     else:
         training = Training(graphdef, params, param_specs, mesh, reference=reference)
-    return training if teacher is None else WithTeacher(training, teacher, mesh, load_teacher)
+    return training if teacher is None else WithTeacher(training, teacher, mesh, load_teacher, teacher_quantization)
 
 
 def _count(tree) -> int:
