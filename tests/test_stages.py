@@ -23,7 +23,7 @@ from jaxseq.config import stage_flags  # noqa: E402
 from jaxseq.errors import JaxseqError  # noqa: E402
 from tests.test_qa import SQUAD  # noqa: E402
 
-TRAINING = [job for job in COMMANDS if job not in ("generate", "eval", "push")]
+TRAINING = [job for job in COMMANDS if job not in ("generate", "serve", "eval", "push")]
 PREDICTING = ("glue", "ner", "qa", "seq2seq")
 QUIET = ("--report_to", "none", "--compilation_cache_dir", "", "--logging_steps", 1, "--save_strategy", "no")
 """Appended to every run: no TensorBoard, the suite's compilation cache, every step logged, no checkpoints."""
