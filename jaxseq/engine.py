@@ -29,6 +29,7 @@ from jaxseq.errors import JaxseqError
 from jaxseq.generation import filter_logits, parameter_mesh, shard_cache
 from jaxseq.models.attention import Cache
 from jaxseq.models.hub import position_limit
+from jaxseq.models.source import stop_token_ids
 
 SMALLEST_BUCKET = 16
 """Prompts are left-padded to a power of two tokens, at least this many: one prefill program per bucket."""
@@ -135,10 +136,8 @@ class Engine:
         if self.max_len > limit:
             raise JaxseqError(f"max_len {self.max_len} exceeds the model's {limit} positions")
         self.slots, self.tokenizer, self.top_k = max_batch_size, tokenizer, top_k
-        config_eos = model.config.eos_token_id
-        config_eos = [] if config_eos is None else list(np.atleast_1d(config_eos))
         if eos_token_ids is None:
-            eos_token_ids = [e for e in [tokenizer.eos_token_id, *config_eos] if e is not None]
+            eos_token_ids = stop_token_ids(tokenizer, model.config)
         self.eos = sorted({int(e) for e in eos_token_ids})
         self.pad = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (self.eos or [0])[0])
         self.graphdef, self.state = nnx.split(model)

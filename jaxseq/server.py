@@ -8,6 +8,7 @@ come back to its handler as they are made."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import queue
 import threading
@@ -225,7 +226,7 @@ def seeded(params: SamplingParams, i: int) -> SamplingParams:
     """The ``i``-th of ``n`` choices: its own seed where the request gave one."""
     if params.seed is None or i == 0:
         return params
-    return SamplingParams(params.max_tokens, params.temperature, params.top_p, params.seed + i, params.stop)
+    return dataclasses.replace(params, seed=params.seed + i)
 
 
 def create_app(service: Service):

@@ -33,7 +33,7 @@ from jaxseq.config import arg
 from jaxseq.data.chat import use_chat_template
 from jaxseq.data.distill import DistillDataConfig, load_distill_rows
 from jaxseq.errors import JaxseqError
-from jaxseq.models.source import ModelSource, model_config
+from jaxseq.models.source import ModelSource, model_config, stop_token_ids
 from jaxseq.runner import Job, Prepared, Setup, run
 from jaxseq.train.distill import Distill, DistillConfig, OnPolicy
 from jaxseq.train.objectives import CausalLM
@@ -100,9 +100,7 @@ def prepare(setup: Setup) -> Prepared:
         )
     sampler = None
     if on_policy:
-        config = setup.config
-        eos = config.eos_token_id if isinstance(config.eos_token_id, list) else [config.eos_token_id]
-        eos = [tokenizer.eos_token_id, *(e for e in eos if e is not None and e != tokenizer.eos_token_id)]
+        eos = stop_token_ids(tokenizer, setup.config)
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         width = int(train["prompt_length"].max())
         sampler = OnPolicy(distill, width, eos, pad, args.trainer.seed)

@@ -63,7 +63,7 @@ from jaxseq.harness import EvalTasksConfig
 from jaxseq.mesh import batch_sharding, data_parallel_size
 from jaxseq.models import load_pretrained
 from jaxseq.models.hub import load_config, resolve
-from jaxseq.models.source import ModelSource, load_tokenizer, pad_with_eos
+from jaxseq.models.source import ModelSource, load_tokenizer, pad_with_eos, stop_token_ids
 from jaxseq.plan import compile_plan
 from jaxseq.runner import Job, Prepared, Setup, run
 from jaxseq.train.rl import GRPO, GRPOConfig, RewardModel, Rollout, prompts_per_step
@@ -247,8 +247,7 @@ def prepare(setup: Setup) -> Prepared:
             f"{accumulate} completions / --num_generations {grpo.num_generations}); give more prompts or lower "
             "--per_device_train_batch_size"
         )
-    eos = config.eos_token_id if isinstance(config.eos_token_id, list) else [config.eos_token_id]
-    eos = [tokenizer.eos_token_id, *(e for e in eos if e is not None and e != tokenizer.eos_token_id)]
+    eos = stop_token_ids(tokenizer, config)
     rollout = Rollout(grpo, tokenizer, records, funcs, seed=trainer.seed, eos_token_ids=eos, prompts=train)
     main_process = jax.process_index() == 0
     if main_process:

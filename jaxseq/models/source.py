@@ -115,6 +115,14 @@ def pad_with_eos(tokenizer):
     return tokenizer
 
 
+def stop_token_ids(tokenizer, config) -> list[int]:
+    """The ids a generation stops at: the tokenizer's EOS, then the model config's other ones (a list in
+    Llama 3's and Qwen's configs)."""
+    listed = config.eos_token_id if isinstance(config.eos_token_id, list) else [config.eos_token_id]
+    ids = [tokenizer.eos_token_id, *(e for e in listed if e != tokenizer.eos_token_id)]
+    return [int(e) for e in ids if e is not None]
+
+
 def check_vocabulary(tokenizer, config) -> None:
     """Stop in one line when ``tokenizer`` has more tokens than the model's vocabulary."""
     if len(tokenizer) > config.vocab_size:
