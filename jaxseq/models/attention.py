@@ -226,13 +226,21 @@ def ring_mask(key_mask: jax.Array | None, seq: int, length: int, index, window: 
 
 
 def attend_ring(
-    q: jax.Array, cache: KVCache, k: jax.Array, v: jax.Array, mask, *, scale: float, softcap: float | None = None
+    q: jax.Array,
+    cache: KVCache,
+    k: jax.Array,
+    v: jax.Array,
+    mask,
+    *,
+    scale: float,
+    softcap: float | None = None,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """Attention (XLA, no dropout) of ``q`` over a rolling cache's slots, before this call's write, and the call's
     own keys/values ``k``/``v`` (``[batch, t, kv_heads, dim]``); ``mask`` from ``ring_mask``."""
     new = KVCache.of(k, v, q.dtype)
     k, v = (jnp.concatenate([old.astype(q.dtype), t], axis=2) for old, t in zip(cache, new))
-    return _written_out(q, k, v, "bhkd", mask.dense, None, scale, 0.0, None, softcap)
+    return _written_out(q, k, v, "bhkd", mask.dense, None, scale, 0.0, None, softcap, sinks)
 
 
 def update_ring(cache: KVCache, k: jax.Array, v: jax.Array, index) -> KVCache:
@@ -258,16 +266,19 @@ def attend(
     kernel: AttentionKernel = AttentionKernel(),
     causal: bool = False,
     softcap: float | None = None,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """Scaled dot-product attention with ``kernel`` (``causal``: the mask is causal, which the fused
     kernels build themselves, with its sliding window if it has one). XLA: ``jax.nn.dot_product_attention``;
-    with attention dropout or a ``softcap`` (scores ``softcap * tanh(scores / softcap)`` before the mask,
-    Gemma 2's; XLA only, see ``choose_kernel``), the same math written out."""
+    with attention dropout, a ``softcap`` (scores ``softcap * tanh(scores / softcap)`` before the mask,
+    Gemma 2's) or ``sinks`` (``[heads]`` logits in each softmax's denominator, gpt-oss's; both XLA only, see
+    ``choose_kernel``), the same math written out."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     segments = mask.segments if isinstance(mask, AttentionMask) else None
     window = mask.window if isinstance(mask, AttentionMask) else None
     mask = mask.dense if isinstance(mask, AttentionMask) else mask
-    fused = kernel.name != "xla" and bias is None and softcap is None and (rngs is None or dropout_rate == 0.0)
+    plain = softcap is None and sinks is None
+    fused = kernel.name != "xla" and bias is None and plain and (rngs is None or dropout_rate == 0.0)
     if fused and kernel.name == "splash" and _splash_fits(q, k, kernel):
         return splash_attention(q, k, v, segments, scale=scale, causal=causal, window=window, kernel=kernel)
     if fused and kernel.name == "cudnn":  # right-padded rows (choose_kernel refuses packed ones): key lengths
@@ -278,9 +289,9 @@ def attend(
         )  # fmt: skip
     # XLA:CPU has no float16 x float16 -> float32 dot, which jax.nn.dot_product_attention asks for
     cpu_half = q.dtype == jnp.float16 and jax.default_backend() == "cpu"
-    if (rngs is None or dropout_rate == 0.0) and not cpu_half and softcap is None:
+    if (rngs is None or dropout_rate == 0.0) and not cpu_half and plain:
         return jax.nn.dot_product_attention(q, k, v, bias=bias, mask=mask, scale=scale)
-    return _written_out(q, k, v, "bkhd", mask, bias, scale, dropout_rate, rngs, softcap)
+    return _written_out(q, k, v, "bkhd", mask, bias, scale, dropout_rate, rngs, softcap, sinks)
 
 
 def take_positions(x: jax.Array, positions: jax.Array) -> jax.Array:
@@ -318,27 +329,31 @@ def attend_cache(
     bias: jax.Array | None = None,
     scale: float | None = None,
     softcap: float | None = None,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """``attend`` (without dropout: caches serve inference) over the keys/values of ``cache``, with XLA."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     mask = mask.dense if isinstance(mask, AttentionMask) else mask
     k, v = cache.k.astype(q.dtype), cache.v.astype(q.dtype)
-    return _written_out(q, k, v, "bhkd", mask, bias, scale, 0.0, None, softcap)
+    return _written_out(q, k, v, "bhkd", mask, bias, scale, 0.0, None, softcap, sinks)
 
 
-def _written_out(q, k, v, kv_layout: str, mask, bias, scale, dropout_rate, rngs, softcap=None) -> jax.Array:
+def _written_out(q, k, v, kv_layout: str, mask, bias, scale, dropout_rate, rngs, softcap=None, sinks=None) -> jax.Array:
     """Attention as plain einsums, float32 scores: queries ``[batch, q_len, heads, dim]``, keys/values in
     ``kv_layout`` (``bkhd``: ``[batch, kv_len, kv_heads, dim]``; ``bhkd``: a cache's). Query heads are grouped
     by the key/value head they read, so grouped-query keys are never repeated in memory; without groups the
     dots give the ``[batch, heads, q, kv]`` scores directly and the output ``[batch, heads, q, dim]`` (the
     grouped form's reshape, and an output with its heads in place, made XLA:CPU transpose the scores or run
-    the product in the slow order: QA's MiniLM step about 20% more work)."""
+    the product in the slow order: QA's MiniLM step about 20% more work). ``sinks``: see ``_sink_softmax``."""
     shape = _Shape(q.shape, k.shape[kv_layout.index("h")], kv_layout, scale, softcap)
-    if isinstance(rngs, DrawnMasks) and dropout_rate > 0.0:
+    if isinstance(rngs, DrawnMasks) and dropout_rate > 0.0 and sinks is None:
         keep = rngs.take(shape.scores(k.shape[kv_layout.index("k")]), dropout_rate)
         return _attention_drawn(shape, dropout_rate, q, k, v, bias, mask, keep)
     logits = _scores(shape, q, k, bias, mask)
-    probs = _softmax_dropout(logits, dropout_rate, rngs).astype(v.dtype)
+    if sinks is None:
+        probs = _softmax_dropout(logits, dropout_rate, rngs).astype(v.dtype)
+    else:
+        probs = dropout(_sink_softmax(logits, sinks), dropout_rate, rngs).astype(v.dtype)
     return shape.output(jnp.einsum(shape.product, shape.group(probs), v))
 
 
@@ -389,6 +404,14 @@ def _scores(shape: _Shape, q, k, bias, mask) -> jax.Array:
     if mask is not None:
         logits = jnp.where(mask, logits, jnp.finfo(jnp.float32).min)
     return logits
+
+
+def _sink_softmax(logits: jax.Array, sinks: jax.Array) -> jax.Array:
+    """The float32 softmax of ``[batch, heads, q, kv]`` logits with each head's sink logit (``sinks``
+    ``[heads]``, gpt-oss's) as one more key in the denominator, which takes its share of the probability and
+    then is dropped (transformers' ``eager_attention_forward``): a query may attend to almost nothing."""
+    sink = jnp.broadcast_to(sinks.astype(jnp.float32)[:, None, None], (*logits.shape[:-1], 1))
+    return jax.nn.softmax(jnp.concatenate([logits, sink], axis=-1), axis=-1)[..., :-1]
 
 
 def _softmax_dropout(logits: jax.Array, rate: float, rngs: nnx.Rngs | None) -> jax.Array:
@@ -585,6 +608,8 @@ def _why_not(name: str, model: nnx.Module, platform: str, interpret: bool) -> st
         return f"{label} cannot add {type(model).__name__}'s relative position bias; use --attention xla"
     if any(getattr(layer, "softcap", None) for layer in layers):
         return f"{label} does not soft-cap attention logits (attn_logit_softcapping); use --attention xla"
+    if any(getattr(layer, "sinks", None) is not None for layer in layers):
+        return f"{label} has no attention sinks (the sinks of {type(model).__name__}); use --attention xla"
     if name == "splash" and platform != "tpu" and not interpret:
         return f"splash attention runs on TPUs (here: {platform}); use --attention auto or xla"
     if name == "cudnn" and platform not in ("gpu", "cuda"):

@@ -544,9 +544,15 @@ EXPERTS = "experts"
 (``experts.3.w1.weight``, the unrolled path ``experts/3/w1/kernel``)."""
 
 
-def is_expert_stack(path: tuple) -> bool:
-    """Whether parameter ``path`` is an experts' stacked projection (a parameter directly under ``EXPERTS``)."""
-    return len(path) >= 2 and path[-2] == EXPERTS
+class WholeExperts(nnx.Param):
+    """An experts' parameter that checkpoints keep whole, ``[experts, ...]`` under its own name (gpt-oss's
+    ``experts.gate_up_proj``), not as one tensor per expert: no ``is_expert_stack``."""
+
+
+def is_expert_stack(path: tuple, param: nnx.Variable) -> bool:
+    """Whether parameter ``param`` at ``path`` is an experts' stacked projection that checkpoints name per expert
+    (a parameter directly under ``EXPERTS``, not ``WholeExperts``)."""
+    return len(path) >= 2 and path[-2] == EXPERTS and not isinstance(param, WholeExperts)
 
 
 def layer_paths(state) -> dict[tuple, tuple[tuple, int | tuple | None]]:
@@ -557,7 +563,7 @@ def layer_paths(state) -> dict[tuple, tuple[tuple, int | tuple | None]]:
     parameters (arrays or shapes)."""
     out = {}
     for path, value in nnx.to_flat_state(state):
-        shape, experts = value.get_value().shape, is_expert_stack(path)
+        shape, experts = value.get_value().shape, is_expert_stack(path, value)
         axes = [range(shape[0])] * (STACKED in path) + [range(shape[STACKED in path])] * experts
         if not axes:
             out[tuple(0 if part == FIRST_ONLY else part for part in path)] = (path, None)

@@ -135,11 +135,14 @@ def torch_layout(model: nnx.Module) -> dict[str, tuple[tuple, bool]]:
     transposed = {
         path for path, m in nnx.iter_modules(model) if isinstance(m, nnx.Linear) and not isinstance(m, Conv1D)
     }
+    params = nnx.state(model, nnx.Param)
+    variables = dict(nnx.to_flat_state(params))
     layout = {}
-    for path, (stored, _) in layer_paths(nnx.state(model, nnx.Param)).items():
+    for path, (stored, _) in layer_paths(params).items():
         *mod, leaf = path
         name = ".".join(map(str, [*mod, _LEAF_TO_TORCH.get(leaf, leaf)]))
-        layout[name] = (path, (leaf == "kernel" and stored[:-1] in transposed) or is_expert_stack(stored))
+        expert = is_expert_stack(stored, variables[stored])
+        layout[name] = (path, (leaf == "kernel" and stored[:-1] in transposed) or expert)
     return layout
 
 

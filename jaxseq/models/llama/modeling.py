@@ -58,7 +58,7 @@ from jaxseq.models.layers import (
 )
 from jaxseq.models.outputs import BaseOutput
 
-ROPE_TYPES = ("default", "linear", "llama3")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 GEMMA = ("gemma2", "gemma3_text")
 
 
@@ -111,14 +111,14 @@ def softcap(x: jax.Array, cap: float | None) -> jax.Array:
 
 def layer_windows(config) -> tuple[int | None, ...]:
     """Each layer's sliding window (None: full causal attention), as transformers applies the config:
-    Mistral and Phi-3 slide every layer over ``sliding_window`` (if set); Qwen2, Qwen3 and Gemma the layers their
-    ``layer_types`` call ``sliding_attention`` (Qwen's by default those from ``max_window_layers`` on, and only with
-    ``use_sliding_window``, without which transformers sets ``sliding_window`` to None); Llama none."""
+    Mistral and Phi-3 slide every layer over ``sliding_window`` (if set); Qwen2, Qwen3, gpt-oss and Gemma the layers
+    their ``layer_types`` call ``sliding_attention`` (Qwen's by default those from ``max_window_layers`` on, and only
+    with ``use_sliding_window``, without which transformers sets ``sliding_window`` to None); Llama none."""
     window = getattr(config, "sliding_window", None)
     layers = config.num_hidden_layers
     if config.model_type in ("mistral", "phi3"):
         return (window,) * layers
-    if config.model_type in ("qwen2", "qwen3", *GEMMA) and window is not None:
+    if config.model_type in ("qwen2", "qwen3", "gpt_oss", *GEMMA) and window is not None:
         kinds = list(config.layer_types or ())
         if len(kinds) < layers:
             raise JaxseqError(
@@ -132,16 +132,46 @@ def layer_windows(config) -> tuple[int | None, ...]:
 # --------------------------------------------------------------------------- rotary embeddings
 
 
-def rope_frequencies(config, window: int | None = None) -> np.ndarray:
-    """float32 inverse frequencies ``[head_dim / 2]`` of the rotary embeddings, computed as transformers'
-    ``ROPE_INIT_FUNCTIONS`` compute them from ``config.rope_parameters`` (``rope_type``, ``rope_theta``,
-    ``factor``, and llama3's ``low_freq_factor``, ``high_freq_factor``, ``original_max_position_embeddings``);
-    parameters per layer kind (Gemma 3's) are read for the layers of ``window`` (None: full attention)."""
+def rope_parameters(config, window: int | None = None) -> tuple[str, dict]:
+    """The rope type and ``rope_parameters`` of the layers of ``window`` (None: full attention; Gemma 3's
+    parameters per layer kind)."""
     params = getattr(config, "rope_parameters", None) or {}
     kind = "full_attention" if window is None else "sliding_attention"
     if isinstance(params.get(kind), dict):
         params = params[kind]
-    kind = params.get("rope_type", params.get("type", "default"))
+    return params.get("rope_type", params.get("type", "default")), params
+
+
+def yarn_factor(config, params: dict) -> float:
+    """YaRN's context extension factor: ``factor``, else the ratio of the positions to the original ones."""
+    return params.get("factor") or config.max_position_embeddings / params["original_max_position_embeddings"]
+
+
+def rope_attention_factor(config, window: int | None = None) -> float:
+    """What transformers multiplies the rotary cos and sin by (its ``attention_scaling``): YaRN's
+    ``attention_factor``, else ``0.1 * ln(factor) + 1`` (with ``mscale``/``mscale_all_dim``, their ratio); 1
+    for the other rope types."""
+    kind, params = rope_parameters(config, window)
+    if kind != "yarn":
+        return 1.0
+    if params.get("attention_factor") is not None:
+        return float(params["attention_factor"])
+    factor = yarn_factor(config, params)
+
+    def scale(m=1.0):
+        return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+    mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
+    return float(scale(mscale) / scale(mscale_all_dim)) if mscale and mscale_all_dim else scale()
+
+
+def rope_frequencies(config, window: int | None = None) -> np.ndarray:
+    """float32 inverse frequencies ``[head_dim / 2]`` of the rotary embeddings, computed as transformers'
+    ``ROPE_INIT_FUNCTIONS`` compute them from ``config.rope_parameters`` (``rope_type``, ``rope_theta``,
+    ``factor``, llama3's ``low_freq_factor``, ``high_freq_factor``, ``original_max_position_embeddings``, and
+    YaRN's ``beta_fast``, ``beta_slow``, ``truncate``); parameters per layer kind (Gemma 3's) are read for the
+    layers of ``window`` (None: full attention)."""
+    kind, params = rope_parameters(config, window)
     if kind not in ROPE_TYPES:
         raise JaxseqError(f"rope type {kind!r} is not supported; jaxseq supports {', '.join(ROPE_TYPES)}")
     dim = head_dim(config)
@@ -159,7 +189,31 @@ def rope_frequencies(config, window: int | None = None) -> np.ndarray:
         blended = (1 - smooth) * scaled / np.float32(factor) + smooth * scaled
         medium = ~(wavelen < old_context / high) & ~(wavelen > old_context / low)
         return np.where(medium, blended, scaled).astype(np.float32)
+    if kind == "yarn":
+        return yarn_frequencies(config, params, inv_freq)
     return inv_freq
+
+
+def yarn_frequencies(config, params: dict, inv_freq: np.ndarray) -> np.ndarray:
+    """YaRN (Peng et al. 2023): the frequencies that turn fewer than ``beta_slow`` times over the original
+    context slowed down by the factor, those that turn more than ``beta_fast`` times kept, a linear ramp
+    between."""
+    dim, base = head_dim(config), params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+    old_context = params["original_max_position_embeddings"]
+
+    def dimension(rotations):  # the feature pair that turns ``rotations`` times over the original context
+        return dim * math.log(old_context / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = dimension(params.get("beta_fast") or 32), dimension(params.get("beta_slow") or 1)
+    if params.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    high = high + 0.001 if low == high else high
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - np.float32(low)) / np.float32(high - low), 0, 1)
+    kept = np.float32(1) - ramp  # 1: the original frequency, 0: slowed down
+    periods = np.float32(base) ** (np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim))
+    slowed = np.float32(1) / (np.float32(yarn_factor(config, params)) * periods)
+    return (slowed * (1 - kept) + inv_freq * kept).astype(np.float32)
 
 
 def rotary(position_ids: jax.Array, inv_freq: np.ndarray) -> tuple[jax.Array, jax.Array]:
@@ -261,6 +315,7 @@ class LlamaDecoderLayer(nnx.Module):
     then the attention's output norm, ``pre_feedforward_layernorm`` the MLP's input norm)."""
 
     mlp_class = LlamaMLP  # Mixtral's: its sparse MoE block
+    attention_class = LlamaAttention  # gpt-oss's: with attention sinks
 
     def __init__(
         self,
@@ -274,7 +329,7 @@ class LlamaDecoderLayer(nnx.Module):
     ):
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.input_layernorm = rms_norm(config, config.hidden_size, **kw)
-        self.self_attn = LlamaAttention(config, window, execution=execution, **kw)
+        self.self_attn = self.attention_class(config, window, execution=execution, **kw)
         self.post_attention_layernorm = rms_norm(config, config.hidden_size, **kw)
         if gemma(config):
             self.pre_feedforward_layernorm = rms_norm(config, config.hidden_size, **kw)
@@ -364,8 +419,11 @@ class LlamaModel(nnx.Module):
         return rope_frequencies(self.config, window)
 
     def rope(self, position_ids, window: int | None) -> tuple[jax.Array, jax.Array]:
-        """``(sin, cos)`` of ``position_ids`` for the layers that attend over ``window``."""
-        return rotary(position_ids, self.rope_frequencies(window))
+        """``(sin, cos)`` of ``position_ids`` for the layers that attend over ``window`` (YaRN's scaled by its
+        attention factor)."""
+        sin, cos = rotary(position_ids, self.rope_frequencies(window))
+        scale = rope_attention_factor(self.config, window)
+        return (sin, cos) if scale == 1.0 else (sin * scale, cos * scale)
 
     def mask(self, attention_mask, seq: int, cache: Cache | None, index, window: int | None) -> AttentionMask:
         """The causal mask of the layers that attend over ``window``: over this call's positions, the cache's

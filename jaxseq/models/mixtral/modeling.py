@@ -68,17 +68,25 @@ class Experts(nnx.Module):
         return tuple(getattr(self, n)[...].astype(dtype) for n in self.names)
 
 
-def grouped_experts(kernels, act, x, weights, ids, first: int = 0):
+def swiglu_experts(kernels, act, h, grouped, experts):
+    """Mixtral's experts of sorted rows ``h``: ``down(act(gate(h)) * up(h))``, ``kernels`` the (gate, up, down)
+    stacks ``[experts, in, out]``, ``grouped(h, kernel)`` the grouped matmul of the rows with their experts'
+    kernels (``experts``: each row's, for what else an expert holds per expert, such as biases)."""
+    gate, up, down = kernels
+    return grouped(act(grouped(h, gate)) * grouped(h, up), down)
+
+
+def grouped_experts(kernels, act, x, weights, ids, first: int = 0, expert=swiglu_experts):
     """``x`` ``[tokens, hidden]`` through each token's experts ``ids`` ``[tokens, k]``, summed with ``weights``:
     the token-expert pairs sorted by expert, each expert's rows multiplied by its kernels alone in one grouped
-    matmul (``jax.lax.ragged_dot`` over ``kernels``, the (gate, up, down) stacks ``[experts, in, out]``), then
-    weighted and summed back onto their tokens, in float32. ``kernels`` may hold only experts ``first`` to
-    ``first + len``: the pairs of other experts are sorted last, outside every group, their rows zeros going in
-    and each grouped matmul's rows for them selected away (a grouped matmul may leave rows outside its groups
-    undefined, NaN included), so they add exactly nothing, forward and backward."""
-    gate, up, down = kernels
+    matmul (``jax.lax.ragged_dot`` over ``kernels``, stacks ``[experts, ...]`` that ``expert`` reads: by default
+    ``swiglu_experts``'s (gate, up, down)), then weighted and summed back onto their tokens, in float32.
+    ``kernels`` may hold only experts ``first`` to ``first + len``: the pairs of other experts are sorted last,
+    outside every group, their rows zeros going in and each grouped matmul's rows for them selected away (a
+    grouped matmul may leave rows outside its groups undefined, NaN included), so they add exactly nothing,
+    forward and backward."""
     tokens, k = ids.shape
-    count = gate.shape[0]
+    count = kernels[0].shape[0]
     local = ids.reshape(-1) - first
     local = jnp.where((local >= 0) & (local < count), local, count)  # count: another device's expert
     order = jnp.argsort(local, stable=True)
@@ -89,30 +97,31 @@ def grouped_experts(kernels, act, x, weights, ids, first: int = 0):
     def grouped(h, kernel):
         return jnp.where(mine, jax.lax.ragged_dot(h, kernel, sizes), 0)
 
-    h = jnp.where(mine, x[rows], 0).astype(gate.dtype)
-    h = act(grouped(h, gate)) * grouped(h, up)
-    y = grouped(h, down).astype(jnp.float32) * weights.reshape(-1)[order][:, None]
+    h = jnp.where(mine, x[rows], 0).astype(kernels[0].dtype)
+    y = jnp.where(mine, expert(kernels, act, h, grouped, jnp.minimum(local[order], count - 1)), 0)
+    y = y.astype(jnp.float32) * weights.reshape(-1)[order][:, None]
     return jnp.zeros((tokens, x.shape[-1]), jnp.float32).at[rows].add(y)
 
 
-def expert_parallel(mesh, kernels, act, x, weights, ids):
+def expert_parallel(mesh, kernels, act, x, weights, ids, expert=swiglu_experts):
     """``grouped_experts`` with the experts split over the mesh's ``ep`` axis: each device holds
     ``experts / ep`` of them whole (gathered over fsdp and mp) and its own tokens (the batch axes). The
     token exchange: each device gathers its ``ep`` group's tokens and their routes, computes its own
     experts' pairs among them, and the partial outputs are summed and scattered back to the tokens'
     devices (one all-gather and one reduce-scatter over ``ep``; dropless, whatever the routing). Tokens that
     do not split evenly over the batch axes are padded."""
-    rows, expert = P(BATCH_AXES, None), P("ep", None, None)
+    rows, split = P(BATCH_AXES, None), P("ep")
 
     def local(kernels, x, weights, ids):
         gathered = [jax.lax.all_gather(a, "ep", tiled=True) for a in (x, weights, ids)]
         first = jax.lax.axis_index("ep") * kernels[0].shape[0]
-        y = grouped_experts(kernels, act, *gathered, first=first)
+        y = grouped_experts(kernels, act, *gathered, first=first, expert=expert)
         return jax.lax.psum_scatter(y, "ep", scatter_dimension=0, tiled=True)
 
     tokens, pad = x.shape[0], -x.shape[0] % math.prod(mesh.shape[a] for a in BATCH_AXES)
     x, weights, ids = (jnp.pad(a, ((0, pad), (0, 0))) for a in (x, weights, ids))  # padding: weight 0
-    run = jax.shard_map(local, mesh=mesh, in_specs=((expert,) * 3, rows, rows, rows), out_specs=rows)
+    in_specs = ((split,) * len(kernels), rows, rows, rows)
+    run = jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=rows)
     return run(kernels, x, weights, ids)[:tokens]
 
 

@@ -1,0 +1,189 @@
+"""gpt-oss against transformers PyTorch, every weight perturbed and the sinks made large: a config with sliding and
+full layers (a window of 4), YaRN rope, q/k/v/o biases, clamped experts with biases, the router loss; and one with
+none of these (full layers only, default rope, no attention biases, a tied head, top-1 of 3 experts, as many
+key/value heads as query heads). Logits on both paddings (the second scanned too), greedy generation through the
+KV cache and the rolling window, export, one training step's loss and every gradient, on one device and on
+meshes (experts split over ep), and what is refused in one line: MXFP4 checkpoints, a fused kernel asked by name,
+scanning mixed layers."""
+
+import json
+import shutil
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from jaxseq import partition  # noqa: E402
+from jaxseq.errors import JaxseqError  # noqa: E402
+from jaxseq.generation import generate  # noqa: E402
+from jaxseq.mesh import make_mesh  # noqa: E402
+from jaxseq.models import Execution, load_pretrained, save_pretrained  # noqa: E402
+from jaxseq.models.attention import choose_kernel  # noqa: E402
+from jaxseq.models.decide import decide_execution  # noqa: E402
+from jaxseq.models.hub import load_config  # noqa: E402
+from jaxseq.train.objectives import CausalLM  # noqa: E402
+from tests.reference import assert_gradients_match, padded_batch, perturb, torch_forward  # noqa: E402
+from tests.test_llama import NEW, PAD, VOCAB, forward, prompts  # noqa: E402
+from tests.test_mixtral import relative_diff  # noqa: E402
+
+COEF = 0.02
+YARN = dict(
+    rope_type="yarn", factor=4.0, beta_fast=16.0, beta_slow=1.0, truncate=False, original_max_position_embeddings=32,
+    rope_theta=1000.0,
+)  # fmt: skip
+CONFIGS = {
+    "mixed": dict(sliding_window=4, rope_parameters=YARN, output_router_logits=True, router_aux_loss_coef=COEF),
+    "plain": dict(
+        layer_types=["full_attention"] * 3, attention_bias=False, tie_word_embeddings=True, num_key_value_heads=4,
+        num_local_experts=3, num_experts_per_tok=1, rope_parameters=dict(rope_type="default", rope_theta=500.0),
+    ),
+}  # fmt: skip
+
+
+def tiny_config(**kw):
+    """3 layers (sliding, full, sliding by default), 4 experts of width 32, top-2, clamped at 2."""
+    base = dict(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=32, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=128,
+        swiglu_limit=2.0, pad_token_id=PAD, bos_token_id=1, eos_token_id=2, initializer_range=0.3,
+        attn_implementation="eager",
+    )  # fmt: skip
+    return transformers.GptOssConfig(**{**base, **kw})
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS))
+def saved(request, tmp_path_factory):
+    torch.manual_seed(0)
+    ref = perturb(transformers.GptOssForCausalLM(tiny_config(**CONFIGS[request.param]))).eval()
+    with torch.no_grad():
+        for layer in ref.model.layers:  # sinks of the logits' size: each takes a real share of its softmax
+            layer.self_attn.sinks.mul_(8)
+    path = tmp_path_factory.mktemp("gpt_oss")
+    ref.save_pretrained(path)
+    return request.param, ref, path
+
+
+def test_logits_and_aux_loss_match_pytorch_on_both_paddings(saved):
+    name, ref, path = saved
+    model = load_pretrained(path, "causal-lm")
+    scanned = load_pretrained(path, "causal-lm", execution=Execution(scan_layers=True)) if name == "plain" else None
+    for ids, mask in (padded_batch(VOCAB), prompts((12, 9, 5))):
+        want = torch_forward(ref, input_ids=ids, attention_mask=mask)
+        for m in filter(None, (model, scanned)):
+            out = forward(m, jnp.asarray(ids), jnp.asarray(mask))
+            assert relative_diff(mask, out.logits, want.logits.numpy()) <= 1e-4
+        if name == "mixed":
+            assert abs(float(out.aux_loss) - COEF * float(want.aux_loss)) <= 1e-6
+
+
+def test_greedy_generation_matches_pytorch_on_left_padded_prompts(saved):
+    """24 new tokens after prompts of up to 11: far past the window of 4 (the rolling cache's path)."""
+    _, ref, path = saved
+    ids, mask = prompts()
+    with torch.no_grad():
+        out = ref.generate(
+            torch.as_tensor(ids).long(), attention_mask=torch.as_tensor(mask).long(), max_new_tokens=NEW,
+            do_sample=False, pad_token_id=PAD, eos_token_id=None, output_router_logits=False,
+        )  # fmt: skip
+    want = out[:, ids.shape[1] :].numpy()
+    assert all(len(set(row)) > 4 for row in want)
+    got = generate(load_pretrained(path, "causal-lm"), ids, mask, max_new_tokens=NEW, pad_token_id=PAD)
+    np.testing.assert_array_equal(np.asarray(got.sequences), want)
+
+
+def test_export_loads_in_transformers_with_the_same_logits(saved, tmp_path):
+    _, ref, path = saved
+    save_pretrained(load_pretrained(path, "causal-lm"), tmp_path)
+    back, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, output_loading_info=True)
+    assert type(back) is transformers.GptOssForCausalLM
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    ids, mask = padded_batch(VOCAB)
+    want = torch_forward(ref, input_ids=ids, attention_mask=mask).logits.numpy()
+    assert relative_diff(mask, torch_forward(back, input_ids=ids, attention_mask=mask).logits, want) <= 1e-5
+
+
+def loss_and_grads(model, batch):
+    return nnx.jit(nnx.value_and_grad(lambda m: CausalLM(None).loss(m, batch, None)))(model)
+
+
+def test_training_loss_and_every_gradient_equal_transformers(saved):
+    """One step's loss (the router loss included where the config asks for it) and the gradient of every
+    weight: the sinks, the router's kernel and bias, the experts' stacks and biases."""
+    _, ref, path = saved
+    ids, mask = padded_batch(VOCAB)
+    ref.train()
+    ref.zero_grad()
+    out = ref(
+        input_ids=torch.as_tensor(ids).long(), attention_mask=torch.as_tensor(mask).long(),
+        labels=torch.as_tensor(np.where(mask == 1, ids, -100)).long(),
+    )  # fmt: skip
+    out.loss.backward()
+    ref.eval()
+    want = {name: p.grad.numpy().copy() for name, p in ref.named_parameters()}
+    ref.zero_grad()
+    model = load_pretrained(path, "causal-lm")
+    loss, grads = loss_and_grads(model, {"input_ids": jnp.asarray(ids), "attention_mask": jnp.asarray(mask)})
+    assert abs(float(loss) - out.loss.item()) <= 1e-5
+    assert_gradients_match(model, nnx.state(grads, nnx.Param), want)
+
+
+@pytest.mark.parametrize("mesh", ["dp=2,fsdp=2,mp=2", "dp=2,ep=4"])
+def test_meshes_give_the_same_logits_and_gradients(saved, mesh):
+    """The experts split over ep (each device its experts' stacks and biases) or over fsdp and mp: the logits,
+    the loss and one step's gradients of every weight as on one device."""
+    name, _, path = saved
+    if name != "mixed":
+        pytest.skip("one config is enough")
+    ids, mask = padded_batch(VOCAB)
+    batch = {"input_ids": jnp.asarray(ids), "attention_mask": jnp.asarray(mask)}
+
+    def logits_loss_grads(model):
+        loss, grads = loss_and_grads(model, batch)
+        out = forward(model, batch["input_ids"], batch["attention_mask"])
+        return out, loss, dict(partition.named_leaves(nnx.state(grads, nnx.Param)))
+
+    want, want_loss, want_grads = logits_loss_grads(load_pretrained(path, "causal-lm"))
+    devices = make_mesh(mesh)
+    execution = decide_execution(load_config(path), "causal-lm", mesh=devices, scan_layers="auto")
+    model = load_pretrained(path, "causal-lm", mesh=devices, execution=execution)
+    specs = {name: x.sharding.spec for name, x in partition.named_leaves(nnx.state(model, nnx.Param))}
+    assert specs["model/layers/0/mlp/experts/gate_up_proj"] == P("ep", "fsdp", "mp")
+    assert specs["model/layers/0/mlp/experts/down_proj_bias"] == P("ep", None)
+    assert model.model.layers[0].mlp.expert_mesh == (devices if "ep" in mesh else None)
+    got, loss, grads = logits_loss_grads(model)
+    assert relative_diff(mask, got.logits, want.logits) <= 1e-5
+    assert abs(float(loss) - float(want_loss)) <= 1e-6 * abs(float(want_loss))
+    assert grads.keys() == want_grads.keys()
+    for key, g in grads.items():
+        scale = max(1e-6, float(np.abs(want_grads[key]).max()))
+        assert float(np.abs(np.asarray(g) - np.asarray(want_grads[key])).max()) / scale <= 1e-4, key
+
+
+def test_refusals_are_one_line(saved, tmp_path):
+    """An MXFP4 checkpoint; splash or cuDNN asked by name (they have no sinks); scanning sliding and full layers."""
+    name, _, path = saved
+    if name != "mixed":
+        pytest.skip("one config is enough")
+    quantized = tmp_path / "mxfp4"
+    shutil.copytree(path, quantized)
+    config = json.loads((quantized / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["router"]}
+    (quantized / "config.json").write_text(json.dumps(config))
+    model = load_pretrained(path, "causal-lm")
+    checks = [
+        ("mxfp4", lambda: load_pretrained(quantized, "causal-lm")),
+        ("sinks", lambda: choose_kernel("splash", None, lambda: model, interpret=True)),
+        ("sinks", lambda: choose_kernel("cudnn", None, lambda: model)),
+        ("scan_layers", lambda: load_pretrained(path, "causal-lm", execution=Execution(scan_layers=True))),
+    ]
+    for word, call in checks:
+        with pytest.raises(JaxseqError, match=word) as error:
+            call()
+        assert "\n" not in str(error.value)
+    said = []
+    assert choose_kernel("auto", None, lambda: model, say=said.append).name == "xla"
