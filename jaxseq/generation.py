@@ -14,8 +14,9 @@ lists them):
 The loop stops when every row has produced EOS (rows that finished emit padding) or after
 ``max_new_tokens``. With ``num_beams`` > 1 it is transformers' beam search (``beam_loop``): every prompt row
 becomes ``num_beams`` rows of the batch, and after each step the self-attention cache is gathered to
-follow the beams kept. The whole call is one compiled program. Prompts are padded on the left up to a
-multiple of ``bucket`` tokens, so prompts of similar lengths share it; a program is compiled once per
+follow the beams kept. Sampling ``num_return_sequences`` > 1 completions of a prompt prefills it once and
+copies its cache to each of them (``fan_out``). The whole call is one compiled program. Prompts are padded on
+the left up to a multiple of ``bucket`` tokens, so prompts of similar lengths share it; a program is compiled once per
 (model structure, batch size, prompt bucket, ``max_new_tokens``, greedy/sampling/``num_beams``, ``top_k``,
 EOS/pad ids) and reused: temperature, top-p, the seed, ``min_new_tokens``, ``length_penalty`` and
 ``early_stopping`` are inputs, not constants.
@@ -134,6 +135,13 @@ class Settings:
     decoder_start: int | None  # T5's first decoder token; None for decoder-only models
     mesh: Mesh | None
     num_beams: int = 1
+    samples: int = 1  # sampled completions of each prompt, its prefill shared (``fan_out``)
+    rows: int | None = None  # the decoding rows kept of prompts x copies (None: all)
+
+    @property
+    def copies(self) -> int:
+        """Rows each prompt becomes after its prefill: its beams, or its sampled completions."""
+        return self.num_beams if self.num_beams > 1 else self.samples
 
 
 class BeamInputs(NamedTuple):
@@ -211,9 +219,16 @@ def gather_beams(tree, index: jax.Array):
     return jax.tree.map(lambda x: jnp.take_along_axis(x, index.reshape(index.shape + (1,) * (x.ndim - 2)), 1), tree)
 
 
-def repeat_beams(cache, beams: int):
-    """A cache (``[..., batch, heads, len, dim]`` leaves; the write index kept) with each row ``beams`` times."""
-    return jax.tree.map(lambda x: jnp.repeat(x, beams, axis=x.ndim - 4) if x.ndim >= 4 else x, cache)
+def fan_out(cache, rows: jax.Array, settings: Settings):
+    """A prefilled ``cache`` (``[..., batch, heads, len, dim]`` leaves; the write index kept) and ``rows`` (a
+    tuple of ``[batch, ...]`` arrays) with each prompt's row ``settings.copies`` times, the first
+    ``settings.rows`` of them kept: one prefill serves a prompt's beams or samples."""
+    copies, keep = settings.copies, settings.rows
+    if copies == 1 and keep is None:
+        return cache, rows
+    repeat = lambda x, axis: jax.lax.slice_in_dim(jnp.repeat(x, copies, axis=axis), 0, keep, axis=axis)
+    cache = jax.tree.map(lambda x: repeat(x, x.ndim - 4) if x.ndim >= 4 else x, cache)
+    return shard_cache(cache, settings.mesh), tuple(repeat(x, 0) for x in rows)
 
 
 def reorder_cache(cache, index: jax.Array):
@@ -342,8 +357,7 @@ def program(graphdef, settings: Settings):
     def search(step, cache, first, key, temperature, top_p, min_new_tokens, beam):
         if beams == 1:
             return decode_loop(step, cache, first, settings, key, temperature, top_p, min_new_tokens)
-        cache = shard_cache(repeat_beams(cache, beams), settings.mesh)
-        return beam_loop(step, cache, jnp.repeat(first, beams), settings, beam, min_new_tokens)
+        return beam_loop(step, cache, first, settings, beam, min_new_tokens)
 
     def decoder_only(state, ids, mask, key, temperature, top_p, min_new_tokens, beam):
         model = nnx.merge(graphdef, state)
@@ -355,25 +369,25 @@ def program(graphdef, settings: Settings):
         full_mask = jnp.concatenate([mask, jnp.ones((batch, n - 1), mask.dtype)], axis=1)
         if width > 1:  # the prefill's logits are unused, so XLA drops its vocabulary projection
             cache = model(ids[:, :-1], full_mask, positions[:, :-1], cache=cache).cache
-        full_mask, last = jnp.repeat(full_mask, beams, axis=0), jnp.repeat(positions[:, -1], beams)
+        cache, (full_mask, last, first) = fan_out(cache, (full_mask, positions[:, -1], ids[:, -1]), settings)
 
         def step(cache, token, t):
             out = model(token[:, None], full_mask, (last + t)[:, None], cache=cache)
             return out.logits[:, 0], out.cache
 
-        return search(step, cache, ids[:, -1], key, temperature, top_p, min_new_tokens, beam)
+        return search(step, cache, first, key, temperature, top_p, min_new_tokens, beam)
 
     def encoder_decoder(state, ids, mask, key, temperature, top_p, min_new_tokens, beam):
         model = nnx.merge(graphdef, state)
         encoded = model.encode(ids, mask)
         cache = shard_cache(model.init_cache(encoded, mask, n), settings.mesh)
-        mask = jnp.repeat(mask, beams, axis=0)
+        first = jnp.full((ids.shape[0],), settings.decoder_start, jnp.int32)
+        cache, (mask, first) = fan_out(cache, (mask, first), settings)
 
         def step(cache, token, t):
             out = model.decode(token[:, None], None, mask, cache=cache)
             return out.logits[:, 0], out.cache
 
-        first = jnp.full((ids.shape[0],), settings.decoder_start, jnp.int32)
         return search(step, cache, first, key, temperature, top_p, min_new_tokens, beam)
 
     return jax.jit(decoder_only if settings.decoder_start is None else encoder_decoder)
@@ -444,10 +458,12 @@ def check_beams(num_beams, num_return_sequences, early_stopping, do_sample=False
     """One-line errors for beam-search settings ``generate`` cannot take (a command checks them before loading)."""
     if num_beams < 1:
         raise JaxseqError(f"num_beams must be at least 1, got {num_beams}")
-    if not 1 <= num_return_sequences <= num_beams:
+    if do_sample and num_return_sequences < 1:
+        raise JaxseqError(f"num_return_sequences must be at least 1, got {num_return_sequences}")
+    if not do_sample and not 1 <= num_return_sequences <= num_beams:
         raise JaxseqError(
             f"num_return_sequences must be between 1 and num_beams ({num_beams}), got {num_return_sequences}; "
-            "raise num_beams to return more sequences"
+            "raise num_beams to return more sequences, or sample them (do_sample)"
         )
     if early_stopping not in (True, False, "never"):
         raise JaxseqError(f"early_stopping must be True, False or 'never', got {early_stopping!r}")
@@ -488,7 +504,9 @@ def generate(
     ``filter_logits``); draws use ``jax.random.key(seed)`` folded with the step, so a seed repeats its
     output. ``num_beams`` > 1: transformers' beam search (``beam_loop``) with its ``length_penalty``,
     ``early_stopping`` (True, False or "never") and ``num_return_sequences`` (the best of each prompt's
-    beams, best first). A row stops at any of ``eos_token_id`` (None: never; transformers would use
+    beams, best first). Sampling, ``num_return_sequences`` completions of each prompt (its rows in turn,
+    as transformers orders them) are drawn from one prefill of it. A row stops at any of ``eos_token_id``
+    (None: never; transformers would use
     ``model.config.eos_token_id``), which cannot come before ``min_new_tokens`` tokens; afterwards it
     emits ``pad_token_id`` (default: the first EOS id, else 0). Returns a ``GenerationOutput``.
     """
@@ -506,8 +524,9 @@ def generate(
 
     graphdef, state = nnx.split(model)
     mesh = parameter_mesh(state)
-    batch = ids.shape[0]
-    rows = batch if mesh is None else math.ceil(batch / data_parallel_size(mesh)) * data_parallel_size(mesh)
+    batch, dp = ids.shape[0], 1 if mesh is None else data_parallel_size(mesh)
+    rows = math.ceil(batch / dp) * dp
+    samples = num_return_sequences if do_sample else 1
     width = math.ceil(ids.shape[1] / bucket) * bucket
     # padding on the left up to the bucket, and whole copies of the last row up to the dp multiple
     ids = np.pad(ids, ((0, rows - batch), (width - ids.shape[1], 0)), mode="edge")
@@ -527,6 +546,8 @@ def generate(
         decoder_start=decoder_start,
         mesh=mesh,
         num_beams=num_beams,
+        samples=samples,
+        rows=math.ceil(batch * samples / dp) * dp if samples > 1 else None,  # as many as unshared prompts'
     )
     beam = BeamInputs.of(max_new_tokens, length_penalty, early_stopping) if num_beams > 1 else None
     run = cached_program(ProgramKey(graphdef, settings))
@@ -541,7 +562,8 @@ def generate(
         beam,
     )
     if scores is None:
-        return GenerationOutput(tokens[:batch], None if logprobs is None else logprobs[:batch])
+        kept = batch * samples
+        return GenerationOutput(tokens[:kept], None if logprobs is None else logprobs[:kept])
     best = lambda x: x[:batch, :num_return_sequences].reshape(batch * num_return_sequences, *x.shape[2:])
     return GenerationOutput(best(tokens), None if logprobs is None else best(logprobs), best(scores))
 

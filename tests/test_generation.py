@@ -336,6 +336,21 @@ def test_mesh_dp2_mp4_equals_single_device(checkpoint, name, kw):
     np.testing.assert_array_equal(np.asarray(sharded.sequences), np.asarray(single.sequences))
 
 
+@pytest.mark.parametrize("name, mesh", [("gpt2", None), ("gpt2", "dp=2,mp=4"), ("t5", None)])
+def test_samples_of_a_prompt_share_its_prefill_and_draw_as_repeated_prompts(checkpoint, name, mesh):
+    """``num_return_sequences`` sampled completions of each prompt, from one prefill copied to each: bitwise the
+    tokens of the prompts repeated that many times (9 rows, 10 decoded on dp=2 either way)."""
+    task = "seq2seq-lm" if name == "t5" else "causal-lm"
+    model = load_pretrained(checkpoint(name), task, mesh=mesh and make_mesh(mesh))
+    ids, mask = prompts()
+    shared = generate(model, ids, mask, seed=7, num_return_sequences=3, return_logprobs=True, **SAMPLE)
+    repeated = generate(model, np.repeat(ids, 3, 0), np.repeat(mask, 3, 0), seed=7, return_logprobs=True, **SAMPLE)
+    assert shared.sequences.shape == (9, NEW)
+    np.testing.assert_array_equal(np.asarray(shared.sequences), np.asarray(repeated.sequences))
+    np.testing.assert_allclose(np.asarray(shared.logprobs), np.asarray(repeated.logprobs), rtol=1e-5, atol=1e-5)
+    assert len({tuple(row) for row in np.asarray(shared.sequences)[:3]}) > 1  # a prompt's samples differ
+
+
 def test_bad_arguments_are_one_line_errors(gpt2):
     model = load_pretrained(gpt2, "causal-lm")
     ids, mask = prompts()
@@ -420,6 +435,36 @@ def test_script_writes_the_completions_of_pytorch_greedy(gpt2_with_tokenizer, tm
         assert record["prompt_tokens"] == ids.shape[1]
         assert record["completion_tokens"] == len(want)
         assert record["completion"] == tokenizer.decode(want, skip_special_tokens=True)
+
+
+def test_script_samples_several_completions_of_a_prompt(gpt2_with_tokenizer, tmp_path):
+    """``--do_sample --num_return_sequences 3``: each record's ``completions`` are the library's samples of its
+    prompt (the batch's seed drawn from --seed and the batch's number), the first also its ``completion``."""
+    path, _, tokenizer = gpt2_with_tokenizer
+    out = tmp_path / "completions.jsonl"
+    argv = ["--model_name_or_path", str(path), "--prompt", "The quick brown fox", "--prompt", "Hello",
+            "--max_new_tokens", "6", "--do_sample", "--temperature", "1.5", "--num_return_sequences", "3",
+            "--seed", "4", "--output_file", str(out), "--compilation_cache_dir", ""]  # fmt: skip
+    assert load_script().main(argv) == 0
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    encoded = [tokenizer("Hello")["input_ids"], tokenizer("The quick brown fox")["input_ids"]]  # shortest first
+    ids = np.array([[0] * (len(encoded[1]) - len(e)) + e for e in encoded], np.int32)
+    mask = np.array([[0] * (len(encoded[1]) - len(e)) + [1] * len(e) for e in encoded], np.int32)
+    seed = int(np.random.SeedSequence([4, 0]).generate_state(1)[0])
+    sampled = generate(
+        load_pretrained(path, "causal-lm"),
+        ids,
+        mask,
+        max_new_tokens=6,
+        do_sample=True,
+        temperature=1.5,
+        num_return_sequences=3,
+        seed=seed,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    texts = tokenizer.batch_decode(np.asarray(sampled.sequences), skip_special_tokens=True)
+    assert records[1]["completions"] == texts[:3] and records[0]["completions"] == texts[3:]
+    assert all(r["completion"] == r["completions"][0] for r in records) and len(set(texts)) > 2
 
 
 def test_script_reads_stdin_and_prints(gpt2_with_tokenizer, monkeypatch, capsys):

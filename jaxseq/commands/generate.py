@@ -8,10 +8,10 @@
 
 Prompts come from --prompt (repeat it for several), --prompt_file (one prompt per line, or JSONL with a
 "prompt" field) or stdin (one per line). With --output_file each prompt becomes a JSONL record (prompt,
-completion, prompt_tokens, completion_tokens; with --num_return_sequences N also completions, the N best
-beams, best first); otherwise each prompt and its completion(s) are printed. Greedy unless --do_sample or
---num_beams (transformers' beam search); a completion ends at the tokenizer's EOS token or after
---max_new_tokens.
+completion, prompt_tokens, completion_tokens; with --num_return_sequences N also completions: the N best
+beams, best first, or N samples of the prompt, prefilled once); otherwise each prompt and its completion(s)
+are printed. Greedy unless --do_sample or --num_beams (transformers' beam search); a completion ends at the
+tokenizer's EOS token or after --max_new_tokens.
 """
 
 from __future__ import annotations
@@ -65,7 +65,9 @@ class GenerateConfig:
         choices=("false", "true", "never"),
         const="true",
     )
-    num_return_sequences: int = arg(1, "beam search: completions returned per prompt, the best first (<= --num_beams)")
+    num_return_sequences: int = arg(
+        1, "completions returned per prompt: beam search's best first (<= --num_beams), or with --do_sample samples"
+    )
     output_file: str | None = arg(None, "write JSONL records here instead of printing the completions")
     lora_adapter: str | None = arg(None, f"{ADAPTER_HELP}: merged into the weights before generating")
 

@@ -357,6 +357,8 @@ def plan_sampler(program, topo, *, rows: int, prompt_length: int, config: GRPOCo
         return_logprobs=False,
         decoder_start=None,
         mesh=mesh,
+        samples=config.num_generations,
+        rows=rows,
     )
 
     def sample(params, frozen, opt_state, ema, ids, mask, seed, temperature, top_p):
@@ -365,7 +367,8 @@ def plan_sampler(program, topo, *, rows: int, prompt_length: int, config: GRPOCo
         return run(weights, ids, mask, jax.random.key(seed), temperature, top_p, jnp.int32(0), None)[0]
 
     width = -(-prompt_length // generation.PROMPT_BUCKET) * generation.PROMPT_BUCKET
-    tokens = jax.ShapeDtypeStruct((rows, width), jnp.int32, sharding=batch_sharding(mesh))
+    prompts = -(-rows // config.num_generations // data_parallel_size(mesh)) * data_parallel_size(mesh)
+    tokens = jax.ShapeDtypeStruct((prompts, width), jnp.int32, sharding=batch_sharding(mesh))
     scalar = lambda dtype: jax.ShapeDtypeStruct((), dtype, sharding=NamedSharding(mesh, jax.sharding.PartitionSpec()))
     lowered = jax.jit(sample, keep_unused=True).lower(
         state.params, frozen, state.opt_state, state.ema, tokens, tokens, scalar(jnp.uint32), scalar(jnp.float32),
@@ -385,6 +388,6 @@ def plan_sampler(program, topo, *, rows: int, prompt_length: int, config: GRPOCo
         estimated_mfu=None,
         compiled_flops_per_device=None,
         estimate_method=f"memory only: the loop samples up to {config.max_completion_length} tokens",
-        inputs={"input_ids": {"shape": [rows, width], "dtype": "int32"}},
+        inputs={"input_ids": {"shape": [prompts, width], "dtype": "int32"}},
     )
     return plan

@@ -383,14 +383,13 @@ class Rollout:
         and ``prompt_index``, sampled from ``model``: every completion's row, the same on every process.
         ``mine``: the completions this process scores with the reward functions (``rewards``; None: all)."""
         c, g = self.config, self.config.num_generations
-        ids = np.repeat(prompts["input_ids"], g, axis=0)
-        mask = np.repeat(prompts["attention_mask"], g, axis=0)
-        out = generate(
+        out = generate(  # each prompt prefilled once for its num_generations completions
             model,
-            ids,
-            mask,
+            prompts["input_ids"],
+            prompts["attention_mask"],
             max_new_tokens=c.max_completion_length,
             do_sample=True,
+            num_return_sequences=g,
             temperature=c.temperature,
             top_k=c.top_k,
             top_p=c.top_p,
@@ -399,6 +398,8 @@ class Rollout:
             seed=seed,
         )
         completion = gather(out.sequences)  # with several processes: every process's rows
+        ids = np.repeat(prompts["input_ids"], g, axis=0)
+        mask = np.repeat(prompts["attention_mask"], g, axis=0)
         is_eos = np.isin(completion, self.eos)
         ended = is_eos.any(axis=1)
         length = np.where(ended, is_eos.argmax(axis=1) + 1, completion.shape[1])
