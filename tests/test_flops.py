@@ -226,6 +226,7 @@ def test_every_family_has_a_count_and_no_other_task():
     families = {"gpt2", "gptj", "opt", "t5", "bert", "roberta", "llama", "mistral", "qwen2", "qwen3", "gemma2"}
     families |= {"gemma3_text", "mixtral", "qwen3_moe"}  # the MoE hand counts: tests/test_mixtral.py, test_qwen3_moe.py
     families |= {"phi3"}
+    families |= {"deepseek_v3"}  # its hand count: tests/test_deepseek_v3.py
     assert set(FAMILIES) == families
     assert all(family.flops is not None for family in FAMILIES.values())
     with pytest.raises(Exception, match="not available"):

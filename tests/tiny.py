@@ -18,6 +18,12 @@ _ENCODER = dict(
     max_position_embeddings=32,
 )  # fmt: skip
 
+_DEEPSEEK_V3 = dict(
+    _DECODER, num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=8,
+    v_head_dim=8, n_routed_experts=4, num_experts_per_tok=2, n_group=2, topk_group=1, moe_intermediate_size=16,
+    first_k_dense_replace=1,
+)  # fmt: skip
+
 TINY: dict[str, tuple[str, dict]] = {
     "gpt2": ("GPT2Config", dict(n_layer=2, n_embd=32, n_head=4, vocab_size=64, n_positions=32)),
     "gptj": ("GPTJConfig", dict(n_layer=2, n_embd=32, n_head=4, rotary_dim=4, vocab_size=64, n_positions=32)),
@@ -45,6 +51,7 @@ TINY: dict[str, tuple[str, dict]] = {
         "Qwen3MoeConfig",
         {**_DECODER, "head_dim": 8, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32},
     ),
+    "deepseek_v3": ("DeepseekV3Config", _DEEPSEEK_V3),
     "gemma2": ("Gemma2Config", {**_DECODER, "head_dim": 8}),
     "gemma3_text": ("Gemma3TextConfig", {**_DECODER, "head_dim": 8}),
     "phi3": ("Phi3Config", {**_DECODER, "pad_token_id": 0}),  # its default pad id, 32000, is past the vocabulary

@@ -8,6 +8,7 @@ from __future__ import annotations
 from jaxseq.errors import JaxseqError
 from jaxseq.models import (
     bert,
+    deepseek_v3,
     gemma2,
     gemma3_text,
     gpt2,
@@ -41,6 +42,7 @@ FAMILIES: dict[str, Family] = {
         qwen2.FAMILY,
         qwen3.FAMILY,
         qwen3_moe.FAMILY,
+        deepseek_v3.FAMILY,
         gpt_oss.FAMILY,
         gemma2.FAMILY,
         gemma3_text.FAMILY,

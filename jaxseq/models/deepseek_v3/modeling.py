@@ -1,0 +1,372 @@
+"""DeepSeek-V3 (DeepSeek-AI 2024), as Flax NNX modules whose parameter paths mirror transformers' PyTorch names
+(``model/layers/3/self_attn/kv_b_proj/kernel`` is ``model.layers.3.self_attn.kv_b_proj.weight``).
+
+Llama's pre-norm decoder with two changes. Multi-head latent attention (MLA): the queries come from
+``q_proj``, or through a low-rank bottleneck (``q_a_proj``, RMSNorm ``q_a_layernorm``, ``q_b_proj``) when the
+config has a ``q_lora_rank``; keys and values from one small latent per token, ``kv_a_proj_with_mqa``'s
+``kv_lora_rank`` features (RMS-normalised by ``kv_a_layernorm``, then expanded to every head's key part without
+position, ``qk_nope_head_dim``, and its value, ``v_head_dim``, by ``kv_b_proj``) and ``qk_rope_head_dim``
+features of a key part with rotary position that every head shares. Each query and key is its part without
+position followed by its rotated part; ``rope_interleave`` reads the rotated features as neighbouring pairs, as
+transformers applies it. YaRN's rope scales the rotations by its attention factor and, with
+``mscale_all_dim``, the softmax scale by ``mscale(factor, mscale_all_dim)**2``. The KV cache holds the latent
+(normalised) and the rotated shared key part alone, one "head" of ``kv_lora_rank`` and one of
+``qk_rope_head_dim`` per position, and expands them at each step as transformers does.
+
+A mixture of experts after the first ``first_k_dense_replace`` layers (which keep a dense MLP of
+``intermediate_size``): the router's sigmoid scores plus ``e_score_correction_bias`` choose, among the
+``topk_group`` of ``n_group`` expert groups with the best sums of their two best scores, each token's
+``num_experts_per_tok`` experts; their weights are the scores without the bias (renormalised with
+``norm_topk_prob``) times ``routed_scaling_factor``; the routed experts (Mixtral's dropless grouped matmul,
+split over ``ep``) and ``n_shared_experts`` shared experts (one SwiGLU MLP, ``n_shared_experts x
+moe_intermediate_size`` wide) are summed.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxseq.errors import JaxseqError
+from jaxseq.models.attention import Cache, KVCache, attend, attend_cache, merge_heads, split_heads, update_kv
+from jaxseq.models.execution import Execution
+from jaxseq.models.layers import Linear, Stacked, activation, normal
+from jaxseq.models.llama.modeling import (
+    LlamaDecoderLayer,
+    LlamaForCausalLM,
+    LlamaForSequenceClassification,
+    LlamaMLP,
+    LlamaModel,
+    apply_rotary,
+    head_dim,
+    rms_norm,
+    rope_frequencies,
+    rotary,
+)
+from jaxseq.models.mixtral.modeling import Experts, expert_parallel, grouped_experts
+from jaxseq.models.qwen3_moe.modeling import QWEN_EXPERT
+
+LATENT_NORM_EPSILON = 1e-6  # transformers builds q_a_layernorm and kv_a_layernorm with their default epsilon
+
+
+def dense_layers(config) -> tuple[bool, ...]:
+    """Which layers keep a dense MLP (the first ``first_k_dense_replace``; the rest are MoE)."""
+    first = config.first_k_dense_replace or 0
+    return tuple(i < first for i in range(config.num_hidden_layers))
+
+
+def rope_parameters(config) -> dict:
+    return getattr(config, "rope_parameters", None) or {}
+
+
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def yarn_frequencies(config) -> tuple[np.ndarray, float]:
+    """float32 inverse frequencies ``[qk_rope_head_dim / 2]`` and the attention factor of YaRN's rope, as
+    transformers' ``_compute_yarn_parameters`` computes them: each frequency blended between its interpolated
+    (divided by ``factor``) and original value by a linear ramp between the correction dimensions of
+    ``beta_fast`` and ``beta_slow`` rotations over ``original_max_position_embeddings``."""
+    params = rope_parameters(config)
+    base, dim = params["rope_theta"], head_dim(config)  # qk_rope_head_dim, as transformers' config sets it
+    old_context = params.get("original_max_position_embeddings") or config.max_position_embeddings
+    factor = params.get("factor") or config.max_position_embeddings / old_context
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
+        if mscale and mscale_all_dim:
+            attention_factor = yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
+        else:
+            attention_factor = yarn_mscale(factor)
+    beta_fast, beta_slow = params.get("beta_fast") or 32, params.get("beta_slow") or 1
+
+    def correction_dim(rotations):
+        return dim * math.log(old_context / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if params.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    pos_freqs = np.float32(base) ** (np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim))
+    extrapolation = np.float32(1.0) / pos_freqs
+    interpolation = np.float32(1.0) / (np.float32(factor) * pos_freqs)
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - np.float32(low)) / np.float32(high - low), 0, 1)
+    kept = np.float32(1) - ramp.astype(np.float32)
+    return (interpolation * (1 - kept) + extrapolation * kept).astype(np.float32), float(attention_factor)
+
+
+def rope_of(config) -> tuple[np.ndarray, float]:
+    """The rotary inverse frequencies over ``qk_rope_head_dim`` (transformers' ``head_dim`` of this config) and
+    the factor that scales their sines and cosines: YaRN's, or Llama's rope types (factor 1)."""
+    if rope_parameters(config).get("rope_type", "default") == "yarn":
+        return yarn_frequencies(config)
+    return rope_frequencies(config), 1.0
+
+
+def softmax_scale(config) -> float:
+    """``qk_head_dim ** -0.5``, times ``mscale(factor, mscale_all_dim) ** 2`` for a scaled rope with
+    ``mscale_all_dim`` (transformers' ``yarn_apply_mscale``)."""
+    scale = (config.qk_nope_head_dim + config.qk_rope_head_dim) ** -0.5
+    params = rope_parameters(config)
+    if params.get("rope_type", "default") != "default" and params.get("mscale_all_dim"):
+        scale = scale * yarn_mscale(params["factor"], params["mscale_all_dim"]) ** 2
+    return scale
+
+
+def widened(x: jax.Array, width: int) -> jax.Array:
+    """``x`` padded with zeros to ``width`` features: the attention kernels take one width for queries, keys and
+    values, and zero features add nothing to the scores (queries, keys) or give outputs that are cut off
+    (values)."""
+    return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, width - x.shape[-1])])
+
+
+class DeepseekV3Attention(nnx.Module):
+    """Multi-head latent attention, causal over every earlier position; its cache is a ``KVCache`` whose ``k``
+    holds the normalised latents ``[batch, 1, max_len, kv_lora_rank]`` and ``v`` the rotated shared key parts
+    ``[batch, 1, max_len, qk_rope_head_dim]``."""
+
+    dropout_field = "attention_dropout"  # the config's attention dropout (see attention.choose_kernel)
+
+    def __init__(
+        self,
+        config,
+        window: int | None = None,
+        *,
+        execution: Execution = Execution(),
+        dtype,
+        param_dtype,
+        rngs: nnx.Rngs,
+    ):
+        d, heads = config.hidden_size, config.num_attention_heads
+        self.nope, self.rope_dim, self.v_dim = config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim
+        self.rank, q_rank = config.kv_lora_rank, config.q_lora_rank
+        qk = self.nope + self.rope_dim
+        bias = bool(config.attention_bias)
+        kw = dict(kernel_init=normal(config.initializer_range), dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        norm = dict(epsilon=LATENT_NORM_EPSILON, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        if q_rank is None:
+            self.q_proj = Linear(d, heads * qk, use_bias=False, **kw)
+            self.q_a_proj = self.q_a_layernorm = self.q_b_proj = None
+        else:
+            self.q_proj = None
+            self.q_a_proj = Linear(d, q_rank, use_bias=bias, **kw)
+            self.q_a_layernorm = nnx.RMSNorm(q_rank, **norm)
+            self.q_b_proj = Linear(q_rank, heads * qk, use_bias=False, **kw)
+        self.kv_a_proj_with_mqa = Linear(d, self.rank + self.rope_dim, use_bias=bias, **kw)
+        self.kv_a_layernorm = nnx.RMSNorm(self.rank, **norm)
+        self.kv_b_proj = Linear(self.rank, heads * (self.nope + self.v_dim), use_bias=False, **kw)
+        self.o_proj = Linear(heads * self.v_dim, d, use_bias=bias, **kw)
+        self.num_heads, self.interleave = heads, bool(config.rope_interleave)
+        self.width = max(qk, self.v_dim)
+        self.scale, self.softcap = softmax_scale(config), None
+        self.window, self.dropout_rate = window, config.attention_dropout
+        self.dtype, self.attention = dtype, execution.attention
+
+    def __call__(self, x, masks, ropes, *, cache: KVCache | None = None, index=0, rngs=None):
+        mask, rope = masks[0], ropes[0]
+        q = self.q_proj(x) if self.q_proj is not None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = split_heads(q, self.num_heads)
+        q = jnp.concatenate([q[..., : self.nope], self.rotate(q[..., self.nope :], rope)], axis=-1)
+        q = widened(q, self.width)
+        latent, k_rot = jnp.split(self.kv_a_proj_with_mqa(x), [self.rank], axis=-1)
+        latent, k_rot = self.kv_a_layernorm(latent), self.rotate(k_rot[:, :, None, :], rope)  # [b, s, 1, rope]
+        if cache is not None:
+            cache = update_kv(cache, latent[:, :, None, :], k_rot, index)
+            latent, k_rot = (jnp.swapaxes(t, 1, 2).astype(q.dtype) for t in cache)
+            k, v = self.expand(latent[:, :, 0], k_rot)
+            y = attend_cache(q, KVCache.of(k, v), mask, scale=self.scale)
+        else:
+            k, v = self.expand(latent, k_rot)
+            y = attend(
+                q, k, v, mask, scale=self.scale, dropout_rate=self.dropout_rate, rngs=rngs, kernel=self.attention,
+                causal=True,
+            )  # fmt: skip
+        return self.o_proj(merge_heads(y[..., : self.v_dim])), cache
+
+    def rotate(self, x, rope):
+        """``x``'s rotary features turned by ``rope``: with ``rope_interleave``, feature pairs ``(2i, 2i + 1)``,
+        laid out as transformers returns them (the even features first, then the odd)."""
+        if self.interleave:
+            x = jnp.concatenate([x[..., 0::2], x[..., 1::2]], axis=-1)
+        return apply_rotary(x, *rope)
+
+    def expand(self, latent, k_rot):
+        """Every head's keys (the part without position from the latent, then the shared rotated part) and
+        values from the latents ``[batch, len, kv_lora_rank]`` and rotated parts ``[batch, len, 1, rope]``; the
+        both padded with zeros to ``width`` (``widened``)."""
+        kv = split_heads(self.kv_b_proj(latent), self.num_heads)
+        k_nope, v = kv[..., : self.nope], kv[..., self.nope :]
+        k_rot = jnp.broadcast_to(k_rot.astype(k_nope.dtype), (*k_nope.shape[:-1], self.rope_dim))
+        return widened(jnp.concatenate([k_nope, k_rot], axis=-1), self.width), widened(v, self.width)
+
+
+class DeepseekV3MLP(LlamaMLP):
+    """A SwiGLU MLP ``inner`` wide (``intermediate_size`` by default; the shared experts' is
+    ``n_shared_experts x moe_intermediate_size``), without biases."""
+
+    def __init__(self, config, inner: int | None = None, *, dtype, param_dtype, rngs: nnx.Rngs):
+        d, inner = config.hidden_size, inner or config.intermediate_size
+        kw = dict(use_bias=False, kernel_init=normal(config.initializer_range), dtype=dtype, param_dtype=param_dtype)
+        self.gate_proj = Linear(d, inner, rngs=rngs, **kw)
+        self.up_proj = Linear(d, inner, rngs=rngs, **kw)
+        self.down_proj = Linear(inner, d, rngs=rngs, **kw)
+        self.act = activation(config.hidden_act)
+
+
+class DeepseekV3TopkRouter(Linear):
+    """The router: a ``[hidden, experts]`` kernel (``gate.weight``) applied in float32, and the correction
+    bias added to its sigmoid scores when choosing experts (``gate.e_score_correction_bias``, float32; it never
+    changes a weight, so its gradient is zero)."""
+
+    def __init__(self, config, *, dtype, param_dtype, rngs: nnx.Rngs):
+        count = config.num_local_experts
+        init = normal(config.initializer_range)
+        super().__init__(
+            config.hidden_size,
+            count,
+            use_bias=False,
+            kernel_init=init,
+            param_dtype=param_dtype,
+            rngs=rngs,
+        )
+        self.e_score_correction_bias = nnx.Param(jnp.zeros((count,), jnp.float32))
+        self.top_k, self.normalise = config.num_experts_per_tok, bool(config.norm_topk_prob)
+        self.groups, self.top_groups = config.n_group or 1, config.topk_group or 1
+        self.scaling = config.routed_scaling_factor
+
+    def route(self, x) -> tuple[jax.Array, jax.Array]:
+        """Each token's (``x``: ``[tokens, hidden]``) expert weights and ids ``[tokens, top_k]``."""
+        scores = jax.nn.sigmoid(self.kernel_product(x))
+        choice = scores + self.e_score_correction_bias[...].astype(jnp.float32)
+        tokens, experts = choice.shape
+        grouped = choice.reshape(tokens, self.groups, experts // self.groups)
+        group_scores = jax.lax.top_k(grouped, 2)[0].sum(axis=-1)
+        kept = jax.nn.one_hot(jax.lax.top_k(group_scores, self.top_groups)[1], self.groups).sum(axis=1) > 0
+        kept = jnp.repeat(kept, experts // self.groups, axis=-1)
+        ids = jax.lax.top_k(jnp.where(kept, choice, -jnp.inf), self.top_k)[1]
+        weights = jnp.take_along_axis(scores, ids, axis=-1)
+        if self.normalise:
+            weights = weights / (weights.sum(axis=-1, keepdims=True) + 1e-20)
+        return weights * self.scaling, ids
+
+    def kernel_product(self, x):
+        """float32 router logits (the module's ``dot_general``, so an adapter or quantised kernel applies)."""
+        kernel = self.kernel[...].astype(jnp.float32)
+        return self.dot_general(x.astype(jnp.float32), kernel, (((1,), (0,)), ((), ())))
+
+
+class DeepseekV3MoE(nnx.Module):
+    """The router (``gate``), the routed ``experts`` (Mixtral's grouped matmul, split over ``expert_mesh``'s
+    ``ep``) and the ``shared_experts`` every token goes through."""
+
+    def __init__(self, config, *, expert_mesh=None, dtype, param_dtype, rngs: nnx.Rngs):
+        kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        inner = config.moe_intermediate_size
+        self.gate = DeepseekV3TopkRouter(config, **kw)
+        self.experts = Experts(config, config.num_local_experts, inner, QWEN_EXPERT, **kw)
+        self.shared_experts = DeepseekV3MLP(config, inner * config.n_shared_experts, **kw)
+        self.act, self.dtype, self.expert_mesh = activation(config.hidden_act), dtype, expert_mesh
+
+    def __call__(self, x):
+        flat = x.reshape(-1, x.shape[-1])
+        weights, ids = self.gate.route(flat)
+        kernels = self.experts.kernels(self.dtype or x.dtype)
+        if self.expert_mesh is None:
+            y = grouped_experts(kernels, self.act, flat, weights, ids)
+        else:
+            y = expert_parallel(self.expert_mesh, kernels, self.act, flat, weights, ids)
+        return y.astype(x.dtype).reshape(x.shape) + self.shared_experts(x)
+
+
+class DeepseekV3DecoderLayer(LlamaDecoderLayer):
+    """Llama's pre-norm layer with latent attention and the mixture of experts."""
+
+    def __init__(
+        self,
+        config,
+        window: int | None = None,
+        *,
+        execution: Execution = Execution(),
+        dtype,
+        param_dtype,
+        rngs: nnx.Rngs,
+    ):
+        kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.input_layernorm = rms_norm(config, config.hidden_size, **kw)
+        self.self_attn = DeepseekV3Attention(config, window, execution=execution, **kw)
+        self.post_attention_layernorm = rms_norm(config, config.hidden_size, **kw)
+        self.pre_feedforward_layernorm = self.post_feedforward_layernorm = None
+        self.mlp = self.feed_forward(config, execution, **kw)
+
+    def feed_forward(self, config, execution: Execution, **kw) -> nnx.Module:
+        return DeepseekV3MoE(config, expert_mesh=execution.experts, **kw)
+
+
+class DeepseekV3DenseLayer(DeepseekV3DecoderLayer):
+    """One of the first ``first_k_dense_replace`` layers: a dense MLP of ``intermediate_size``."""
+
+    def feed_forward(self, config, execution: Execution, **kw) -> nnx.Module:
+        return DeepseekV3MLP(config, **kw)
+
+
+class DeepseekV3Model(LlamaModel):
+    """The decoder stack: its first ``first_k_dense_replace`` layers dense, the rest MoE; a scanned stack needs
+    them all alike. The cache holds each layer's latents and rotated shared key parts."""
+
+    hf_architecture = "DeepseekV3Model"
+    layer_class = DeepseekV3DecoderLayer
+
+    def __init__(
+        self, config, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs, execution: Execution = Execution()
+    ):
+        self.dense = dense_layers(config)
+        if execution.scan_layers and len(set(self.dense)) > 1:
+            raise JaxseqError(
+                "scan_layers needs every layer alike, and this config has dense layers before MoE ones "
+                "(first_k_dense_replace); leave scan_layers off"
+            )
+        experts, groups = config.num_local_experts, config.n_group or 1
+        if not all(self.dense) and (experts % groups or experts // groups < 2 or (config.topk_group or 1) > groups):
+            raise JaxseqError(
+                f"n_group={groups} must split the {experts} routed experts into groups of at least 2, and "
+                f"topk_group={config.topk_group} be at most n_group"
+            )
+        super().__init__(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs, execution=execution)
+
+    def layer_class_of(self, layer: int) -> type:
+        return DeepseekV3DenseLayer if self.dense[layer] else self.layer_class
+
+    def rope_frequencies(self, window: int | None):
+        return rope_of(self.config)[0]
+
+    def rope(self, position_ids, window: int | None) -> tuple[jax.Array, jax.Array]:
+        inv_freq, factor = rope_of(self.config)
+        return tuple(t * np.float32(factor) for t in rotary(position_ids, inv_freq))
+
+    def init_cache(self, batch: int, max_len: int, dtype=None) -> Cache:
+        """Zero latents and rotated shared key parts of every layer for ``max_len`` positions."""
+        c, dtype = self.config, dtype or self.dtype
+        layers = (len(self.windows),) if isinstance(self.layers, Stacked) else ()
+
+        def zeros(dim):
+            return jnp.zeros((*layers, batch, 1, max_len, dim), dtype)
+
+        layer = KVCache(zeros(c.kv_lora_rank), zeros(c.qk_rope_head_dim))
+        return Cache(layer if layers else (layer,) * len(self.windows), jnp.zeros((), jnp.int32))
+
+
+class DeepseekV3ForCausalLM(LlamaForCausalLM):
+    hf_architecture = "DeepseekV3ForCausalLM"
+    base = DeepseekV3Model
+
+
+class DeepseekV3ForSequenceClassification(LlamaForSequenceClassification):
+    hf_architecture = "DeepseekV3ForSequenceClassification"
+    base = DeepseekV3Model
