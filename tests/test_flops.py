@@ -222,10 +222,23 @@ def test_opt(projected):
     assert model_flops(config, "sequence-classification", ROWS, SEQ) == body + 6 * width * labels * ROWS
 
 
+def test_gpt_oss_routed_experts_and_windows():
+    """Per layer q and o (64 x 64), k and v (64 x 32), the router (64 x 8) and 2 of the 8 experts (gate/up 64 x 96,
+    down 48 x 64); layers sliding over 8 positions and full in turn; biases, sinks and the clamp count nothing."""
+    config = transformers.GptOssConfig(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        intermediate_size=48, num_local_experts=8, num_experts_per_tok=2, sliding_window=8, vocab_size=V,
+    )  # fmt: skip
+    layer = 2 * 64 * 64 + 2 * 64 * 32 + 64 * 8 + 2 * 3 * 64 * 48
+    attention = 12 * (4 * 16) * (causal_pairs(SEQ, 8) + causal_pairs(SEQ)) * ROWS
+    assert model_flops(config, "causal-lm", ROWS, SEQ) == 6 * (2 * layer + 64 * V) * TOKENS + attention
+
+
 def test_every_family_has_a_count_and_no_other_task():
     families = {"gpt2", "gptj", "opt", "t5", "bert", "roberta", "llama", "mistral", "qwen2", "qwen3", "gemma2"}
     families |= {"gemma3_text", "mixtral", "qwen3_moe"}  # the MoE hand counts: tests/test_mixtral.py, test_qwen3_moe.py
     families |= {"phi3"}
+    families |= {"gpt_oss"}
     families |= {"deepseek_v3"}  # its hand count: tests/test_deepseek_v3.py
     assert set(FAMILIES) == families
     assert all(family.flops is not None for family in FAMILIES.values())

@@ -52,6 +52,10 @@ TINY: dict[str, tuple[str, dict]] = {
         {**_DECODER, "head_dim": 8, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32},
     ),
     "deepseek_v3": ("DeepseekV3Config", _DEEPSEEK_V3),
+    "gpt_oss": (
+        "GptOssConfig",
+        {**_DECODER, "head_dim": 8, "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 4},
+    ),
     "gemma2": ("Gemma2Config", {**_DECODER, "head_dim": 8}),
     "gemma3_text": ("Gemma3TextConfig", {**_DECODER, "head_dim": 8}),
     "phi3": ("Phi3Config", {**_DECODER, "pad_token_id": 0}),  # its default pad id, 32000, is past the vocabulary
