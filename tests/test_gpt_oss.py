@@ -187,3 +187,37 @@ def test_refusals_are_one_line(saved, tmp_path):
         assert "\n" not in str(error.value)
     said = []
     assert choose_kernel("auto", None, lambda: model, say=said.append).name == "xla"
+
+
+def test_lora_adapts_the_attention_and_refuses_the_experts(saved):
+    """PEFT has no defaults for gpt-oss: q_proj and v_proj by default, all four attention projections asked by
+    name; the experts' stacks are read by the grouped matmul, never called: an adapter on them is refused."""
+    from jaxseq.partition import get_partition_rules, match_partition_rules
+    from jaxseq.train.lora import Lora, LoraConfig
+
+    name, _, path = saved
+    if name != "mixed":
+        pytest.skip("one config is enough")
+    model = load_pretrained(path, "causal-lm")
+    specs = match_partition_rules(get_partition_rules("gpt_oss"), nnx.state(model))
+    assert len(Lora(LoraConfig(lora_rank=2), model, specs).targets) == 2 * 3
+    attention = LoraConfig(lora_rank=2, lora_targets="q_proj,k_proj,v_proj,o_proj")
+    assert len(Lora(attention, model, specs).targets) == 4 * 3
+    with pytest.raises(JaxseqError, match="experts") as error:
+        Lora(LoraConfig(lora_rank=2, lora_targets="gate_up_proj"), model, specs)
+    assert "\n" not in str(error.value)
+
+
+def test_sequence_classification_matches_pytorch(saved, tmp_path):
+    """transformers' GptOssForSequenceClassification (the last real token's score) from the same body."""
+    name, _, _ = saved
+    if name != "mixed":
+        pytest.skip("one config is enough")
+    torch.manual_seed(1)
+    ref = perturb(transformers.GptOssForSequenceClassification(tiny_config(**CONFIGS[name], num_labels=3))).eval()
+    ref.save_pretrained(tmp_path)
+    model = load_pretrained(tmp_path, "sequence-classification")
+    ids, mask = padded_batch(VOCAB)
+    want = torch_forward(ref, input_ids=ids, attention_mask=mask).logits.numpy()
+    got = np.asarray(forward(model, jnp.asarray(ids), jnp.asarray(mask)))
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())

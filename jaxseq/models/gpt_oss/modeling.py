@@ -67,9 +67,10 @@ class GptOssAttention(LlamaAttention):
 class GptOssExperts(nnx.Module):
     """``count`` experts of the clamped SwiGLU as whole stacks (``WholeExperts``, transformers' layout):
     ``gate_up_proj`` ``[experts, hidden, 2 x inner]`` (gate the even columns, up the odd ones) and its bias,
-    ``down_proj`` ``[experts, inner, hidden]`` and its bias. ``grouped``: LoRA refuses them."""
+    ``down_proj`` ``[experts, inner, hidden]`` and its bias. ``grouped``: LoRA refuses their kernels (``names``)."""
 
     grouped = True
+    names = ("gate_up_proj", "down_proj")
 
     def __init__(self, config, *, dtype, param_dtype, rngs: nnx.Rngs):
         d, inner, count = config.hidden_size, config.intermediate_size, config.num_local_experts
