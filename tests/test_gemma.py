@@ -253,9 +253,9 @@ def test_gemma3_ropes_per_layer_kind_and_refusals():
         want = getattr(rotary, f"{kind}_inv_freq").numpy()
         np.testing.assert_allclose(rope_frequencies(config, window), want, rtol=2e-7, atol=0)
     assert not np.allclose(rope_frequencies(config, None), rope_frequencies(config, 4))
-    yarn = {"full_attention": {"rope_type": "yarn", "factor": 2.0, "rope_theta": 1000.0}}
-    with pytest.raises(JaxseqError, match=r"^rope type 'yarn' is not supported; jaxseq supports default, linear"):
-        from_config(tiny_config("gemma3-tied", rope_parameters=yarn), "causal-lm")
+    dynamic = {"full_attention": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1000.0}}
+    with pytest.raises(JaxseqError, match=r"^rope type 'dynamic' is not supported; jaxseq supports default, linear"):
+        from_config(tiny_config("gemma3-tied", rope_parameters=dynamic), "causal-lm")
     with pytest.raises(JaxseqError, match=r"^use_bidirectional_attention .* is not supported"):
         from_config(tiny_config("gemma3-tied", use_bidirectional_attention=True), "causal-lm")
 

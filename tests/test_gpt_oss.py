@@ -221,3 +221,26 @@ def test_sequence_classification_matches_pytorch(saved, tmp_path):
     want = torch_forward(ref, input_ids=ids, attention_mask=mask).logits.numpy()
     got = np.asarray(forward(model, jnp.asarray(ids), jnp.asarray(mask)))
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+
+
+MSCALE = dict(
+    rope_type="yarn", rope_theta=1e4, factor=8.0, original_max_position_embeddings=32, mscale=0.7, mscale_all_dim=1.0
+)
+YARN_CONFIGS = {
+    "gpt-oss": tiny_config(),  # gpt-oss's own: factor 32 over 4096 positions, not truncated
+    "truncated": tiny_config(rope_parameters={**YARN, "truncate": True, "beta_fast": 8.0}),
+    "llama-mscale": transformers.LlamaConfig(
+        hidden_size=64, num_attention_heads=4, max_position_embeddings=256, rope_parameters=MSCALE
+    ),
+}
+
+
+@pytest.mark.parametrize("config", YARN_CONFIGS.values(), ids=YARN_CONFIGS.keys())
+def test_yarn_frequencies_and_attention_factor_equal_transformers(config):
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from jaxseq.models.llama.modeling import rope_attention_factor, rope_frequencies
+
+    inv_freq, factor = ROPE_INIT_FUNCTIONS["yarn"](config)
+    np.testing.assert_allclose(rope_frequencies(config), inv_freq.numpy(), rtol=2e-7, atol=0)
+    assert rope_attention_factor(config) == pytest.approx(factor, rel=1e-12) and factor != 1.0
