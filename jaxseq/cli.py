@@ -27,7 +27,9 @@ DTYPES = ("float32", "bfloat16", "float16")
 class RuntimeConfig:
     """How a script runs, whatever it trains."""
 
-    mesh: str = arg("", "device mesh, e.g. 'dp=2,mp=4' (axes dp, fsdp, mp; default: all devices on dp)")
+    mesh: str = arg(
+        "", "device mesh, e.g. 'dp=2,mp=4' or 'fsdp=2,cp=4' (axes dp, fsdp, ep, cp, mp; default: all devices on dp)"
+    )
     dtype: str = arg(
         "float32",
         "compute dtype; parameters stay float32 (float16 adds dynamic loss scaling)",

@@ -1,10 +1,12 @@
-"""The device mesh: always four axes ``("dp", "fsdp", "ep", "mp")`` (data, fully-sharded data, expert and
-model parallel).
+"""The device mesh: always five axes ``("dp", "fsdp", "ep", "cp", "mp")`` (data, fully-sharded data, expert,
+context and model parallel).
 
 ``make_mesh("dp=2,mp=4")`` on 8 devices; missing axes are 1; one axis may be ``-1`` (inferred). Batches are
 split over ``dp``, ``fsdp`` and ``ep`` together (``batch_spec``); parameters over ``fsdp`` and ``mp``
 (partition.py), a mixture of experts' experts over ``ep`` (each device holds its share of the experts and
-computes them for the tokens of its ``ep`` group). ``ep`` is shown only when it is more than 1.
+computes them for the tokens of its ``ep`` group), each row's tokens over ``cp`` (a ``cp`` group shares its
+rows, each device holding a share of every row's positions: ``models.attention.split_sequence``). ``ep`` and
+``cp`` are shown only when they are more than 1.
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ from jax.sharding import PartitionSpec as P
 
 from jaxseq.errors import JaxseqError
 
-AXES = ("dp", "fsdp", "ep", "mp")
+AXES = ("dp", "fsdp", "ep", "cp", "mp")
+SHOWN_WHEN_SPLIT = ("ep", "cp")  # axes shown only when more than 1
 BATCH_AXES = ("dp", "fsdp", "ep")
 
 
@@ -59,7 +62,7 @@ def parse_mesh_spec(spec: str | Mapping[str, int] | None, device_count: int) -> 
 
 
 def make_mesh(spec: str | Mapping[str, int] | None = None, devices=None) -> Mesh:
-    """A ``("dp", "fsdp", "ep", "mp")`` mesh over ``devices`` (default: all), laid out for the interconnect."""
+    """A ``("dp", "fsdp", "ep", "cp", "mp")`` mesh over ``devices`` (default: all), laid out for the interconnect."""
     devices = list(jax.devices() if devices is None else devices)
     sizes = parse_mesh_spec(spec, len(devices))
     shape = tuple(sizes[axis] for axis in AXES)
@@ -78,9 +81,9 @@ def mesh_platform(mesh: Mesh | None) -> str:
 
 
 def mesh_sizes(mesh: Mesh | Mapping[str, int]) -> dict[str, int]:
-    """The axis sizes as runs print and record them: ``ep`` only when it is more than 1."""
+    """The axis sizes as runs print and record them: ``ep`` and ``cp`` only when more than 1."""
     sizes = dict(mesh.shape if isinstance(mesh, Mesh) else mesh)
-    return {axis: sizes.get(axis, 1) for axis in AXES if axis != "ep" or sizes.get(axis, 1) > 1}
+    return {axis: sizes.get(axis, 1) for axis in AXES if axis not in SHOWN_WHEN_SPLIT or sizes.get(axis, 1) > 1}
 
 
 def format_mesh(sizes: Mesh | Mapping[str, int]) -> str:
@@ -97,5 +100,11 @@ def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
 
 
 def data_parallel_size(mesh: Mesh) -> int:
-    """How many ways a global batch is split: the batch dimension must be divisible by this."""
+    """How many ways a global batch is split: the batch dimension must be divisible by this (a ``cp`` group
+    shares its rows)."""
     return mesh.shape["dp"] * mesh.shape["fsdp"] * mesh.shape["ep"]
+
+
+def context_size(mesh: Mesh | Mapping[str, int] | None) -> int:
+    """How many devices share each row's tokens (the ``cp`` axis; 1 without a mesh)."""
+    return 1 if mesh is None else dict(mesh.shape if isinstance(mesh, Mesh) else mesh).get("cp", 1)

@@ -264,14 +264,14 @@ def test_bad_mesh_specs(spec, message):
 
 
 def test_mesh_forms():
-    assert parse_mesh_spec("dp=2,mp=-1", 8) == {"dp": 2, "fsdp": 1, "ep": 1, "mp": 4}
-    assert parse_mesh_spec({"fsdp": 8}, 8) == {"dp": 1, "fsdp": 8, "ep": 1, "mp": 1}
-    assert parse_mesh_spec(None, 8) == {"dp": 8, "fsdp": 1, "ep": 1, "mp": 1}
-    assert dict(make_mesh("fsdp=4,mp=2").shape) == {"dp": 1, "fsdp": 4, "ep": 1, "mp": 2}
-    assert dict(make_mesh("dp=2,ep=4").shape) == {"dp": 2, "fsdp": 1, "ep": 4, "mp": 1}
+    assert parse_mesh_spec("dp=2,mp=-1", 8) == {"dp": 2, "fsdp": 1, "ep": 1, "cp": 1, "mp": 4}
+    assert parse_mesh_spec({"fsdp": 8}, 8) == {"dp": 1, "fsdp": 8, "ep": 1, "cp": 1, "mp": 1}
+    assert parse_mesh_spec(None, 8) == {"dp": 8, "fsdp": 1, "ep": 1, "cp": 1, "mp": 1}
+    assert dict(make_mesh("fsdp=4,mp=2").shape) == {"dp": 1, "fsdp": 4, "ep": 1, "cp": 1, "mp": 2}
+    assert dict(make_mesh("dp=2,ep=4").shape) == {"dp": 2, "fsdp": 1, "ep": 4, "cp": 1, "mp": 1}
     assert data_parallel_size(make_mesh("dp=2,ep=2,mp=2")) == 4  # ep splits the batch too
     assert format_mesh(make_mesh("fsdp=4,mp=2")) == "dp=1,fsdp=4,mp=2"  # ep shown only when used
-    assert mesh_sizes(make_mesh("ep=8")) == {"dp": 1, "fsdp": 1, "ep": 8, "mp": 1}
+    assert mesh_sizes(make_mesh("ep=8")) == {"dp": 1, "fsdp": 1, "ep": 8, "mp": 1}  # cp shown only when used, as ep
 
 
 def test_indivisible_dimension_is_reported():

@@ -31,12 +31,13 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx, struct
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxseq.errors import JaxseqError
-from jaxseq.mesh import BATCH_AXES, mesh_platform
+from jaxseq.mesh import BATCH_AXES, data_parallel_size, mesh_platform
 from jaxseq.models.execution import AttentionKernel
 from jaxseq.models.layers import DrawnMasks, Stacked, dropout, kept
 
@@ -53,11 +54,14 @@ class AttentionMask:
     None where there is none or the attention is not self-attention over the same positions; ``window``: a
     causal sliding window (a query sees the ``window`` latest positions, itself included; Mistral's), which
     ``dense`` already holds and the fused kernels build themselves. ``window`` is static (part of the
-    pytree's structure), so it survives ``jit`` and ``remat`` as the Python int the kernels need."""
+    pytree's structure), so it survives ``jit`` and ``remat`` as the Python int the kernels need. ``split``
+    (static): the sequence is split over the context mesh (``split_sequence``), ``segments`` in its balanced
+    order and ``dense`` None; attention runs ``context_attention``."""
 
-    dense: jax.Array
+    dense: jax.Array | None
     segments: jax.Array | None = None
     window: int | None = struct.field(pytree_node=False, default=None)
+    split: bool = struct.field(pytree_node=False, default=False)
 
 
 class KVCache(NamedTuple):
@@ -274,6 +278,10 @@ def attend(
     Gemma 2's) or ``sinks`` (``[heads]`` logits in each softmax's denominator, gpt-oss's; both XLA only, see
     ``choose_kernel``), the same math written out."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
+    if isinstance(mask, AttentionMask) and mask.split:
+        if bias is not None or (rngs is not None and dropout_rate > 0.0):
+            raise JaxseqError("a sequence split over cp attends without attention dropout or biases; use cp=1")
+        return context_attention(q, k, v, mask, scale=scale, causal=causal, softcap=softcap, kernel=kernel)
     segments = mask.segments if isinstance(mask, AttentionMask) else None
     window = mask.window if isinstance(mask, AttentionMask) else None
     mask = mask.dense if isinstance(mask, AttentionMask) else mask
@@ -478,6 +486,151 @@ def split_heads(x: jax.Array, heads: int) -> jax.Array:
 
 def merge_heads(x: jax.Array) -> jax.Array:
     return x.reshape(*x.shape[:-2], x.shape[-2] * x.shape[-1])
+
+
+# --------------------------------------------------------------------------- context parallelism
+# A mesh whose cp axis is more than 1 splits each row's tokens over the cp devices. A causal query's work grows with
+# its position, so a row is cut into 2 x cp equal chunks and device i holds chunks i and 2cp-1-i (``balanced_order``):
+# every device has the same work. A model permutes its token arrays into that order and splits them
+# (``split_sequence``); the position-wise layers run on each device's share; each attention gathers the keys and
+# values of the whole row from the cp group (``context_attention``; grouped-query keys and values are a small share
+# of the activations); the model's output is put back in order (``merge_sequence``). Exact: the same numbers as a
+# whole row on one device.
+
+
+def balanced_order(seq: int, parts: int) -> np.ndarray:
+    """The positions of a ``seq``-token row in the order ``parts`` cp devices hold them: cut into ``2 * parts``
+    equal chunks, device ``i`` holding chunks ``i`` and ``2 * parts - 1 - i``."""
+    chunks = np.arange(seq, dtype=np.int32).reshape(2 * parts, -1)
+    return np.stack([chunks[:parts], chunks[parts:][::-1]], axis=1).reshape(-1)
+
+
+def _balanced(x: jax.Array, parts: int) -> jax.Array:
+    """``x`` ``[batch, seq, ...]`` in ``balanced_order`` along its sequence (reshapes, no gather)."""
+    chunks = x.reshape(x.shape[0], 2 * parts, -1, *x.shape[2:])
+    return jnp.stack([chunks[:, :parts], jnp.flip(chunks[:, parts:], 1)], axis=2).reshape(x.shape)
+
+
+def _natural(x: jax.Array, parts: int) -> jax.Array:
+    """``_balanced``'s inverse: a sequence in ``balanced_order`` back in order."""
+    pairs = x.reshape(x.shape[0], parts, 2, -1, *x.shape[2:])
+    return jnp.concatenate([pairs[:, :, 0], jnp.flip(pairs[:, :, 1], 1)], axis=1).reshape(x.shape)
+
+
+def _split_spec(mesh: Mesh, x: jax.Array) -> NamedSharding:
+    """``[batch, seq, ...]`` split over the batch axes (when the rows divide) and the sequence over cp."""
+    rows = BATCH_AXES if x.shape[0] % data_parallel_size(mesh) == 0 else None
+    return NamedSharding(mesh, P(rows, "cp", *(None,) * (x.ndim - 2)))
+
+
+def split_sequence(mesh: Mesh, *arrays: jax.Array | None) -> tuple[jax.Array | None, ...]:
+    """Each ``[batch, seq, ...]`` array of ``arrays`` (None stays None) in ``balanced_order`` and split over the
+    mesh's cp axis: what a model does with its token ids, segment ids and positions before its blocks."""
+    parts = mesh.shape["cp"]
+    seq = next(a for a in arrays if a is not None).shape[1]
+    if seq % (2 * parts):
+        raise JaxseqError(
+            f"cp={parts} cuts each row into {2 * parts} equal chunks, and {seq} tokens do not divide; pad "
+            f"--max_seq_length / --block_size to a multiple of {2 * parts}"
+        )
+    return tuple(
+        None if a is None else jax.lax.with_sharding_constraint(_balanced(a, parts), _split_spec(mesh, a))
+        for a in arrays
+    )
+
+
+def merge_sequence(mesh: Mesh, x: jax.Array) -> jax.Array:
+    """``x`` ``[batch, seq, ...]``, split by ``split_sequence``, back in order (still split over cp)."""
+    return jax.lax.with_sharding_constraint(_natural(x, mesh.shape["cp"]), _split_spec(mesh, x))
+
+
+def split_mask(segments: jax.Array | None, window: int | None = None) -> AttentionMask:
+    """The mask of a causal self-attention over a sequence split by ``split_sequence`` (``segments``: its
+    padding mask or segment ids, split with it)."""
+    return AttentionMask(None, segments, window, split=True)
+
+
+def context_attention(
+    q, k, v, mask: AttentionMask, *, scale: float, causal: bool, softcap=None, sinks=None, kernel: AttentionKernel
+) -> jax.Array:
+    """``attend`` over a sequence split by ``split_sequence`` (queries, keys, values and ``mask.segments`` in
+    balanced order, split over ``kernel.context``'s cp axis): under ``shard_map`` each device all-gathers the
+    keys, values and segment ids of its cp group, puts them back in order and attends its own queries over
+    them, masked by the queries' positions in the row: splash (a causal mask over those positions,
+    ``q_seq_shards`` = cp), cuDNN or XLA (a dense mask of the device's queries)."""
+    mesh, window, segments = kernel.context, mask.window, mask.segments
+    parts, mp = mesh.shape["cp"], mesh.shape["mp"]
+    seq = q.shape[1]
+    heads = "mp" if q.shape[2] % mp == 0 else None
+    if heads and k.shape[2] % mp:  # key/value heads that do not divide over mp: one per query head
+        k, v = (jnp.repeat(t, q.shape[2] // t.shape[2], axis=2) for t in (k, v))
+    rows = BATCH_AXES if q.shape[0] % data_parallel_size(mesh) == 0 else None
+    qkv, tokens = P(rows, "cp", heads, None), P(rows, "cp")
+    order = balanced_order(seq, parts)
+    splash = kernel.name == "splash" and sinks is None and softcap is None and causal
+    if splash and (seq // parts) % SPLASH_BLOCK:
+        splash = False
+        message = f"splash attention under cp={parts} needs {SPLASH_BLOCK * parts}-token multiples, got {seq}"
+        if kernel.required:
+            raise JaxseqError(f"{message}; pad --max_seq_length / --block_size or use --attention xla")
+        logger.warning("%s: this attention runs on XLA", message)
+    mha = _split_splash(seq, parts, window, q.shape[2] // (mp if heads else 1), kernel.interpret) if splash else None
+
+    def gathered(x):
+        return _natural(jax.lax.all_gather(x, "cp", axis=1, tiled=True), parts)
+
+    def local(q, k, v, segments, positions, sinks, mha):
+        k, v = gathered(k), gathered(v)
+        keys = None if segments is None else gathered(segments)
+        if mha is not None:
+            q, k, v = (jnp.swapaxes(t, 1, 2) for t in ((q * scale).astype(q.dtype), k, v))
+            if segments is None:
+                return jnp.swapaxes(jax.vmap(mha)(q, k, v), 1, 2)
+            ids = _splash_module().SegmentIds(q=segments.astype(jnp.int32), kv=keys.astype(jnp.int32))
+            return jnp.swapaxes(jax.vmap(mha)(q, k, v, segment_ids=ids), 1, 2)
+        k_pos = jnp.arange(seq, dtype=jnp.int32)[None, :]
+        seen = jnp.ones((positions.shape[0], seq), bool)
+        if causal:
+            seen = k_pos <= positions[:, None]
+            if window is not None:
+                seen = seen & (k_pos > positions[:, None] - window)
+        dense = seen[None, None]
+        if segments is not None:  # as make_mask: a query sees real keys of its segment; padding sees every real key
+            queries, keys = segments[:, None, :, None], keys[:, None, None, :]
+            dense = dense & (keys != 0) & ((queries == keys) | (queries == 0))
+        if kernel.name == "cudnn" and sinks is None and softcap is None:
+            return jax.nn.dot_product_attention(q, k, v, mask=dense, scale=scale, implementation="cudnn")
+        return _written_out(q, k, v, "bkhd", dense, None, scale, 0.0, None, softcap, sinks)
+
+    specs = (
+        qkv, qkv, qkv, None if segments is None else tokens, P("cp"), None if sinks is None else P(heads),
+        None if mha is None else mha.manual_sharding_spec(NamedSharding(mesh, P(None, "cp"))),
+    )  # fmt: skip
+    run = jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=qkv, check_vma=mha is None)  # Pallas: no vma
+    return run(q, k, v, segments, jnp.asarray(order), sinks, mha)
+
+
+def _splash_module():
+    from jax.experimental.pallas.ops.tpu import splash_attention
+
+    return splash_attention
+
+
+@functools.lru_cache(maxsize=8)
+def _split_splash(seq: int, parts: int, window: int | None, heads: int, interpret: bool):
+    """The splash kernel of ``heads`` query heads over a ``seq``-token row whose queries are in ``balanced_order``
+    and split ``parts`` ways (``q_seq_shards``): a causal mask (within ``window``) over the queries' positions."""
+    splash = _splash_module()
+    shape = (seq, seq)
+    mask = splash.LocalMask(shape, (window - 1, 0), offset=0) if window is not None else splash.CausalMask(shape)
+    mask.q_sequence = balanced_order(seq, parts)
+    return splash.make_splash_mha(
+        splash.MultiHeadMask([mask] * heads),
+        head_shards=1,
+        q_seq_shards=parts,
+        block_sizes=_splash_blocks(seq // parts, seq),
+        interpret=interpret,
+    )
 
 
 # --------------------------------------------------------------------------- fused kernels

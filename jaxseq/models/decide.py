@@ -3,11 +3,14 @@ family's constructor is given (``decide_execution``; ``train.spec.RunSpec.execut
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import jax.numpy as jnp
+from flax import nnx
 from jax.sharding import Mesh
 
+from jaxseq.errors import JaxseqError
 from jaxseq.mesh import mesh_platform
 from jaxseq.models.attention import choose_kernel
 from jaxseq.models.execution import Execution, Gathering
@@ -54,12 +57,20 @@ def decide_execution(
     back to XLA; a kernel named that cannot apply is a one-line error; ``packed``: batches that pack several
     examples per row; ``interpret``: splash in Pallas interpret mode), the ``remat`` policy, per-block weight
     gathering with its family's partition rules when the mesh's fsdp > 1, the experts split over ep when ep > 1,
-    and dropout masks drawn before a scan on CPU."""
+    each row's tokens split over cp when cp > 1 (the kernel's ``context``; a family whose model cannot split its
+    sequence stops in one line) and dropout masks drawn before a scan on CPU."""
     platform = mesh_platform(mesh)
     scanned = scans(scan_layers, platform, remat, config)
     plain = lambda: abstract_model(config, task, dtype=dtype, execution=Execution(scan_layers=scanned))
     kernel = choose_kernel(attention, mesh, plain, packed=packed, interpret=interpret, say=say)
     sizes = {} if mesh is None else dict(mesh.shape)
+    if sizes.get("cp", 1) > 1:
+        if not any(getattr(m, "splits_sequence", False) for _, m in nnx.iter_modules(plain())):
+            raise JaxseqError(
+                f"{family_for(config.model_type).name} cannot split its sequence over cp (context parallelism runs "
+                "the decoders that share Llama's); use a mesh with cp=1"
+            )
+        kernel = dataclasses.replace(kernel, context=mesh)
     rules = tuple(family_for(config.model_type).partition_rules)
     return Execution(
         scan_layers=scanned,

@@ -25,12 +25,15 @@ class AttentionKernel:
     """The kernel an attention layer runs: ``name`` (xla, splash, cudnn); ``mesh``: splash runs per device under
     ``shard_map``, the batch split over dp and fsdp and the heads over mp; ``required``: chosen by name, so a
     shape it cannot take is an error rather than a fallback to XLA; ``interpret``: splash in Pallas interpret
-    mode (its numerics on CPU, for tests)."""
+    mode (its numerics on CPU, for tests); ``context``: the mesh whose ``cp`` axis splits each row's tokens (cp > 1):
+    a model that splits its sequence (``attention.split_sequence``) attends over keys and values gathered from
+    the whole ``cp`` group (``attention.context_attention``), None: every device holds whole rows."""
 
     name: str = "xla"
     mesh: Mesh | None = None
     required: bool = False
     interpret: bool = False
+    context: Mesh | None = None
 
 
 @dataclasses.dataclass(frozen=True)

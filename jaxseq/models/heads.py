@@ -34,6 +34,13 @@ class DecoderLM(nnx.Module):
     def init_cache(self, batch: int, max_len: int, dtype=None) -> Cache:
         return getattr(self, self.base_name).init_cache(batch, max_len, dtype)
 
+    @property
+    def sequence_shards(self) -> int:
+        """How many devices share each row's positions (a cp mesh's: ``attention.split_sequence``); the hidden
+        states come back in order, split so."""
+        context = getattr(getattr(self, self.base_name), "context", None)
+        return 1 if context is None else context.shape["cp"]
+
 
 def last_token_index(input_ids, pad_token_id):
     """Index of the last non-padding token of each row, as transformers picks it for classification."""

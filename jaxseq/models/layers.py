@@ -16,7 +16,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxseq.errors import JaxseqError
-from jaxseq.mesh import batch_spec, data_parallel_size
+from jaxseq.mesh import batch_spec, context_size, data_parallel_size
 from jaxseq.models.execution import REMAT_POLICIES, Execution, Gathering
 from jaxseq.sharding import STACKED, match_partition_rules, named_leaves, path_string, unstacked_path
 
@@ -355,7 +355,10 @@ class WeightGather:
         dimension over fsdp and compute every block on the whole batch on every device."""
         if x.shape[0] % data_parallel_size(self.mesh):
             return x
-        return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, batch_spec(x.ndim)))
+        spec, parts = batch_spec(x.ndim), context_size(self.mesh)
+        if parts > 1 and x.ndim > 2 and x.shape[1] % parts == 0:  # the sequence split over cp (split_sequence)
+            spec = P(spec[0], "cp", *spec[2:])
+        return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
 
 
 def without_axis(spec: P, axis: str) -> P:

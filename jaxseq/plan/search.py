@@ -1,10 +1,10 @@
 """``--plan_search``: which run to launch on a TPU slice. It enumerates how the same run could be laid out (the mesh
-split into dp/fsdp/mp, and ep for a mixture of experts, the remat policy, the micro-batch with gradient accumulation
-for the same global batch, the attention kernel, the causal LM's loss chunks), prunes them with an analytic model of
-memory and step time, compiles the most promising with the real TPU compiler (each a plan of the run in its own
-process, several at once where the host has cores), ranks them by the compiled plan's estimated step time, and
-writes the fastest that fits as a YAML ``--config`` for the same command (``OUTPUT_DIR/best_plan.yaml``) with its
-``plan.json``.
+split into dp/fsdp/mp, ep for a mixture of experts and cp for a model that splits its rows' tokens, the remat
+policy, the micro-batch with gradient accumulation for the same global batch, the attention kernel, the causal LM's
+loss chunks), prunes them with an analytic model of memory and step time, compiles the most promising with the
+real TPU compiler (each a plan of the run in its own process, several at once where the host has cores), ranks them
+by the compiled plan's estimated step time, and writes the fastest that fits as a YAML ``--config`` for the same
+command (``OUTPUT_DIR/best_plan.yaml``) with its ``plan.json``.
 
 The analytic model only orders and prunes; every figure in the ranked table of a compiled candidate is the
 compiler's (memory) or the compiled program's roofline (time)."""
@@ -53,10 +53,11 @@ class Candidate:
     attention: str
     loss_chunk_tokens: int | None = None
     ep: int = 1  # a mixture of experts' experts split this many ways (the batch too, as dp)
+    cp: int = 1  # each row's tokens split this many ways (a cp group shares its rows)
 
     @property
     def mesh_spec(self) -> str:
-        sizes = dict(zip(("dp", "fsdp", "mp"), self.mesh), ep=self.ep)
+        sizes = dict(zip(("dp", "fsdp", "mp"), self.mesh), ep=self.ep, cp=self.cp)
         return format_mesh(sizes)
 
     def flags(self) -> list[str]:
@@ -92,16 +93,21 @@ class Shape:
     step_flops: float
     expert_params: int = 0  # of the parameters above, the experts' (split over ep)
     experts: int = 0
+    splits_sequence: bool = False  # the model runs under a cp mesh (``attention.split_sequence``)
 
 
 def candidates(shape: Shape, devices: int, *, chunked: bool) -> list[Candidate]:
     """Every layout of ``devices`` chips for ``shape``'s global batch: mp a power of two dividing the heads
     (at most 8), the data shards split all-fsdp, all-dp or half and half (with experts, also ep: a power of
-    two dividing them and the shards, the rest split so), micro-batches the powers of two dividing each
-    shard's rows."""
+    two dividing them and the shards, the rest split so; for a model that splits its sequence, also cp: a power
+    of two whose 2 x cp chunks divide the row, sharing each data shard's rows), micro-batches the powers of two
+    dividing each shard's rows."""
     out = []
-    for mp in (m for m in (1, 2, 4, 8) if devices % m == 0 and shape.heads % m == 0):
-        shards = devices // mp
+    cps = [c for c in (1, 2, 4, 8) if c == 1 or (shape.splits_sequence and shape.seq_len % (2 * c) == 0)]
+    for mp, cp in _product([m for m in (1, 2, 4, 8) if shape.heads % m == 0], cps):
+        if devices % (mp * cp):
+            continue
+        shards = devices // (mp * cp)
         if shape.global_rows % shards:
             continue
         rows = shape.global_rows // shards
@@ -113,7 +119,7 @@ def candidates(shape: Shape, devices: int, *, chunked: bool) -> list[Candidate]:
         micros = [m for m in (1, 2, 4, 8, 16, 32, 64, 128) if m <= rows and rows % m == 0]
         for (dp, fsdp, ep), remat, micro, attention in _product(sorted(splits), REMATS, micros, ("auto", "xla")):
             for chunk in (-1, 0) if chunked else (None,):
-                out.append(Candidate((dp, fsdp, mp), remat, micro, rows // micro, attention, chunk, ep))
+                out.append(Candidate((dp, fsdp, mp), remat, micro, rows // micro, attention, chunk, ep, cp))
     return out
 
 
@@ -133,13 +139,15 @@ def estimate(c: Candidate, shape: Shape, topo: Topology) -> tuple[float, float]:
     policy keeps about a third; full remat, the block inputs and one block's working set); float32 logits
     (or the loss's chunks of ``DEFAULT_CHUNK_TOKENS``). Time: the step's model FLOPs at the chip's peak (a
     third more with full remat, a sixth with dots, for the forward pass computed again), plus fsdp's gathers
-    per micro-step, mp's all-reduces per layer and dp's gradient all-reduce over ICI."""
+    per micro-step, mp's all-reduces per layer, cp's key/value gathers per layer (and their gradients' reduction;
+    each device holding 1/cp of every row's tokens) and dp's gradient all-reduce over ICI."""
     dp, fsdp, mp = c.mesh
-    ep, chip = c.ep, topo.chip
+    ep, cp, chip = c.ep, c.cp, topo.chip
     weights = shape.trained * 12 + shape.frozen * 4 + shape.trained * 4
     experts = weights * shape.expert_params / (shape.trained + shape.frozen)  # their share, split over ep too
     state = (weights - experts) / (fsdp * mp) + experts / (fsdp * mp * ep)
-    tokens = c.micro_batch * shape.seq_len
+    row_tokens = c.micro_batch * shape.seq_len
+    tokens = row_tokens // cp  # a device's share
     width, layers = shape.width, shape.layers
     attention_scores = 0 if c.attention == "auto" else 5 * shape.heads * shape.seq_len / mp
     per_layer = tokens * (34 * width / mp + attention_scores)
@@ -149,14 +157,15 @@ def estimate(c: Candidate, shape: Shape, topo: Topology) -> tuple[float, float]:
     memory = state + kept + working + logits
     params = shape.trained + shape.frozen
     forward_backward = 8 if c.remat == "full" else (7 if c.remat == "dots" else 6)
-    devices = dp * fsdp * ep * mp
+    devices = dp * fsdp * ep * cp * mp
     compute = shape.step_flops * forward_backward / 6 / (devices * chip.peak_flops)
     ici = chip.ici_bandwidth / 2
     gathers = 3 * params * 2 * (fsdp - 1) / fsdp / mp / ep * c.accumulation if fsdp > 1 else 0
     reductions = 4 * layers * tokens * width * 2 * (mp - 1) / mp * c.accumulation if mp > 1 else 0
     exchange = 4 * layers * tokens * ep * width * 2 * (ep - 1) / ep * c.accumulation  # experts' tokens
-    gradients = 2 * shape.trained * 4 / (fsdp * mp) if dp * ep > 1 else 0
-    return memory, compute + (gathers + reductions + exchange + gradients) / ici
+    context = 3 * 2 * layers * row_tokens * width * 2 * (cp - 1) / cp / mp * c.accumulation  # keys and values
+    gradients = 2 * shape.trained * 4 / (fsdp * mp) if dp * ep * cp > 1 else 0
+    return memory, compute + (gathers + reductions + exchange + context + gradients) / ici
 
 
 def shape_of(spec, prepared, global_rows: int) -> Shape:
@@ -180,6 +189,7 @@ def shape_of(spec, prepared, global_rows: int) -> Shape:
         step_flops=model_flops(config, spec.task, global_rows, prepared.seq_len, prepared.target_len),
         expert_params=experts,
         experts=getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None) or 0,
+        splits_sequence=any(getattr(m, "splits_sequence", False) for _, m in nnx.iter_modules(model)),
     )
 
 

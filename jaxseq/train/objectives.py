@@ -300,8 +300,11 @@ class CausalLM(TokenLoss):
         chunk_tokens = self._chunk_tokens(*ids.shape, model.config.vocab_size)
         if chunk_tokens and hasattr(model, "hidden_states"):
             out = model.hidden_states(ids, mask, positions, rngs=rngs)
-            chunk = self.chunk_positions(*ids.shape, chunk_tokens)
-            losses = chunked_cross_entropy(model.logits, out.last_hidden_state, targets, chunk, model.config.vocab_size)
+            shards = getattr(model, "sequence_shards", 1)  # each device's positions, with a cp mesh
+            chunk = self.chunk_positions(ids.shape[0], ids.shape[1] // shards, chunk_tokens)
+            losses = chunked_cross_entropy(
+                model.logits, out.last_hidden_state, targets, chunk, model.config.vocab_size, shards=shards
+            )
         else:
             out = model(ids, mask, positions, rngs=rngs)
             losses = optax.softmax_cross_entropy_with_integer_labels(out.logits, targets)
@@ -333,20 +336,33 @@ def cross_entropy(logits: jax.Array, targets: jax.Array, classes: int | None = N
 
 
 def chunked_cross_entropy(
-    head, h: jax.Array, targets: jax.Array, chunk_size: int, classes: int | None = None
+    head, h: jax.Array, targets: jax.Array, chunk_size: int, classes: int | None = None, shards: int = 1
 ) -> jax.Array:
     """``cross_entropy(head(h), targets, classes)``, ``[batch, seq]``, computed ``chunk_size`` positions (of
     every row) at a time, the sequence padded up to whole chunks: ``head`` maps hidden states
     ``[batch, chunk, hidden]`` to float32 logits. Each chunk is a ``jax.checkpoint``, so the backward pass
-    recomputes one chunk's logits at a time instead of keeping them all."""
+    recomputes one chunk's logits at a time instead of keeping them all. ``shards``: the sequence is split
+    over that many devices (cp); a chunk takes ``chunk_size`` positions of each device's share."""
     batch, seq = targets.shape
 
     @jax.checkpoint
     def chunk_losses(h, targets):
         return cross_entropy(head(h), targets, classes)
 
-    if seq <= chunk_size:
+    if seq <= chunk_size * shards:
         return chunk_losses(h, targets)
+    if shards > 1:  # [chunks, batch, shards, chunk_size, ...]: every chunk keeps every row and every shard
+        width = seq // shards
+        chunks = -(-width // chunk_size)
+        pad = chunks * chunk_size - width
+
+        def chunked(x):
+            x = x.reshape(batch, shards, width, *x.shape[2:])
+            x = jnp.pad(x, ((0, 0), (0, 0), (0, pad), *((0, 0),) * (x.ndim - 3)))
+            return jnp.moveaxis(x.reshape(batch, shards, chunks, chunk_size, *x.shape[3:]), 2, 0)
+
+        losses = jax.lax.map(lambda xs: chunk_losses(*xs), (chunked(h), chunked(targets)))
+        return jnp.moveaxis(losses, 0, 2).reshape(batch, shards, -1)[:, :, :width].reshape(batch, seq)
     chunks = -(-seq // chunk_size)
     pad = chunks * chunk_size - seq
     h = jnp.pad(h, ((0, 0), (0, pad), (0, 0)))

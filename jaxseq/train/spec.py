@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
+from jaxseq.mesh import context_size
 from jaxseq.models.attention import AttentionKernel
 from jaxseq.models.decide import decide_execution
 from jaxseq.models.execution import Execution
@@ -169,7 +170,7 @@ class RunSpec:
             seed=config.seed,
             pack=self.pack,
             pack_eval=getattr(self.objective, "packed_outputs", False),
-            bucket_multiple=128 if attention == "splash" else 8,
+            bucket_multiple=bucket_multiple(attention, context_size(self.mesh)),
         )
 
     def program(self, model: nnx.Module, total_steps: int) -> TrainProgram:
@@ -190,6 +191,13 @@ class RunSpec:
             load_teacher=self.build_teacher,
             teacher_quantization="none" if self.teacher is None else self.teacher.quantization,
         )
+
+
+def bucket_multiple(attention: str, parts: int = 1) -> int:
+    """What evaluation's length buckets are multiples of: splash's tiles of 128 tokens (each device's share of
+    a row under cp), and a row that ``parts`` cp devices cut into ``2 * parts`` equal chunks."""
+    tile = 128 * parts if attention == "splash" else 8
+    return math.lcm(tile, 2 * parts)
 
 
 def attention_kernel(model: nnx.Module) -> str:

@@ -37,10 +37,13 @@ from jaxseq.models.attention import (
     attend_ring,
     make_mask,
     merge_heads,
+    merge_sequence,
     ring_mask,
     run_blocks,
     self_attention_mask,
     split_heads,
+    split_mask,
+    split_sequence,
     update_kv,
     update_ring,
 )
@@ -361,6 +364,7 @@ class LlamaModel(nnx.Module):
 
     hf_architecture = "LlamaModel"
     layer_class = LlamaDecoderLayer
+    splits_sequence = True  # runs under a cp mesh (attention.split_sequence)
 
     def __init__(
         self, config, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs, execution: Execution = Execution()
@@ -394,20 +398,29 @@ class LlamaModel(nnx.Module):
         )
         self.norm = rms_norm(config, config.hidden_size, **kw)
         self.remat = execution.remat  # what each block keeps for the backward pass
+        self.context = execution.attention.context  # the mesh whose cp axis splits each row's tokens
 
     def __call__(self, input_ids, attention_mask=None, position_ids=None, *, cache=None, rngs=None):
         seq = input_ids.shape[1]
         index = 0 if cache is None else cache.index
         if position_ids is None:
             position_ids = (index + jnp.arange(seq, dtype=jnp.int32))[None, :]
+        split = self.context if cache is None else None
+        if split is not None:  # each device of a cp group its share of every row's tokens
+            position_ids = jnp.broadcast_to(position_ids, input_ids.shape)
+            input_ids, attention_mask, position_ids = split_sequence(split, input_ids, attention_mask, position_ids)
         windows = tuple(dict.fromkeys(self.windows))
         ropes = tuple(self.rope(position_ids, window) for window in windows)
-        masks = tuple(self.mask(attention_mask, seq, cache, index, window) for window in windows)
+        if split is None:
+            masks = tuple(self.mask(attention_mask, seq, cache, index, window) for window in windows)
+        else:
+            masks = tuple(split_mask(attention_mask, window) for window in windows)
         x = embedding_lookup(self.embed_tokens, input_ids, self.config.pad_token_id)
         if self.embed_scale is not None:  # Gemma's, in the compute dtype as transformers rounds it
             x = x * jnp.asarray(self.embed_scale, x.dtype)
         x, cache = run_blocks(self.layers, self.remat, x, masks, ropes, cache=cache, rngs=rngs)
-        return BaseOutput(self.norm(x), cache)
+        x = self.norm(x)
+        return BaseOutput(x if split is None else merge_sequence(split, x), cache)
 
     def layer_class_of(self, layer: int) -> type:
         """The class of layer ``layer`` (``layer_class``; Qwen3-MoE's dense layers differ)."""
