@@ -281,7 +281,7 @@ def attend(
     if isinstance(mask, AttentionMask) and mask.split:
         if bias is not None or (rngs is not None and dropout_rate > 0.0):
             raise JaxseqError("a sequence split over cp attends without attention dropout or biases; use cp=1")
-        return context_attention(q, k, v, mask, scale=scale, causal=causal, softcap=softcap, kernel=kernel)
+        return context_attention(q, k, v, mask, scale=scale, causal=causal, softcap=softcap, sinks=sinks, kernel=kernel)
     segments = mask.segments if isinstance(mask, AttentionMask) else None
     window = mask.window if isinstance(mask, AttentionMask) else None
     mask = mask.dense if isinstance(mask, AttentionMask) else mask
