@@ -28,7 +28,6 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from jaxseq.errors import JaxseqError
@@ -42,10 +41,8 @@ from jaxseq.models.llama.modeling import (
     LlamaMLP,
     LlamaModel,
     apply_rotary,
-    head_dim,
     rms_norm,
-    rope_frequencies,
-    rotary,
+    rope_parameters,
 )
 from jaxseq.models.mixtral.modeling import Experts, expert_parallel, grouped_experts
 from jaxseq.models.qwen3_moe.modeling import QWEN_EXPERT
@@ -59,63 +56,17 @@ def dense_layers(config) -> tuple[bool, ...]:
     return tuple(i < first for i in range(config.num_hidden_layers))
 
 
-def rope_parameters(config) -> dict:
-    return getattr(config, "rope_parameters", None) or {}
-
-
 def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    """transformers' ``yarn_get_mscale``."""
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
-
-
-def yarn_frequencies(config) -> tuple[np.ndarray, float]:
-    """float32 inverse frequencies ``[qk_rope_head_dim / 2]`` and the attention factor of YaRN's rope, as
-    transformers' ``_compute_yarn_parameters`` computes them: each frequency blended between its interpolated
-    (divided by ``factor``) and original value by a linear ramp between the correction dimensions of
-    ``beta_fast`` and ``beta_slow`` rotations over ``original_max_position_embeddings``."""
-    params = rope_parameters(config)
-    base, dim = params["rope_theta"], head_dim(config)  # qk_rope_head_dim, as transformers' config sets it
-    old_context = params.get("original_max_position_embeddings") or config.max_position_embeddings
-    factor = params.get("factor") or config.max_position_embeddings / old_context
-    attention_factor = params.get("attention_factor")
-    if attention_factor is None:
-        mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
-        if mscale and mscale_all_dim:
-            attention_factor = yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
-        else:
-            attention_factor = yarn_mscale(factor)
-    beta_fast, beta_slow = params.get("beta_fast") or 32, params.get("beta_slow") or 1
-
-    def correction_dim(rotations):
-        return dim * math.log(old_context / (rotations * 2 * math.pi)) / (2 * math.log(base))
-
-    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
-    if params.get("truncate", True):
-        low, high = math.floor(low), math.ceil(high)
-    low, high = max(low, 0), min(high, dim - 1)
-    if low == high:
-        high += 0.001
-    pos_freqs = np.float32(base) ** (np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim))
-    extrapolation = np.float32(1.0) / pos_freqs
-    interpolation = np.float32(1.0) / (np.float32(factor) * pos_freqs)
-    ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - np.float32(low)) / np.float32(high - low), 0, 1)
-    kept = np.float32(1) - ramp.astype(np.float32)
-    return (interpolation * (1 - kept) + extrapolation * kept).astype(np.float32), float(attention_factor)
-
-
-def rope_of(config) -> tuple[np.ndarray, float]:
-    """The rotary inverse frequencies over ``qk_rope_head_dim`` (transformers' ``head_dim`` of this config) and
-    the factor that scales their sines and cosines: YaRN's, or Llama's rope types (factor 1)."""
-    if rope_parameters(config).get("rope_type", "default") == "yarn":
-        return yarn_frequencies(config)
-    return rope_frequencies(config), 1.0
 
 
 def softmax_scale(config) -> float:
     """``qk_head_dim ** -0.5``, times ``mscale(factor, mscale_all_dim) ** 2`` for a scaled rope with
     ``mscale_all_dim`` (transformers' ``yarn_apply_mscale``)."""
     scale = (config.qk_nope_head_dim + config.qk_rope_head_dim) ** -0.5
-    params = rope_parameters(config)
-    if params.get("rope_type", "default") != "default" and params.get("mscale_all_dim"):
+    kind, params = rope_parameters(config)
+    if kind != "default" and params.get("mscale_all_dim"):
         scale = scale * yarn_mscale(params["factor"], params["mscale_all_dim"]) ** 2
     return scale
 
@@ -342,13 +293,6 @@ class DeepseekV3Model(LlamaModel):
 
     def layer_class_of(self, layer: int) -> type:
         return DeepseekV3DenseLayer if self.dense[layer] else self.layer_class
-
-    def rope_frequencies(self, window: int | None):
-        return rope_of(self.config)[0]
-
-    def rope(self, position_ids, window: int | None) -> tuple[jax.Array, jax.Array]:
-        inv_freq, factor = rope_of(self.config)
-        return tuple(t * np.float32(factor) for t in rotary(position_ids, inv_freq))
 
     def init_cache(self, batch: int, max_len: int, dtype=None) -> Cache:
         """Zero latents and rotated shared key parts of every layer for ``max_len`` positions."""
