@@ -2,7 +2,9 @@
 its own write position, decoded together one token a step by one compiled program. A request joins a free
 slot as soon as there is one (its prompt prefilled by a program per prompt-length bucket and copied into the
 slot's row), and leaves it at EOS, a stop string or its token budget, while the others go on: nothing is
-recompiled and no request waits for another's end.
+recompiled and no request waits for another's end. A request whose prompt a running one already has (the
+``n`` choices of one API request, GRPO's group) is not prefilled again: the running slot's prompt rows and
+its prompt's last logits are copied into the new slot (``fork``).
 
 ``Engine(model, tokenizer, max_batch_size=16)``; ``add(prompt_ids, SamplingParams(...))`` queues a request;
 ``step()`` admits queued requests into free slots, decodes one token in every busy slot and returns the
@@ -81,6 +83,17 @@ def bucket(length: int, limit: int) -> int:
     return min(max(SMALLEST_BUCKET, 1 << math.ceil(math.log2(max(length, 1)))), limit)
 
 
+def _copy_row(cache: Cache, source, row) -> Cache:
+    """``cache`` with row ``row`` of every layer's keys/values a copy of row ``source``."""
+
+    def copy(big: jax.Array) -> jax.Array:
+        axis = big.ndim - 4  # past a scanned stack's layer axis
+        one = jax.lax.dynamic_slice_in_dim(big, source, 1, axis=axis)
+        return jax.lax.dynamic_update_slice_in_dim(big, one, row, axis=axis)
+
+    return cache._replace(layers=jax.tree.map(copy, cache.layers))
+
+
 def _insert(cache: Cache, small: Cache, row) -> Cache:
     """``cache`` with row ``row`` of every layer's keys/values replaced, from position 0, by ``small``'s one
     row."""
@@ -153,31 +166,47 @@ class Engine:
         self.positions = np.zeros(self.slots, np.int32)  # the next token's position id
         self.last = np.zeros(self.slots, np.int32)  # the token each slot feeds next
         self.running: dict[int, Request] = {}  # slot -> request
+        self.prompt_logits = jnp.zeros((self.slots, model.config.vocab_size), jnp.float32)  # each slot's last
+        self.stats = collections.Counter()  # prompts prefilled ("prefills") and copied from a slot ("forks")
         self.waiting: collections.deque[Request] = collections.deque()
         self._ids = itertools.count()
         self._prefills: dict[int, object] = {}
         self._decode = jax.jit(self._decode_fn, donate_argnums=(1,))
+        self._fork = jax.jit(self._fork_fn, donate_argnums=(0, 1))
 
     # ------------------------------------------------------------------ programs
 
     def _model(self, state):
         return nnx.merge(self.graphdef, state)
 
-    def _prefill_fn(self, state, cache, ids, mask, row, seed, temperature, top_p):
+    def _prefill_fn(self, state, cache, prompt_logits, ids, mask, row, seed, temperature, top_p):
         """One prompt (``[1, width]``, left-padded) through the model into a fresh cache of ``width``
-        positions, copied into slot ``row``; its first new token."""
+        positions, copied into slot ``row`` (and its last logits into ``prompt_logits``); its first new token."""
         model = self._model(state)
         small = model.init_cache(1, ids.shape[1])
         positions = jnp.maximum(jnp.cumsum(mask, axis=1) - 1, 0)
         out = model(ids, mask, positions, cache=small)
-        token = _choose(out.logits[:, -1], seed[None], jnp.zeros((1,), jnp.int32), temperature[None], top_p[None],
-                        self.top_k)  # fmt: skip
+        last = out.logits[0, -1, : prompt_logits.shape[1]].astype(jnp.float32)
         cache = shard_cache(_insert(cache, out.cache, row), self.mesh)
-        return cache._replace(index=cache.index.at[row].set(ids.shape[1])), token[0]
+        cache = cache._replace(index=cache.index.at[row].set(ids.shape[1]))
+        return cache, prompt_logits.at[row].set(last), self._first(last, seed, temperature, top_p)
+
+    def _fork_fn(self, cache, prompt_logits, source, row, width, seed, temperature, top_p):
+        """Slot ``row`` given slot ``source``'s prompt (its first ``width`` cache positions, the later ones
+        masked until overwritten) and last logits; its first new token."""
+        cache = _copy_row(cache, source, row)
+        cache = cache._replace(index=cache.index.at[row].set(width))
+        last = prompt_logits[source]
+        return cache, prompt_logits.at[row].set(last), self._first(last, seed, temperature, top_p)
+
+    def _first(self, logits, seed, temperature, top_p):
+        """A request's first token from its prompt's last ``logits`` (its draw number 0)."""
+        one = lambda x: x[None]
+        return _choose(one(logits), one(seed), jnp.zeros((1,), jnp.int32), one(temperature), one(top_p), self.top_k)[0]
 
     def _prefill(self, width: int):
         if width not in self._prefills:
-            self._prefills[width] = jax.jit(self._prefill_fn, donate_argnums=(1,))
+            self._prefills[width] = jax.jit(self._prefill_fn, donate_argnums=(1, 2))
         return self._prefills[width]
 
     def _decode_fn(self, state, cache, tokens, start, positions, busy, seeds, counts, temperature, top_p):
@@ -191,17 +220,21 @@ class Engine:
         return shard_cache(out.cache, self.mesh)._replace(index=index), new
 
     def warm_up(self) -> None:
-        """Compile what requests run before the first one comes: the decode step and the prefill of every
-        power-of-two prompt bucket, each run once on an idle slot (the next request overwrites it)."""
+        """Compile what requests run before the first one comes: the decode step, the fork and the prefill of
+        every power-of-two prompt bucket, each run once on an idle slot (the next request overwrites it)."""
         idle = np.zeros(self.slots, np.int32)
         args = (self.last, idle, idle, np.zeros(self.slots, bool), idle, idle, np.ones(self.slots, np.float32))
         self.cache, _ = self._decode(self.state, self.cache, *args, np.ones(self.slots, np.float32))
+        sampling = (np.int32(0), np.float32(1), np.float32(1))
+        self.cache, self.prompt_logits, _ = self._fork(
+            self.cache, self.prompt_logits, np.int32(0), np.int32(0), np.int32(0), *sampling
+        )
         width = SMALLEST_BUCKET
         while width <= self.max_len:
             ids = np.full((1, width), self.pad, np.int32)
             mask = np.ones((1, width), np.int32)
-            self.cache, _ = self._prefill(width)(
-                self.state, self.cache, ids, mask, np.int32(0), np.int32(0), np.float32(1), np.float32(1)
+            self.cache, self.prompt_logits, _ = self._prefill(width)(
+                self.state, self.cache, self.prompt_logits, ids, mask, np.int32(0), *sampling
             )
             width *= 2
         self.cache = self.cache._replace(index=jnp.zeros((self.slots,), jnp.int32))
@@ -245,15 +278,30 @@ class Engine:
         return list(dict.fromkeys(changed))
 
     def _admit(self, request: Request, slot: int) -> None:
-        n = len(request.prompt_ids)
-        width = bucket(n, self.max_len - request.params.max_tokens)
-        width = max(width, n)
-        ids = np.full((1, width), self.pad, np.int32)
-        mask = np.zeros((1, width), np.int32)
-        ids[0, width - n :], mask[0, width - n :] = request.prompt_ids, 1
-        self.cache, token = self._prefill(width)(
-            self.state, self.cache, ids, mask, np.int32(slot), *self._sampling(request)
-        )
+        """``request`` into free ``slot``: a copy of a running slot holding its prompt with room for its budget,
+        else its prompt prefilled."""
+        n, budget = len(request.prompt_ids), request.params.max_tokens
+        source = next(
+            (s for s, r in self.running.items() if r.prompt_ids == request.prompt_ids and self.start[s] + n + budget
+             <= self.max_len),
+            None,
+        )  # fmt: skip
+        if source is not None:
+            width = int(self.start[source]) + n
+            self.cache, self.prompt_logits, token = self._fork(
+                self.cache, self.prompt_logits, np.int32(source), np.int32(slot), np.int32(width),
+                *self._sampling(request),
+            )  # fmt: skip
+            self.stats["forks"] += 1
+        else:
+            width = max(bucket(n, self.max_len - budget), n)
+            ids = np.full((1, width), self.pad, np.int32)
+            mask = np.zeros((1, width), np.int32)
+            ids[0, width - n :], mask[0, width - n :] = request.prompt_ids, 1
+            self.cache, self.prompt_logits, token = self._prefill(width)(
+                self.state, self.cache, self.prompt_logits, ids, mask, np.int32(slot), *self._sampling(request)
+            )
+            self.stats["prefills"] += 1
         request.slot = slot
         self.running[slot] = request
         self.start[slot], self.positions[slot] = width - n, n

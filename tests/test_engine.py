@@ -115,3 +115,23 @@ def test_stop_strings_eos_and_budgets_end_requests(folder, tok):
     with pytest.raises(JaxseqError, match="max_tokens must be at least 1"):
         SamplingParams(max_tokens=0)
     np.testing.assert_array_equal(engine.start, 0)  # every slot free again
+
+
+def test_requests_of_a_running_prompt_copy_its_slot_instead_of_a_prefill(folder, tok):
+    """Three samples of one prompt (as an API request's ``n``) prefill it once, and one more sent while they run
+    is copied from a slot that has decoded past its prompt: each draws the tokens it draws alone."""
+    root, _, _ = folder
+    model = load_pretrained(root, "causal-lm")
+    prompt = tok(PROMPTS[3])["input_ids"]
+    params = [SamplingParams(max_tokens=8, temperature=0.9, seed=s) for s in (1, 2, 3, 4)]
+    alone = [Engine(model, tok, max_batch_size=1, max_len=64).generate([prompt], p)[0].tokens for p in params]
+    engine = Engine(model, tok, max_batch_size=4, max_len=64)
+    group = [engine.add(prompt, p) for p in params[:3]]
+    for _ in range(3):
+        engine.step()
+    late = engine.add(prompt, params[3])
+    while engine.busy:
+        engine.step()
+    assert [r.tokens for r in (*group, late)] == alone
+    assert engine.stats == {"prefills": 1, "forks": 3}
+    assert len({tuple(t) for t in alone}) > 1
