@@ -1,9 +1,10 @@
 """OpenAI's HTTP API over ``jaxseq.engine``: ``GET /v1/models``, ``POST /v1/completions`` and ``POST
 /v1/chat/completions`` (the tokenizer's chat template, ``tools`` passed to it), whole or streamed as
 server-sent events, with ``max_tokens``, ``temperature``, ``top_p``, ``stop``, ``seed``, ``n`` and usage
-counts; a bad request gets a 4xx and OpenAI's ``{"error": {...}}`` while the server goes on serving. The
-engine runs on its own thread (``EngineThread``); requests reach it through a queue, and each one's tokens
-come back to its handler as they are made."""
+counts; a bad request gets a 4xx and OpenAI's ``{"error": {...}}`` while the server goes on serving. A
+request's ``model`` names the base model or one of the LoRA adapters served beside it, each an engine of its
+own over the base's weights. The engines run on a thread of their own (``EngineThread``); requests reach it
+through a queue, and each one's tokens come back to its handler as they are made."""
 
 from __future__ import annotations
 
@@ -31,13 +32,14 @@ Update = tuple[list[int], str, str | None]
 
 
 class EngineThread:
-    """``engine`` stepping on a thread of its own while it has work; ``submit`` (from any thread) queues a
-    request and the function it reports to (``Update``s, from the engine's thread)."""
+    """``engines`` (by model name) stepping in turn on a thread of their own while they have work; ``submit``
+    (from any thread) queues a request for one of them and the function it reports to (``Update``s, from the
+    engines' thread)."""
 
-    def __init__(self, engine: Engine):
-        self.engine = engine
+    def __init__(self, engines: dict[str, Engine]):
+        self.engines = engines
         self.inbox: queue.Queue = queue.Queue()
-        self.listeners: dict[int, Callable[[Update], None]] = {}
+        self.listeners: dict[tuple[str, int], Callable[[Update], None]] = {}
         self.stopping = threading.Event()
         self.thread = threading.Thread(target=self._run, name="jaxseq-engine")
 
@@ -49,8 +51,14 @@ class EngineThread:
         self.inbox.put(None)
         self.thread.join()
 
-    def submit(self, prompt_ids: Sequence[int], params: SamplingParams, listener: Callable[[Update], None]) -> None:
-        self.inbox.put((list(prompt_ids), params, listener))
+    def submit(
+        self, model: str, prompt_ids: Sequence[int], params: SamplingParams, listener: Callable[[Update], None]
+    ) -> None:
+        self.inbox.put((model, list(prompt_ids), params, listener))
+
+    @property
+    def busy(self) -> bool:
+        return any(engine.busy for engine in self.engines.values())
 
     def _take(self, block: bool) -> bool:
         """Move queued requests into the engine (waiting for one if ``block``); False once stopping."""
@@ -59,13 +67,13 @@ class EngineThread:
         except queue.Empty:
             return True
         while item is not None:
-            prompt_ids, params, listener = item
+            model, prompt_ids, params, listener = item
             try:
-                request = self.engine.add(prompt_ids, params)
+                request = self.engines[model].add(prompt_ids, params)
             except JaxseqError as e:  # checked by the handler first; a race would end here
                 listener(([], str(e), "error"))
             else:
-                self.listeners[request.id] = listener
+                self.listeners[model, request.id] = listener
             try:
                 item = self.inbox.get_nowait()
             except queue.Empty:
@@ -74,26 +82,30 @@ class EngineThread:
 
     def _run(self) -> None:
         while not self.stopping.is_set():
-            if not self._take(block=not self.engine.busy):
+            if not self._take(block=not self.busy):
                 return
-            try:
-                changed = self.engine.step()
-            except Exception as e:  # the requests in flight end with a server error; the thread serves on
-                for listener in self.listeners.values():
-                    listener(([], f"the engine failed: {type(e).__name__}: {e}", "failed"))
-                self.listeners.clear()
-                self.engine.running.clear()
-                self.engine.waiting.clear()
-                continue
-            for request in changed:
-                self._report(request)
+            for model, engine in self.engines.items():
+                if engine.busy:
+                    self._step(model, engine)
 
-    def _report(self, request: Request) -> None:
-        listener = self.listeners.get(request.id)
+    def _step(self, model: str, engine: Engine) -> None:
+        try:
+            changed = engine.step()
+        except Exception as e:  # its requests in flight end with a server error; the thread serves on
+            for key in [k for k in self.listeners if k[0] == model]:
+                self.listeners.pop(key)(([], f"the engine failed: {type(e).__name__}: {e}", "failed"))
+            engine.running.clear()
+            engine.waiting.clear()
+            return
+        for request in changed:
+            self._report(model, request)
+
+    def _report(self, model: str, request: Request) -> None:
+        listener = self.listeners.get((model, request.id))
         if listener is not None:
             listener((list(request.tokens), request.text, request.finish_reason))
             if request.finished:
-                del self.listeners[request.id]
+                del self.listeners[model, request.id]
 
 
 class BadRequest(Exception):
@@ -153,19 +165,23 @@ def choices_of(body: dict) -> int:
 
 
 class Service:
-    """What the endpoints serve: ``engine`` (on its ``EngineThread``), its ``tokenizer`` and the model's
-    ``name`` (requests must name it)."""
+    """What the endpoints serve: the model ``name``d by ``engine``, ``adapters`` (LoRA adapters' engines by
+    name, over the same weights), all on one ``EngineThread``, and their ``tokenizer``. A request names one."""
 
-    def __init__(self, engine: Engine, tokenizer, name: str):
+    def __init__(self, engine: Engine, tokenizer, name: str, adapters: dict[str, Engine] | None = None):
         self.engine, self.tokenizer, self.name = engine, tokenizer, name
-        self.runner = EngineThread(engine)
+        self.adapters = dict(adapters or {})
+        self.runner = EngineThread({name: engine, **self.adapters})
         self.created = int(time.time())
 
-    def check_model(self, body: dict) -> None:
+    def check_model(self, body: dict) -> str:
+        """The model the request names, one this server serves."""
         model = body.get("model")
-        if model != self.name:
-            raise BadRequest(f"The model `{model}` does not exist; this server serves `{self.name}`", status=404,
+        if model not in self.runner.engines:
+            served = ", ".join(f"`{m}`" for m in self.runner.engines)
+            raise BadRequest(f"The model `{model}` does not exist; this server serves {served}", status=404,
                              param="model", code="model_not_found")  # fmt: skip
+        return model
 
     def completion_prompts(self, body: dict) -> list[list[int]]:
         """The prompts of a completions request: a string, a list of strings, token ids, or lists of them."""
@@ -200,11 +216,11 @@ class Service:
             raise BadRequest(f"the chat template cannot render these messages: {e}", param="messages") from None
         return list(rendered["input_ids"])
 
-    async def run(self, prompt_ids: list[int], params: SamplingParams):
-        """``Update``s of one request, as the engine makes them."""
+    async def run(self, model: str, prompt_ids: list[int], params: SamplingParams):
+        """``Update``s of one request to ``model``, as its engine makes them."""
         loop = asyncio.get_running_loop()
         updates: asyncio.Queue = asyncio.Queue()
-        self.runner.submit(prompt_ids, params, lambda u: loop.call_soon_threadsafe(updates.put_nowait, u))
+        self.runner.submit(model, prompt_ids, params, lambda u: loop.call_soon_threadsafe(updates.put_nowait, u))
         while True:
             update = await updates.get()
             if update[2] == "error":
@@ -215,9 +231,9 @@ class Service:
             if update[2] is not None:
                 return
 
-    async def finished(self, prompt_ids: list[int], params: SamplingParams) -> Update:
+    async def finished(self, model: str, prompt_ids: list[int], params: SamplingParams) -> Update:
         last = None
-        async for update in self.run(prompt_ids, params):
+        async for update in self.run(model, prompt_ids, params):
             last = update
         return last
 
@@ -259,20 +275,21 @@ def create_app(service: Service):
     async def models():
         card = {"id": service.name, "object": "model", "created": service.created, "owned_by": "jaxseq",
                 "max_model_len": service.engine.max_len}  # fmt: skip
-        return {"object": "list", "data": [card]}
+        adapters = [{**card, "id": name, "parent": service.name} for name in service.adapters]
+        return {"object": "list", "data": [card, *adapters]}
 
     @app.post("/v1/completions")
     async def completions(request: HTTPRequest):
         body = await read(request)
-        service.check_model(body)
+        model = service.check_model(body)
         prompts, n = service.completion_prompts(body), choices_of(body)
         params = [sampling(body, service.engine.max_len, len(p), chat=False) for p in prompts]
         jobs = [(p, seeded(q, i)) for p, q in zip(prompts, params) for i in range(n)]
         head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
-                "model": service.name}  # fmt: skip
+                "model": model}  # fmt: skip
         if body.get("stream"):
-            return stream(service, jobs, head, chat=False, usage=_include_usage(body))
-        done = await asyncio.gather(*(service.finished(p, q) for p, q in jobs))
+            return stream(service, model, jobs, head, chat=False, usage=_include_usage(body))
+        done = await asyncio.gather(*(service.finished(model, p, q) for p, q in jobs))
         choices = [{"index": i, "text": text, "logprobs": None, "finish_reason": reason}
                    for i, (_, text, reason) in enumerate(done)]  # fmt: skip
         return {**head, "choices": choices, "usage": usage_of(jobs, done)}
@@ -280,21 +297,21 @@ def create_app(service: Service):
     @app.post("/v1/chat/completions")
     async def chat_completions(request: HTTPRequest):
         body = await read(request)
-        service.check_model(body)
+        model = service.check_model(body)
         prompt, n = service.chat_prompt(body), choices_of(body)
         params = sampling(body, service.engine.max_len, len(prompt), chat=True)
         jobs = [(prompt, seeded(params, i)) for i in range(n)]
         head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
-                "model": service.name}  # fmt: skip
+                "model": model}  # fmt: skip
         if body.get("stream"):
-            return stream(service, jobs, {**head, "object": "chat.completion.chunk"}, chat=True,
+            return stream(service, model, jobs, {**head, "object": "chat.completion.chunk"}, chat=True,
                           usage=_include_usage(body))  # fmt: skip
-        done = await asyncio.gather(*(service.finished(p, q) for p, q in jobs))
+        done = await asyncio.gather(*(service.finished(model, p, q) for p, q in jobs))
         choices = [{"index": i, "message": {"role": "assistant", "content": text}, "logprobs": None,
                     "finish_reason": reason} for i, (_, text, reason) in enumerate(done)]  # fmt: skip
         return {**head, "choices": choices, "usage": usage_of(jobs, done)}
 
-    def stream(service: Service, jobs, head: dict, *, chat: bool, usage: bool):
+    def stream(service: Service, model: str, jobs, head: dict, *, chat: bool, usage: bool):
         """Server-sent events: each choice's new text as it comes, its finish reason, then ``[DONE]``."""
 
         async def events():
@@ -305,7 +322,7 @@ def create_app(service: Service):
                 held = max((len(s) for s in params.stop), default=1) - 1  # a stop string may be starting
                 if chat:
                     await merged.put((index, {"role": "assistant", "content": ""}, None, None))
-                async for tokens, text, reason in service.run(prompt, params):
+                async for tokens, text, reason in service.run(model, prompt, params):
                     upto = len(text) if reason is not None else max(sent, len(text) - held)
                     if reason is None and text[sent:upto].endswith("\ufffd"):  # half a character so far
                         continue

@@ -229,3 +229,51 @@ def test_a_lora_adapter_and_config_overrides_are_served(world, tmp_path):
         want = adapted.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False,
                                 pad_token_id=0)[0, ids.shape[1] :].tolist()  # fmt: skip
     assert request[0].tokens == want
+
+
+def peft_adapter(base_folder, folder, seed: int, **config):
+    """A PEFT LoRA adapter of the model in ``base_folder`` with random (nonzero) weights, saved in ``folder``;
+    PEFT's model with it."""
+    base = transformers.LlamaForCausalLM.from_pretrained(base_folder)
+    adapted = peft.get_peft_model(base, peft.LoraConfig(**config))
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():  # the adapters only (B starts at 0): the base stays as saved
+        for name, p in adapted.named_parameters():
+            if "lora_" in name:
+                p.add_(0.05 * torch.randn(p.shape, generator=generator))
+    adapted.save_pretrained(folder)
+    return adapted.eval()
+
+
+def test_lora_modules_are_served_by_name_beside_the_model(world, tmp_path):
+    """--lora_modules a=DIR b=DIR: /v1/models lists both beside the model; a request naming one is answered with
+    its adapter (greedy, as PEFT's model with it answers), the model's name gets the model alone, and an unknown
+    name a 404; the adapters' engines share the model's weights."""
+    from fastapi.testclient import TestClient
+
+    from jaxseq.server import create_app
+
+    root, model, tok = world
+    adapters = {
+        "a": peft_adapter(root / "model", tmp_path / "a", 3, r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
+        "b": peft_adapter(root / "model", tmp_path / "b", 4, r=2, lora_alpha=4, target_modules=["o_proj", "up_proj"]),
+    }
+    argv = ["--model_name_or_path", root / "model", "--served_model_name", "tiny", "--max_batch_size", 2,
+            "--max_model_len", 48, "--lora_modules", f"a={tmp_path / 'a'}", f"b={tmp_path / 'b'}"]  # fmt: skip
+    source, cfg, runtime, _ = parse(serve.__doc__, serve.SECTIONS, [str(a) for a in argv])
+    served = serve.service(source, cfg, runtime, None)
+    embedding = lambda engine: engine.state["model"]["embed_tokens"]["embedding"].get_value()
+    assert all(embedding(e) is embedding(served.engine) for e in served.adapters.values())
+    ids = tok(PROMPTS[1])["input_ids"]
+    with TestClient(create_app(served)) as http:
+        client = openai.OpenAI(base_url="http://testserver/v1", api_key="none", http_client=http, max_retries=0)
+        cards = client.models.list().data
+        assert [c.id for c in cards] == ["tiny", "a", "b"] and cards[1].parent == "tiny"
+        for name, reference in [("tiny", model), *adapters.items()]:
+            answer = client.completions.create(model=name, prompt=ids, max_tokens=8, temperature=0)
+            assert answer.model == name
+            assert answer.choices[0].text == tok.decode(greedy(reference, ids, 8), skip_special_tokens=True)
+        with pytest.raises(openai.NotFoundError, match="`c` does not exist"):
+            client.completions.create(model="c", prompt="Hi", max_tokens=2)
+    with pytest.raises(JaxseqError, match="NAME=PATH pairs"):
+        parse(serve.__doc__, serve.SECTIONS, ["--model_name_or_path", "x", "--lora_modules", "a"])

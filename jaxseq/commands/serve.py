@@ -7,7 +7,8 @@ token ids); POST /v1/chat/completions (messages rendered by the tokenizer's chat
 with the request's tools). Each takes max_tokens (chat: max_completion_tokens too; default 16 for a
 completion, the rest of the context for a chat answer), temperature (0: greedy), top_p, stop (up to 4
 strings), seed, n and stream (server-sent events; stream_options.include_usage), and answers with usage
-counts. Requests must name the served model (--served_model_name, default --model_name_or_path as given). A
+counts. Requests must name the served model (--served_model_name, default --model_name_or_path as given) or
+one of the LoRA adapters of --lora_modules, served beside it by name (as vLLM's --lora-modules). A
 bad request gets a 4xx and {"error": {"message": ...}}; the server keeps serving. Requests share
 --max_batch_size slots of one key/value cache of --max_model_len positions (default: the model's, at most
 4096): a request joins as soon as a slot is free and leaves when it ends, whatever the others do. The server
@@ -34,7 +35,7 @@ from jaxseq.models.hub import load_config, load_pretrained, parse_overrides, res
 from jaxseq.models.registry import families_with
 from jaxseq.models.source import PretrainedModel, check_vocabulary, load_tokenizer
 from jaxseq.server import Service, create_app
-from jaxseq.train.lora import ADAPTER_HELP, merge_adapter
+from jaxseq.train.lora import ADAPTER_HELP, adapted_model, merge_adapter
 
 
 @dataclasses.dataclass
@@ -48,12 +49,32 @@ class ServeConfig:
         None, "a Jinja chat template, or a file holding one, for a tokenizer without its own"
     )
     lora_adapter: str | None = arg(None, f"{ADAPTER_HELP}: merged into the weights before serving")
+    lora_modules: list[str] | None = arg(
+        None,
+        "LoRA adapters served by name beside the model, NAME=PATH each (PATH a PEFT adapter's folder; several: "
+        "--lora_modules a=dir1 b=dir2): a request's model picks one; each has --max_batch_size slots of its "
+        "own and shares the model's weights, its adapter computed beside them",
+    )
 
     def __post_init__(self):
         if self.max_batch_size < 1:
             raise JaxseqError(f"--max_batch_size must be at least 1, got {self.max_batch_size}")
         if not 0 < self.port < 65536:
             raise JaxseqError(f"--port must be from 1 to 65535, got {self.port}")
+        self.adapters  # noqa: B018 (checks the NAME=PATH pairs)
+
+    @property
+    def adapters(self) -> dict[str, str]:
+        """--lora_modules' adapter folders by name."""
+        out = {}
+        for pair in self.lora_modules or []:
+            name, _, path = pair.partition("=")
+            if not name or not path:
+                raise JaxseqError(f"--lora_modules takes NAME=PATH pairs, got {pair!r}")
+            if name in out:
+                raise JaxseqError(f"--lora_modules names {name!r} twice; give each adapter its own name")
+            out[name] = path
+        return out
 
 
 SECTIONS = (PretrainedModel, ServeConfig, RuntimeConfig, DistributedConfig)
@@ -76,10 +97,24 @@ def service(source: PretrainedModel, cfg: ServeConfig, runtime: RuntimeConfig, m
     if cfg.lora_adapter:
         merge_adapter(model, cfg.lora_adapter)
     check_vocabulary(tokenizer, model.config)
-    engine = Engine(model, tokenizer, max_batch_size=cfg.max_batch_size, max_len=cfg.max_model_len)
-    print(f"compiling for {cfg.max_batch_size} slots of {engine.max_len} positions ...", flush=True)
-    engine.warm_up()
-    return Service(engine, tokenizer, cfg.served_model_name or source.model_name_or_path)
+    name = cfg.served_model_name or source.model_name_or_path
+    if name in cfg.adapters:
+        raise JaxseqError(f"--lora_modules names an adapter {name!r}, the model's own name; rename the adapter")
+    engines = {}
+    for served, model_ in [(name, model), *((n, adapter(model, n, path)) for n, path in cfg.adapters.items())]:
+        engines[served] = Engine(model_, tokenizer, max_batch_size=cfg.max_batch_size, max_len=cfg.max_model_len)
+        print(f"compiling {served} for {cfg.max_batch_size} slots of {engines[served].max_len} positions ...",
+              flush=True)  # fmt: skip
+        engines[served].warm_up()
+    return Service(engines.pop(name), tokenizer, name, adapters=engines)
+
+
+def adapter(model, name: str, folder: str):
+    """``model`` with the PEFT adapter in ``folder`` beside its weights, or a one-line error naming it."""
+    try:
+        return adapted_model(model, folder)
+    except JaxseqError as e:
+        raise JaxseqError(f"--lora_modules {name}={folder}: {e}") from None
 
 
 @script

@@ -523,6 +523,16 @@ def merge_adapter(model: nnx.Module, folder: str | os.PathLike) -> nnx.Module:
     return model
 
 
+def adapted_model(model: nnx.Module, folder: str | os.PathLike) -> nnx.Module:
+    """A model computing ``model`` with the PEFT adapter in ``folder`` beside it, unmerged: each adapted layer
+    ``x W + (alpha / r) x A B`` (PEFT's model before ``merge_and_unload``), the adapter's saved head in place of
+    the model's. ``model``'s weights are shared, not copied: several adapters cost their own weights alone."""
+    state = nnx.state(model)
+    specs = match_partition_rules(family_for(model.config.model_type).partition_rules, state)
+    lora = Lora(LoraConfig(lora_adapter=str(folder)), model, specs)
+    return lora.training_model(nnx.graphdef(model), jax.tree.map(jnp.asarray, lora.adapter_weights()), state)
+
+
 class _AdapterDot(nnx.Module):
     """A dense layer's ``dot_general`` with the LoRA branch added, ``x W + scale * dropout(x) A B``, and/or
     (QLoRA) ``W`` dequantised from ``quantized``'s codes and scales in place of the kernel it is given. The
