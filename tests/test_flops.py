@@ -240,6 +240,7 @@ def test_every_family_has_a_count_and_no_other_task():
     families |= {"phi3"}
     families |= {"gpt_oss"}
     families |= {"deepseek_v3"}  # its hand count: tests/test_deepseek_v3.py
+    families |= {"qwen3_5_text", "qwen3_5_moe_text"}  # hand counts: tests/test_qwen3_5_text.py, _moe_text.py
     assert set(FAMILIES) == families
     assert all(family.flops is not None for family in FAMILIES.values())
     with pytest.raises(Exception, match="not available"):

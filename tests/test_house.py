@@ -206,8 +206,10 @@ def test_readme_family_lists_name_every_family():
     names = [f.name for f in FAMILIES.values()]
     causal = {f.name for f in FAMILIES.values() if "causal-lm" in f.tasks}
     named = lambda line: {n for n in names if re.search(rf"(?<![\w-]){re.escape(n)}(?![\w-])", line)}
-    lists = [line for line in (ROOT / "README.md").read_text().splitlines() if len(named(line)) >= 6]
-    assert len(lists) >= 4
+    lines = (ROOT / "README.md").read_text().splitlines()
+    # the generated task table's rows list each task's families (test_readme_task_table_is_the_registrys)
+    lists = [line for line in lines if len(named(line)) >= 6 and not line.startswith("| `")]
+    assert lists
     stale = [line[:100] for line in lists if not causal <= named(line)]
     assert not stale, f"README family lists missing {sorted(causal - set.intersection(*map(named, lists)))}: {stale}"
 

@@ -18,6 +18,12 @@ _ENCODER = dict(
     max_position_embeddings=32,
 )  # fmt: skip
 
+_QWEN3_5 = dict(
+    head_dim=8, linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4,
+    layer_types=["linear_attention", "full_attention"],
+)  # fmt: skip
+_QWEN3_5_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
+
 _DEEPSEEK_V3 = dict(
     _DECODER, num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=8,
     v_head_dim=8, n_routed_experts=4, num_experts_per_tok=2, n_group=2, topk_group=1, moe_intermediate_size=16,
@@ -52,6 +58,8 @@ TINY: dict[str, tuple[str, dict]] = {
         {**_DECODER, "head_dim": 8, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32},
     ),
     "deepseek_v3": ("DeepseekV3Config", _DEEPSEEK_V3),
+    "qwen3_5_text": ("Qwen3_5TextConfig", {**_DECODER, **_QWEN3_5}),
+    "qwen3_5_moe_text": ("Qwen3_5MoeTextConfig", {**_DECODER, **_QWEN3_5, **_QWEN3_5_MOE}),
     "gpt_oss": (
         "GptOssConfig",
         {**_DECODER, "head_dim": 8, "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 4},
