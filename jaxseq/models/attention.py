@@ -751,6 +751,18 @@ def attention_layers(model: nnx.Module) -> list[nnx.Module]:
     return [m for _, m in nnx.iter_modules(model) if isinstance(getattr(m, "attention", None), AttentionKernel)]
 
 
+def splits_sequence(model: nnx.Module) -> bool:
+    """Whether ``model`` runs under a cp mesh: its stack splits the sequence (``split_sequence``; a module that
+    sets ``splits_sequence``) and every attention layer attends over a split one (sets it too)."""
+    layers = attention_layers(model)
+    stacks = [m for _, m in nnx.iter_modules(model) if not any(m is layer for layer in layers)]
+    return (
+        bool(layers)
+        and any(getattr(m, "splits_sequence", False) for m in stacks)
+        and all(getattr(layer, "splits_sequence", False) for layer in layers)
+    )
+
+
 def _why_not(name: str, model: nnx.Module, platform: str, interpret: bool) -> str | None:
     """Why fused kernel ``name`` cannot run the attention layers of ``model`` here (None: it can)."""
     layers = attention_layers(model)

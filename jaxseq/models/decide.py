@@ -7,12 +7,11 @@ import dataclasses
 from collections.abc import Callable
 
 import jax.numpy as jnp
-from flax import nnx
 from jax.sharding import Mesh
 
 from jaxseq.errors import JaxseqError
 from jaxseq.mesh import mesh_platform
-from jaxseq.models.attention import choose_kernel
+from jaxseq.models.attention import choose_kernel, splits_sequence
 from jaxseq.models.execution import Execution, Gathering
 from jaxseq.models.hub import abstract_model
 from jaxseq.models.registry import family_for
@@ -65,10 +64,10 @@ def decide_execution(
     kernel = choose_kernel(attention, mesh, plain, packed=packed, interpret=interpret, say=say)
     sizes = {} if mesh is None else dict(mesh.shape)
     if sizes.get("cp", 1) > 1:
-        if not any(getattr(m, "splits_sequence", False) for _, m in nnx.iter_modules(plain())):
+        if not splits_sequence(plain()):
             raise JaxseqError(
                 f"{family_for(config.model_type).name} cannot split its sequence over cp (context parallelism runs "
-                "the decoders that share Llama's); use a mesh with cp=1"
+                "the decoders that share Llama's attention and stack); use a mesh with cp=1"
             )
         kernel = dataclasses.replace(kernel, context=mesh)
     rules = tuple(family_for(config.model_type).partition_rules)

@@ -28,6 +28,7 @@ from flax import nnx
 from jaxseq.config import save_config
 from jaxseq.errors import JaxseqError
 from jaxseq.mesh import format_mesh
+from jaxseq.models.attention import splits_sequence
 from jaxseq.models.layers import EXPERTS
 from jaxseq.models.registry import model_flops
 from jaxseq.plan.chips import GiB, Topology
@@ -189,7 +190,7 @@ def shape_of(spec, prepared, global_rows: int) -> Shape:
         step_flops=model_flops(config, spec.task, global_rows, prepared.seq_len, prepared.target_len),
         expert_params=experts,
         experts=getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None) or 0,
-        splits_sequence=any(getattr(m, "splits_sequence", False) for _, m in nnx.iter_modules(model)),
+        splits_sequence=splits_sequence(model),
     )
 
 

@@ -243,6 +243,7 @@ class LlamaAttention(nnx.Module):
     sliding window's is a rolling one of ``window`` positions."""
 
     dropout_field = "attention_dropout"  # the config's attention dropout (see attention.choose_kernel)
+    splits_sequence = True  # attends over a sequence split over cp (attention.context_attention)
 
     def __init__(
         self,
