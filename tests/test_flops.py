@@ -234,10 +234,34 @@ def test_gpt_oss_routed_experts_and_windows():
     assert model_flops(config, "causal-lm", ROWS, SEQ) == 6 * (2 * layer + 64 * V) * TOKENS + attention
 
 
+def test_gemma4_kinds_sharing_per_layer_inputs_and_experts():
+    """Gemma 4 over layers sliding (window 8), full, sliding, full: head_dim 16 on sliding layers, 32 with one
+    key/value head on full ones, whose values are their keys (no v_proj); the last two share the first two's
+    keys/values (no k_proj, v_proj) and have double-wide MLPs; per-layer inputs of width 8 (each layer's gate
+    and projection, once per token the projection onto all 4 x 8); a router over 4 experts of width 24, 2 per
+    token."""
+    d, inner, width, expert = 64, 96, 8, 24
+    config = transformers.Gemma4TextConfig(
+        hidden_size=d, intermediate_size=inner, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, global_head_dim=32, num_global_key_value_heads=1, attention_k_eq_v=True, vocab_size=V,
+        sliding_window=8, layer_types=["sliding_attention", "full_attention"] * 2, num_kv_shared_layers=2,
+        use_double_wide_mlp=True, hidden_size_per_layer_input=width, vocab_size_per_layer_input=V,
+        enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=expert,
+    )  # fmt: skip
+    q_o = 2 * (2 * d * 4 * 16 + 2 * d * 4 * 32)  # a sliding and a full layer's, twice
+    k_v = 2 * d * 2 * 16 + d * 1 * 32  # layer 0's k and v, layer 1's k; layers 2 and 3 share them
+    mlps = 2 * 3 * d * inner + 2 * 3 * d * 2 * inner
+    extras = 4 * (2 * d * width + d * 4 + 2 * 3 * d * expert) + d * 4 * width
+    windows = 2 * 4 * 16 * causal_pairs(SEQ, 8) + 2 * 4 * 32 * causal_pairs(SEQ)
+    body = 6 * (q_o + k_v + mlps + extras) * TOKENS + 12 * windows * ROWS
+    assert model_flops(config, "causal-lm", ROWS, SEQ) == body + 6 * d * V * TOKENS
+    assert model_flops(config, "base", ROWS, SEQ) == body
+
+
 def test_every_family_has_a_count_and_no_other_task():
     families = {"gpt2", "gptj", "opt", "t5", "bert", "roberta", "llama", "mistral", "qwen2", "qwen3", "gemma2"}
     families |= {"gemma3_text", "mixtral", "qwen3_moe"}  # the MoE hand counts: tests/test_mixtral.py, test_qwen3_moe.py
-    families |= {"phi3"}
+    families |= {"phi3", "gemma4_text"}
     families |= {"gpt_oss"}
     families |= {"deepseek_v3"}  # its hand count: tests/test_deepseek_v3.py
     families |= {"qwen3_5_text", "qwen3_5_moe_text"}  # hand counts: tests/test_qwen3_5_text.py, _moe_text.py

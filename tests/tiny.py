@@ -30,6 +30,8 @@ _DEEPSEEK_V3 = dict(
     first_k_dense_replace=1,
 )  # fmt: skip
 
+_GEMMA4 = dict(head_dim=8, global_head_dim=16, hidden_size_per_layer_input=8, vocab_size_per_layer_input=64)
+
 TINY: dict[str, tuple[str, dict]] = {
     "gpt2": ("GPT2Config", dict(n_layer=2, n_embd=32, n_head=4, vocab_size=64, n_positions=32)),
     "gptj": ("GPTJConfig", dict(n_layer=2, n_embd=32, n_head=4, rotary_dim=4, vocab_size=64, n_positions=32)),
@@ -66,6 +68,7 @@ TINY: dict[str, tuple[str, dict]] = {
     ),
     "gemma2": ("Gemma2Config", {**_DECODER, "head_dim": 8}),
     "gemma3_text": ("Gemma3TextConfig", {**_DECODER, "head_dim": 8}),
+    "gemma4_text": ("Gemma4TextConfig", {**_DECODER, **_GEMMA4}),
     "phi3": ("Phi3Config", {**_DECODER, "pad_token_id": 0}),  # its default pad id, 32000, is past the vocabulary
 }
 """model_type -> (transformers config class, its tiny fields)."""

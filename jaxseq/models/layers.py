@@ -552,6 +552,12 @@ class WholeExperts(nnx.Param):
     ``experts.gate_up_proj``), not as one tensor per expert: no ``is_expert_stack``."""
 
 
+class NamedAsIs(nnx.Param):
+    """A parameter whose PyTorch name is its path as it stands, leaf included: no module's ``kernel``,
+    ``embedding`` or norm ``scale`` (PyTorch's ``weight``) but a tensor of its own name (Gemma 4's router
+    ``scale``)."""
+
+
 def is_expert_stack(path: tuple, param: nnx.Variable) -> bool:
     """Whether parameter ``param`` at ``path`` is an experts' stacked projection that checkpoints name per expert
     (a parameter directly under ``EXPERTS``, not ``WholeExperts``)."""

@@ -11,6 +11,7 @@ from jaxseq.models import (
     deepseek_v3,
     gemma2,
     gemma3_text,
+    gemma4_text,
     gpt2,
     gpt_oss,
     gptj,
@@ -50,6 +51,7 @@ FAMILIES: dict[str, Family] = {
         gpt_oss.FAMILY,
         gemma2.FAMILY,
         gemma3_text.FAMILY,
+        gemma4_text.FAMILY,
         phi3.FAMILY,
     )
 }

@@ -19,7 +19,7 @@ from flax import nnx
 
 from jaxseq.errors import JaxseqError, first_line
 from jaxseq.models.family import Family
-from jaxseq.models.layers import Conv1D, is_expert_stack, layer_paths
+from jaxseq.models.layers import Conv1D, NamedAsIs, is_expert_stack, layer_paths
 
 _LEAF_TO_TORCH = {"kernel": "weight", "embedding": "weight", "scale": "weight"}
 
@@ -140,7 +140,8 @@ def torch_layout(model: nnx.Module) -> dict[str, tuple[tuple, bool]]:
     layout = {}
     for path, (stored, _) in layer_paths(params).items():
         *mod, leaf = path
-        name = ".".join(map(str, [*mod, _LEAF_TO_TORCH.get(leaf, leaf)]))
+        own = isinstance(variables[stored], NamedAsIs)
+        name = ".".join(map(str, [*mod, leaf if own else _LEAF_TO_TORCH.get(leaf, leaf)]))
         expert = is_expert_stack(stored, variables[stored])
         layout[name] = (path, (leaf == "kernel" and stored[:-1] in transposed) or expert)
     return layout
