@@ -251,3 +251,18 @@ def test_lora_adapts_the_queries_and_the_latent_expansion(saved):
         "self_attn/kv_b_proj",
         "self_attn/q_b_proj" if case == "latent-q-yarn-groups" else "self_attn/q_proj",
     }
+
+
+def test_sequence_classification_matches_pytorch(saved, tmp_path):
+    case = saved[2]
+    if case != "latent-q-yarn-groups":
+        pytest.skip("one config is enough for the head")
+    config = tiny_config(**CASES[case], num_labels=3)
+    torch.manual_seed(0)
+    classifier = perturb(transformers.DeepseekV3ForSequenceClassification(config)).eval()
+    classifier.save_pretrained(tmp_path)
+    model = load_pretrained(tmp_path, "sequence-classification")
+    ids, mask = padded_batch(VOCAB, low=3)
+    want = torch_forward(classifier, input_ids=ids, attention_mask=mask).logits.numpy()
+    got = np.asarray(forward(model, jnp.asarray(ids), jnp.asarray(mask)))
+    assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()

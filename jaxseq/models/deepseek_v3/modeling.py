@@ -163,7 +163,7 @@ class DeepseekV3MLP(LlamaMLP):
     ``n_shared_experts x moe_intermediate_size``), without biases."""
 
     def __init__(self, config, inner: int | None = None, *, dtype, param_dtype, rngs: nnx.Rngs):
-        d, inner = config.hidden_size, inner or config.intermediate_size
+        d, inner = config.hidden_size, config.intermediate_size if inner is None else inner
         kw = dict(use_bias=False, kernel_init=normal(config.initializer_range), dtype=dtype, param_dtype=param_dtype)
         self.gate_proj = Linear(d, inner, rngs=rngs, **kw)
         self.up_proj = Linear(d, inner, rngs=rngs, **kw)
