@@ -38,6 +38,8 @@ LLAMA3_8B = (
 )
 LLAMA_CHAT = ["--model_type", "llama", "--config_overrides", LLAMA3_8B, "--max_seq_length", 2048]
 LORA_ALL = ["--lora_rank", 16, "--lora_targets", "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"]
+LLAMA31_8B = LLAMA3_8B.replace("max_position_embeddings=8192", "max_position_embeddings=131072")
+LLAMA31_128K = ["--model_type", "llama", "--config_overrides", LLAMA31_8B, "--max_seq_length", 131072, *LORA_ALL]
 GEMMA2_9B = (
     "hidden_size=3584,intermediate_size=14336,num_hidden_layers=42,num_attention_heads=16,num_key_value_heads=8,"
     "head_dim=256,query_pre_attn_scalar=256,sliding_window=4096,vocab_size=256000"
@@ -109,6 +111,10 @@ MODELS = {
         "finetune_chat.py",
         ["--model_type", "mixtral", "--config_overrides", MIXTRAL_8X7B, "--max_seq_length", 2048, *ATTENTION_LORA],
     ),
+    # Llama-3.1-8B's shape at 131,072 tokens, LoRA on all projections: whole rows (fsdp=8) against each row's tokens
+    # split over 4 chips (fsdp=2,cp=4: the same rows per data-parallel replica)
+    "llama3.1-8b-128k-lora": ("finetune_chat.py", LLAMA31_128K),
+    "llama3.1-8b-128k-lora-cp": ("finetune_chat.py", LLAMA31_128K),
     # the attention kernel side by side (every row above runs --attention auto: splash on TPU where it applies)
     "gpt2-small-splash": (
         "pretrain_clm.py",
@@ -150,6 +156,9 @@ KERNEL_ROWS = ("gpt2-small-splash", "gpt2-small-xla", "gptj-6b-xla", "gptj-6b-8k
 MESH = {"v5e-1": "fsdp=1", "v5e-4": "fsdp=4", "v5e-8": "fsdp=8", "v4-8": "fsdp=4", "v5p-8": "fsdp=4"}
 # Mixtral's experts split over ep (2 of its 8 experts a chip), the rest replicated
 MODEL_MESH = {"mixtral-8x7b-lora": {"v5p-8": "ep=4"}}
+# a v5p-16 is 8 chips: whole 131,072-token rows over fsdp=8, or each row split over cp=4
+MODEL_MESH["llama3.1-8b-128k-lora"] = {"v5p-16": "fsdp=8"}
+MODEL_MESH["llama3.1-8b-128k-lora-cp"] = {"v5p-16": "fsdp=2,cp=4"}
 SLICES = {
     "gptj-6b": ["v5e-8", "v5e-4", "v4-8"],
     "gpt2-xl": ["v5e-8", "v5e-4", "v5e-1", "v4-8"],
@@ -171,6 +180,7 @@ SLICES = {
     "gptj-6b-8k-xla": ["v5e-8"],
 }
 SLICES.update({f"{model}-scan": SLICES[model] for model in SCANNED})
+SLICES.update({"llama3.1-8b-128k-lora": ["v5p-16"], "llama3.1-8b-128k-lora-cp": ["v5p-16"]})
 ROWS = {  # name -> (script, flags)
     f"{model}/{slice_}": (script, [*flags, "--mesh", MODEL_MESH.get(model, MESH)[slice_]])
     for model, (script, flags) in MODELS.items()
@@ -183,6 +193,7 @@ BATCH = {
     "qwen3-8b-lora": 1, "mixtral-8x7b-lora": 1,
 }  # fmt: skip
 BATCH.update({f"{model}-scan": BATCH[model] for model in SCANNED})
+BATCH.update({"llama3.1-8b-128k-lora": 1, "llama3.1-8b-128k-lora-cp": 1})
 
 
 def run(name: str, script: str, flags: list) -> dict:
@@ -230,6 +241,8 @@ NAMES = {
     "gptj-6b-8k-xla": "GPT-J-6B, --attention xla",
 }
 NAMES.update({f"{model}-scan": f"{NAMES[model]}, scanned layers" for model in SCANNED})
+NAMES["llama3.1-8b-128k-lora"] = "Llama-3.1-8B shape, chat, LoRA r16 on all projections"
+NAMES["llama3.1-8b-128k-lora-cp"] = "Llama-3.1-8B shape, chat, LoRA r16 on all projections, context parallel"
 GiB = 2**30
 
 
