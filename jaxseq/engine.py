@@ -11,8 +11,8 @@ its prompt's last logits are copied into the new slot (``fork``).
 requests that changed; ``generate(prompts, params)`` runs requests to their end. Greedy decoding
 (``temperature`` 0) picks what transformers' ``generate`` picks; sampling draws from the distribution of
 ``jaxseq.generation.filter_logits`` with a key of the request's seed and its token count alone, so a request
-samples the same tokens whatever runs beside it. Decoder-only families without sliding-window layers; one
-process."""
+samples the same tokens whatever runs beside it. Decoder-only families, sliding-window layers keeping their
+rolling caches of the window's length; one process."""
 
 from __future__ import annotations
 
@@ -156,11 +156,8 @@ class Engine:
         self.graphdef, self.state = nnx.split(model)
         self.mesh = parameter_mesh(self.state)
         self.cache = jax.jit(lambda: model.init_cache(self.slots, self.max_len))()  # a buffer per layer (donated)
-        if any(leaf.shape[-2] != self.max_len for leaf in jax.tree.leaves(self.cache.layers)):
-            raise JaxseqError(
-                f"this model's sliding-window layers keep fewer than {self.max_len} positions, which the engine "
-                "does not serve yet; pass a max_len of at most the window, or use jaxseq generate"
-            )
+        # a sliding window's rolling cache: a slot's first decoded token overwrites what a copy would need
+        self.rolling = any(leaf.shape[-2] != self.max_len for leaf in jax.tree.leaves(self.cache.layers))
         self.cache = self.cache._replace(index=jnp.zeros((self.slots,), jnp.int32))
         self.start = np.zeros(self.slots, np.int32)  # a slot's first real position (its prompt is right-aligned)
         self.positions = np.zeros(self.slots, np.int32)  # the next token's position id
@@ -278,12 +275,12 @@ class Engine:
         return list(dict.fromkeys(changed))
 
     def _admit(self, request: Request, slot: int) -> None:
-        """``request`` into free ``slot``: a copy of a running slot holding its prompt with room for its budget,
-        else its prompt prefilled."""
+        """``request`` into free ``slot``: a copy of a running slot holding its prompt with room for its budget
+        (with rolling caches, one that has decoded nothing yet), else its prompt prefilled."""
         n, budget = len(request.prompt_ids), request.params.max_tokens
         source = next(
             (s for s, r in self.running.items() if r.prompt_ids == request.prompt_ids and self.start[s] + n + budget
-             <= self.max_len),
+             <= self.max_len and not (self.rolling and self.positions[s] > n)),
             None,
         )  # fmt: skip
         if source is not None:

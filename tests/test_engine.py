@@ -4,6 +4,7 @@ of different lengths in different buckets), for a Llama (grouped-query attention
 GPT-2 (learned positions); a sampled request draws the same tokens whatever runs beside it; stop strings,
 EOS and the token budget end a request; requests that cannot fit stop in one line."""
 
+import jax
 import numpy as np
 import pytest
 
@@ -135,3 +136,28 @@ def test_requests_of_a_running_prompt_copy_its_slot_instead_of_a_prefill(folder,
     assert [r.tokens for r in (*group, late)] == alone
     assert engine.stats == {"prefills": 1, "forks": 3}
     assert len({tuple(t) for t in alone}) > 1
+
+
+def test_sliding_window_layers_decode_from_rolling_caches_as_transformers(tok, tmp_path):
+    """A Gemma 3 whose sliding layers (a window of 6) keep rolling caches of 6 positions beside full ones:
+    prompts and answers longer than the window, under continuous batching, equal transformers' greedy tokens. A
+    request of a running prompt copies its slot only while that slot has decoded nothing (its first token would
+    overwrite the window's oldest keys), else its prompt is prefilled."""
+    config = tiny_config("gemma3_text", vocab_size=len(tok), eos_token_id=tok.eos_token_id, sliding_window=6,
+                         layer_types=["sliding_attention", "full_attention"], max_position_embeddings=128)  # fmt: skip
+    torch.manual_seed(0)
+    reference = perturb(transformers.Gemma3ForCausalLM(config), std=0.05).eval()
+    reference.save_pretrained(tmp_path)
+    engine = Engine(load_pretrained(tmp_path, "causal-lm"), tok, max_batch_size=4, max_len=64)
+    assert engine.rolling and {leaf.shape[-2] for leaf in jax.tree.leaves(engine.cache.layers)} == {6, 64}
+    greedy = SamplingParams(max_tokens=12, temperature=0)
+    prompts = [PROMPTS[1], PROMPTS[1], PROMPTS[3], PROMPTS[1], PROMPTS[5], PROMPTS[0]]
+    requests = [engine.add(tok(p)["input_ids"], greedy) for p in prompts[:2]]  # the second copies the first
+    engine.step()
+    engine.step()
+    requests += [engine.add(tok(p)["input_ids"], greedy) for p in prompts[2:]]  # the fourth: prefilled again
+    while engine.busy:
+        engine.step()
+    for request, prompt in zip(requests, prompts):
+        assert request.tokens == hf_greedy(reference, tok, prompt, 12)[: len(request.tokens)], prompt
+    assert engine.stats == {"prefills": 5, "forks": 1}

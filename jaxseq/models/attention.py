@@ -210,21 +210,25 @@ def decoder_mask(key_mask: jax.Array | None, seq: int, cache: Cache | None, inde
 
 
 def ring_positions(index: jax.Array | int, length: int) -> jax.Array:
-    """The position each of a rolling cache's ``length`` slots holds before a write at ``index`` (negative: empty)."""
+    """The position each of a rolling cache's ``length`` slots holds before a write at ``index`` (negative:
+    empty): ``[length]``, or ``[batch, length]`` for an index per row."""
     slots = jnp.arange(length, dtype=jnp.int32)
-    return index - 1 - jnp.mod(index - 1 - slots, length)
+    last = jnp.asarray(index, jnp.int32)[..., None] - 1
+    return last - jnp.mod(last - slots, length)
 
 
 def ring_mask(key_mask: jax.Array | None, seq: int, length: int, index, window: int) -> AttentionMask:
     """The mask of ``seq`` queries from ``index`` over a rolling cache's ``length`` slots followed by their own
     ``seq`` keys (``attend_ring``): a key is seen if it is written, real in ``key_mask`` (which covers every
     position, as with a plain cache), and among the ``window`` latest positions up to the query's."""
-    k_pos = jnp.concatenate([ring_positions(index, length), query_positions(seq, index)])
-    q_pos = query_positions(seq, index)[:, None]
-    seen = (k_pos[None, :] >= 0) & (k_pos[None, :] <= q_pos) & (k_pos[None, :] > q_pos - window)
-    mask = seen[None, None]
+    k_pos = jnp.concatenate([ring_positions(index, length), query_positions(seq, index)], axis=-1)
+    q_pos = query_positions(seq, index)[..., None]
+    keys = k_pos[..., None, :]
+    seen = (keys >= 0) & (keys <= q_pos) & (keys > q_pos - window)
+    mask = seen[None, None] if seen.ndim == 2 else seen[:, None]  # an index per row: [batch, ...]
     if key_mask is not None:
-        real = jnp.take(key_mask, jnp.clip(k_pos, 0, key_mask.shape[1] - 1), axis=1) != 0
+        at = jnp.clip(k_pos, 0, key_mask.shape[1] - 1)
+        real = (jnp.take(key_mask, at, axis=1) if at.ndim == 1 else jnp.take_along_axis(key_mask, at, axis=1)) != 0
         mask = mask & real[:, None, None, :]
     return AttentionMask(mask, None, window)
 
@@ -249,11 +253,15 @@ def attend_ring(
 
 def update_ring(cache: KVCache, k: jax.Array, v: jax.Array, index) -> KVCache:
     """Write the last ``min(t, length)`` of ``t`` new keys/values (``[batch, t, heads, dim]``, positions from
-    ``index``) into their slots of a rolling cache (distinct slots, so the scatter has no duplicates)."""
+    ``index``, one for every row or ``[batch]``) into their slots of a rolling cache (distinct slots, so the
+    scatter has no duplicates)."""
     length, t = cache.max_len, k.shape[1]
     kept = min(t, length)
     new = KVCache.of(k[:, t - kept :], v[:, t - kept :], cache.k.dtype)
-    slots = jnp.mod(index + t - kept + jnp.arange(kept, dtype=jnp.int32), length)
+    slots = jnp.mod(jnp.asarray(index, jnp.int32)[..., None] + t - kept + jnp.arange(kept, dtype=jnp.int32), length)
+    if slots.ndim == 2:  # each row its own slots
+        put = jax.vmap(lambda old, n, s: old.at[:, s].set(n))
+        return KVCache(*(put(old, n, slots) for old, n in zip(cache, new)))
     return KVCache(*(old.at[:, :, slots].set(n) for old, n in zip(cache, new)))
 
 
