@@ -1,6 +1,6 @@
 """gpt-oss against transformers PyTorch, every weight perturbed and the sinks made large: a config with sliding and
 full layers (a window of 4), YaRN rope, q/k/v/o biases, clamped experts with biases, the router loss; and one with
-none of these (full layers only, default rope, no attention biases, a tied head, top-1 of 3 experts, as many
+none of these (full layers only, default rope, no attention biases, a tied head, top-1 of 4 experts, as many
 key/value heads as query heads). Logits on both paddings (the second scanned too), greedy generation through the
 KV cache and the rolling window, export, one training step's loss and every gradient, on one device and on
 meshes (experts split over ep), and what is refused in one line: MXFP4 checkpoints, a fused kernel asked by name,
@@ -40,7 +40,7 @@ CONFIGS = {
     "mixed": dict(sliding_window=4, rope_parameters=YARN, output_router_logits=True, router_aux_loss_coef=COEF),
     "plain": dict(
         layer_types=["full_attention"] * 3, attention_bias=False, tie_word_embeddings=True, num_key_value_heads=4,
-        num_local_experts=3, num_experts_per_tok=1, rope_parameters=dict(rope_type="default", rope_theta=500.0),
+        num_local_experts=4, num_experts_per_tok=1, rope_parameters=dict(rope_type="default", rope_theta=500.0),
     ),
 }  # fmt: skip
 
@@ -97,8 +97,9 @@ def test_greedy_generation_matches_pytorch_on_left_padded_prompts(saved):
 
 
 def test_export_loads_in_transformers_with_the_same_logits(saved, tmp_path):
-    _, ref, path = saved
-    save_pretrained(load_pretrained(path, "causal-lm"), tmp_path)
+    """The unrolled model's export, and the scanned one's (the experts' stacks with a layer axis) where it scans."""
+    name, ref, path = saved
+    save_pretrained(load_pretrained(path, "causal-lm", execution=Execution(scan_layers=name == "plain")), tmp_path)
     back, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, output_loading_info=True)
     assert type(back) is transformers.GptOssForCausalLM
     assert not info["missing_keys"] and not info["unexpected_keys"]
@@ -135,10 +136,12 @@ def test_training_loss_and_every_gradient_equal_transformers(saved):
 @pytest.mark.parametrize("mesh", ["dp=2,fsdp=2,mp=2", "dp=2,ep=4"])
 def test_meshes_give_the_same_logits_and_gradients(saved, mesh):
     """The experts split over ep (each device its experts' stacks and biases) or over fsdp and mp: the logits,
-    the loss and one step's gradients of every weight as on one device."""
+    the loss and one step's gradients of every weight as on one device; the second config's layers scanned, on
+    the ep mesh."""
     name, _, path = saved
-    if name != "mixed":
-        pytest.skip("one config is enough")
+    scan = name == "plain"
+    if scan and "ep" not in mesh:
+        pytest.skip("one mesh is enough")
     ids, mask = padded_batch(VOCAB)
     batch = {"input_ids": jnp.asarray(ids), "attention_mask": jnp.asarray(mask)}
 
@@ -147,14 +150,17 @@ def test_meshes_give_the_same_logits_and_gradients(saved, mesh):
         out = forward(model, batch["input_ids"], batch["attention_mask"])
         return out, loss, dict(partition.named_leaves(nnx.state(grads, nnx.Param)))
 
-    want, want_loss, want_grads = logits_loss_grads(load_pretrained(path, "causal-lm"))
+    one = load_pretrained(path, "causal-lm", execution=Execution(scan_layers=scan))
+    want, want_loss, want_grads = logits_loss_grads(one)
     devices = make_mesh(mesh)
-    execution = decide_execution(load_config(path), "causal-lm", mesh=devices, scan_layers="auto")
+    execution = decide_execution(load_config(path), "causal-lm", mesh=devices, scan_layers=scan)
     model = load_pretrained(path, "causal-lm", mesh=devices, execution=execution)
     specs = {name: x.sharding.spec for name, x in partition.named_leaves(nnx.state(model, nnx.Param))}
-    assert specs["model/layers/0/mlp/experts/gate_up_proj"] == P("ep", "fsdp", "mp")
-    assert specs["model/layers/0/mlp/experts/down_proj_bias"] == P("ep", None)
-    assert model.model.layers[0].mlp.expert_mesh == (devices if "ep" in mesh else None)
+    layer, stacked = ("model/layers/stacked", (None,)) if scan else ("model/layers/0", ())
+    assert specs[f"{layer}/mlp/experts/gate_up_proj"] == P(*stacked, "ep", "fsdp", "mp")
+    assert specs[f"{layer}/mlp/experts/down_proj_bias"] == P(*stacked, "ep", None)
+    block = model.model.layers.stacked if scan else model.model.layers[0]
+    assert block.mlp.expert_mesh == (devices if "ep" in mesh or "fsdp" in mesh else None)
     got, loss, grads = logits_loss_grads(model)
     assert relative_diff(mask, got.logits, want.logits) <= 1e-5
     assert abs(float(loss) - float(want_loss)) <= 1e-6 * abs(float(want_loss))
@@ -244,3 +250,31 @@ def test_yarn_frequencies_and_attention_factor_equal_transformers(config):
     inv_freq, factor = ROPE_INIT_FUNCTIONS["yarn"](config)
     np.testing.assert_allclose(rope_frequencies(config), inv_freq.numpy(), rtol=2e-7, atol=0)
     assert rope_attention_factor(config) == pytest.approx(factor, rel=1e-12) and factor != 1.0
+
+
+def test_long_rows_attend_a_chunk_of_queries_at_a_time(monkeypatch):
+    """Sinks take XLA's written-out attention, whose rows of more than ``QUERY_CHUNK`` queries go a chunk at a time
+    (a sliding window, a right-padded row, grouped-query heads): the output and the gradients of the queries,
+    keys, values and sinks are those of the whole row at once."""
+    import jax
+
+    from jaxseq.models import attention
+
+    rng = np.random.default_rng(0)
+    rows, length, heads, kv_heads, dim = 2, 2 * attention.QUERY_CHUNK, 2, 1, 4
+    q, k, v = (jnp.asarray(rng.normal(size=(rows, length, n, dim)), jnp.float32) for n in (heads, kv_heads, kv_heads))
+    sinks = jnp.asarray(3 * rng.normal(size=heads), jnp.float32)
+    real = jnp.asarray(np.arange(length)[None] < np.array([[length], [length - 500]]), jnp.int32)
+    mask = attention.self_attention_mask(real, length, causal=True, window=300)
+
+    def run():
+        def loss(q, k, v, sinks):
+            y = attention.attend(q, k, v, mask, scale=0.3, causal=True, sinks=sinks)
+            return (y * jnp.cos(y)).sum(), y
+
+        return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))(q, k, v, sinks)
+
+    chunked = run()
+    monkeypatch.setattr(attention, "QUERY_CHUNK", 2 * length)
+    for got, want in zip(jax.tree.leaves(chunked), jax.tree.leaves(run())):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)

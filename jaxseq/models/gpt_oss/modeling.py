@@ -23,6 +23,7 @@ from jax.sharding import Mesh
 
 from jaxseq.errors import JaxseqError
 from jaxseq.models.attention import attend, attend_cache, attend_ring, merge_heads, update_kv, update_ring
+from jaxseq.models.execution import Execution
 from jaxseq.models.layers import Linear, WholeExperts, normal
 from jaxseq.models.llama.modeling import LlamaAttention
 from jaxseq.models.mixtral.modeling import (
@@ -133,6 +134,14 @@ class GptOssDecoderLayer(MixtralDecoderLayer):
     mlp_class = GptOssMLP
     attention_class = GptOssAttention
     moe_name = "mlp"
+
+    def feed_forward(self, config, execution: Execution, **kw):
+        """The MoE block, its experts split over ``execution.experts`` (ep > 1); on a fully sharded mesh without
+        ep, each device routes its own rows' tokens through every expert (``expert_parallel`` with ep = 1: the
+        experts' stacks whole on each device, as the block's weight gather has them) instead of sorting the
+        whole batch's token-expert pairs on every device."""
+        mesh = execution.experts or (execution.gather.mesh if execution.gather is not None else None)
+        return self.mlp_class(config, expert_mesh=mesh, **kw)
 
 
 def check_config(config) -> None:
