@@ -5,6 +5,7 @@ rotate-half, attention biases, one group, raw top-k weights and every layer MoE 
 paddings, greedy generation, the latent cache, export, a train step's loss and every gradient, meshes (experts
 over ep), FLOPs and LoRA's targets."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -240,17 +241,33 @@ def test_dense_layers_do_not_scan_and_flops_count_mla_and_experts(saved):
 
 
 def test_lora_adapts_the_queries_and_the_latent_expansion(saved):
+    """LoRA's default targets are the queries' and kv_b_proj's kernels; with adapters beside the kernels (as a
+    LoRA run samples), decoding from the latent cache, which reads kv_b_proj's kernel through its product, gives
+    the logits of the model with the adapters merged."""
     from jaxseq.partition import get_partition_rules, match_partition_rules
     from jaxseq.train.lora import Lora, LoraConfig
 
     _, path, case = saved
     model = load_pretrained(path, "causal-lm")
     specs = match_partition_rules(get_partition_rules("deepseek_v3"), nnx.state(model))
-    names = {"/".join(map(str, p[-2:])) for p in Lora(LoraConfig(lora_rank=2), model, specs).targets}
-    assert names == {
-        "self_attn/kv_b_proj",
-        "self_attn/q_b_proj" if case == "latent-q-yarn-groups" else "self_attn/q_proj",
-    }
+    lora = Lora(LoraConfig(lora_rank=2), model, specs)
+    queries = "q_b_proj" if case == "latent-q-yarn-groups" else "q_proj"
+    assert {"/".join(map(str, p[-2:])) for p in lora.targets} == {"self_attn/kv_b_proj", f"self_attn/{queries}"}
+    if case != "latent-q-yarn-groups":
+        return
+    rng = np.random.default_rng(0)
+    trained = jax.tree_util.tree_map_with_path(  # B away from its zero start
+        lambda p, x: jnp.asarray(rng.normal(0, 0.3, x.shape), x.dtype) if "lora_B" in str(p[-1]) else x,
+        lora.init(nnx.state(model), 0),
+    )
+    graphdef, frozen = nnx.split(model)
+    adapted = lora.training_model(graphdef, trained, frozen)
+    ids, mask = padded_batch(VOCAB, lengths=(12, 12))
+    want = forward(nnx.merge(graphdef, lora.merged(trained, frozen)), jnp.asarray(ids)).logits
+    out = forward(adapted, jnp.asarray(ids[:, :11]), cache=adapted.init_cache(2, 12))
+    out = forward(adapted, jnp.asarray(ids[:, 11:]), cache=out.cache)
+    assert relative_diff(mask[:, 11:], out.logits, want[:, 11:]) <= 1e-5
+    assert relative_diff(mask, forward(model, jnp.asarray(ids)).logits, want) > 1e-2  # the adapters count
 
 
 def test_sequence_classification_matches_pytorch(saved, tmp_path):

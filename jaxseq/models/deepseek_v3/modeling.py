@@ -11,7 +11,8 @@ position followed by its rotated part; ``rope_interleave`` reads the rotated fea
 transformers applies it. YaRN's rope scales the rotations by its attention factor and, with
 ``mscale_all_dim``, the softmax scale by ``mscale(factor, mscale_all_dim)**2``. The KV cache holds the latent
 (normalised) and the rotated shared key part alone, one "head" of ``kv_lora_rank`` and one of
-``qk_rope_head_dim`` per position, and expands them at each step as transformers does.
+``qk_rope_head_dim`` per position; attention over it absorbs ``kv_b_proj`` into the queries and the output
+(``DeepseekV3Attention.attend_latents``) instead of expanding every cached position as transformers does.
 
 A mixture of experts after the first ``first_k_dense_replace`` layers (which keep a dense MLP of
 ``intermediate_size``): the router's sigmoid scores plus ``e_score_correction_bias`` choose, among the
@@ -31,9 +32,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxseq.errors import JaxseqError
-from jaxseq.models.attention import Cache, KVCache, attend, attend_cache, merge_heads, split_heads, update_kv
+from jaxseq.models.attention import AttentionMask, Cache, KVCache, attend, merge_heads, split_heads, update_kv
 from jaxseq.models.execution import Execution
-from jaxseq.models.layers import Linear, Stacked, activation, normal
+from jaxseq.models.layers import Linear, Stacked, activation, dot_general, normal
 from jaxseq.models.llama.modeling import (
     LlamaDecoderLayer,
     LlamaForCausalLM,
@@ -125,21 +126,42 @@ class DeepseekV3Attention(nnx.Module):
         q = self.q_proj(x) if self.q_proj is not None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
         q = split_heads(q, self.num_heads)
         q = jnp.concatenate([q[..., : self.nope], self.rotate(q[..., self.nope :], rope)], axis=-1)
-        q = widened(q, self.width)
         latent, k_rot = jnp.split(self.kv_a_proj_with_mqa(x), [self.rank], axis=-1)
         latent, k_rot = self.kv_a_layernorm(latent), self.rotate(k_rot[:, :, None, :], rope)  # [b, s, 1, rope]
         if cache is not None:
             cache = update_kv(cache, latent[:, :, None, :], k_rot, index)
-            latent, k_rot = (jnp.swapaxes(t, 1, 2).astype(q.dtype) for t in cache)
-            k, v = self.expand(latent[:, :, 0], k_rot)
-            y = attend_cache(q, KVCache.of(k, v), mask, scale=self.scale)
+            y = self.attend_latents(q, *(t[:, 0].astype(q.dtype) for t in cache), mask)
         else:
             k, v = self.expand(latent, k_rot)
             y = attend(
-                q, k, v, mask, scale=self.scale, dropout_rate=self.dropout_rate, rngs=rngs, kernel=self.attention,
-                causal=True,
-            )  # fmt: skip
-        return self.o_proj(merge_heads(y[..., : self.v_dim])), cache
+                widened(q, self.width), k, v, mask, scale=self.scale, dropout_rate=self.dropout_rate, rngs=rngs,
+                kernel=self.attention, causal=True,
+            )[..., : self.v_dim]  # fmt: skip
+        return self.o_proj(merge_heads(y)), cache
+
+    def attend_latents(self, q, latents, k_rots, mask):
+        """Attention of ``q`` over the cache's latents ``[batch, len, kv_lora_rank]`` and rotated shared key parts
+        ``[batch, len, rope]``, ``kv_b_proj`` absorbed rather than applied to every cached position: each head's
+        query without position is taken into the latent space (``q_nope W_k^T``) and scores the latents
+        directly, and the softmax-weighted latents are expanded to the head's values once (``W_v``). The same
+        products in another order: a step reads ``kv_lora_rank + qk_rope_head_dim`` numbers per position and
+        layer, and computes no per-head keys or values of the cached positions."""
+        kernel = self.kv_b_kernel(q.dtype).reshape(self.rank, self.num_heads, self.nope + self.v_dim)
+        q_latent = jnp.einsum("bqhd,rhd->bqhr", q[..., : self.nope], kernel[..., : self.nope])
+        scores = jnp.einsum("bqhr,bkr->bhqk", q_latent, latents, preferred_element_type=jnp.float32)
+        scores += jnp.einsum("bqhe,bke->bhqk", q[..., self.nope :], k_rots, preferred_element_type=jnp.float32)
+        dense = mask.dense if isinstance(mask, AttentionMask) else mask
+        scores = jnp.where(dense, scores * self.scale, jnp.finfo(jnp.float32).min)
+        context = jnp.einsum("bhqk,bkr->bqhr", jax.nn.softmax(scores, axis=-1).astype(latents.dtype), latents)
+        return jnp.einsum("bqhr,rhv->bqhv", context, kernel[..., self.nope :])
+
+    def kv_b_kernel(self, dtype) -> jax.Array:
+        """``kv_b_proj``'s ``[kv_lora_rank, heads x (nope + v)]`` kernel as its product applies it: read directly,
+        or where LoRA or QLoRA replaced the product (``dot_general``), the product of the identity."""
+        proj = self.kv_b_proj
+        if proj.dot_general is dot_general:
+            return proj.kernel[...].astype(dtype)
+        return proj(jnp.eye(self.rank, dtype=dtype))
 
     def rotate(self, x, rope):
         """``x``'s rotary features turned by ``rope``: with ``rope_interleave``, feature pairs ``(2i, 2i + 1)``,
@@ -150,8 +172,8 @@ class DeepseekV3Attention(nnx.Module):
 
     def expand(self, latent, k_rot):
         """Every head's keys (the part without position from the latent, then the shared rotated part) and
-        values from the latents ``[batch, len, kv_lora_rank]`` and rotated parts ``[batch, len, 1, rope]``; the
-        both padded with zeros to ``width`` (``widened``)."""
+        values from the latents ``[batch, len, kv_lora_rank]`` and rotated parts ``[batch, len, 1, rope]``, both
+        padded with zeros to ``width`` (``widened``)."""
         kv = split_heads(self.kv_b_proj(latent), self.num_heads)
         k_nope, v = kv[..., : self.nope], kv[..., self.nope :]
         k_rot = jnp.broadcast_to(k_rot.astype(k_nope.dtype), (*k_nope.shape[:-1], self.rope_dim))
