@@ -187,3 +187,19 @@ def test_lora_targets_and_one_line_refusals(saved):
         with pytest.raises(JaxseqError) as error:
             load_pretrained(path, "causal-lm", **kw)
         assert "\n" not in str(error.value)
+
+
+def test_config_overrides_rebuild_the_per_layer_fields():
+    """``--model_type gemma4_text --config_overrides``: a new depth gets its layer kinds and their head sizes
+    (the full layers' global_head_dim) anew; shared layers of a kind no earlier layer has stop in one line."""
+    from jaxseq.models.gemma4_text.modeling import layer_shape
+    from jaxseq.models.hub import apply_overrides, parse_overrides
+
+    config = transformers.AutoConfig.for_model("gemma4_text")
+    text = "num_hidden_layers=7,head_dim=16,num_kv_shared_layers=1"
+    config = apply_overrides(config, **parse_overrides(text, config))
+    assert config.layer_types == [SLIDING] * 5 + [FULL] * 2
+    assert [layer_shape(config, i)[0] for i in range(7)] == [16] * 5 + [512] * 2
+    with pytest.raises(JaxseqError, match="num_kv_shared_layers") as error:
+        family_for("gemma4_text").model_flops(apply_overrides(config, num_kv_shared_layers=3), "causal-lm", 1, 8)
+    assert "\n" not in str(error.value)

@@ -90,3 +90,12 @@ class Family:
         """The vocabulary axis of the parameter at ``path`` (``/``-joined, or its names), or None if it has none."""
         path = path if isinstance(path, str) else "/".join(map(str, path))
         return next((axis for pattern, axis in self.vocab_params if re.search(pattern, path)), None)
+
+
+def readable(config):
+    """``config``, its per-layer fields (transformers' ``per_layer_config``: Gemma 4's head sizes per layer
+    kind) readable as the global values, which transformers refuses by default, also where jax compares two
+    models' configs; the families with such fields read them per layer."""
+    if getattr(config, "is_heterogeneous", False):
+        config.allow_global_per_layer_attribute_access = True
+    return config

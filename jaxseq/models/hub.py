@@ -20,6 +20,7 @@ from jax._src import config as jax_config  # threefry_gpu_kernel_lowering: no pu
 from jaxseq.errors import JaxseqError, first_line
 from jaxseq.files import atomic_folder
 from jaxseq.models.execution import Execution
+from jaxseq.models.family import readable
 from jaxseq.models.registry import TASKS, family_for, model_class
 from jaxseq.models.weights import match_names, read_checkpoint, resize_vocab, some, stored_layout, torch_layout
 from jaxseq.sharding import check_divisible, gather, make_shardings, match_partition_rules
@@ -106,6 +107,7 @@ def parse_overrides(text: str | None, config) -> dict:
     """``"n_layer=2,n_embd=128,resid_pdrop=0"`` -> typed values (the type of the config's current value,
     a number for an unset field, ``None`` for ``none``/``null``). Unknown field names are left for
     ``apply_overrides`` to report."""
+    readable(config)
     booleans = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
     overrides = {}
     for item in filter(None, (part.strip() for part in (text or "").split(","))):
@@ -140,15 +142,17 @@ def _number(raw: str) -> int | float | str:
 
 
 def apply_overrides(config, *, num_labels: int | None = None, **overrides):
-    config = copy.deepcopy(config)
+    config = readable(copy.deepcopy(config))
     for key, value in overrides.items():
         if not hasattr(config, key):
             raise JaxseqError(f"{type(config).__name__} has no field {key!r}; check the override's spelling")
         setattr(config, key, value)
     kinds = getattr(config, "layer_types", None) or []
     if "num_hidden_layers" in overrides and "layer_types" not in overrides and len(kinds) != config.num_hidden_layers:
-        # the per-layer pattern of the new depth, as the config class makes it for a config of that depth
-        config = type(config)(**{**config.to_dict(), "layer_types": None})
+        # the per-layer pattern of the new depth (and the per-layer fields that follow it), as the config class
+        # makes them for a config of that depth
+        fields = {k: v for k, v in config.to_dict().items() if k != "per_layer_config"}
+        config = readable(type(config)(**{**fields, "layer_types": None}))
     if num_labels is not None and num_labels != config.num_labels:
         config.num_labels = num_labels
     return config

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxseq.errors import JaxseqError
+from jaxseq.errors import JaxseqError, first_line
 from jaxseq.models.attention import (
     AttentionMask,
     Cache,
@@ -48,6 +48,7 @@ from jaxseq.models.attention import (
     update_ring,
 )
 from jaxseq.models.execution import Execution
+from jaxseq.models.family import readable
 from jaxseq.models.layers import (
     Linear,
     NamedAsIs,
@@ -75,7 +76,10 @@ def layer_shape(config, layer: int) -> tuple[int, int]:
 def sharing(config) -> tuple[str | None, ...]:
     """Each layer's part in KV sharing, as transformers' ``kv_sharing_modes``: None (its own keys and values),
     "store" (the last of its kind before the shared layers: they read its keys and values) or "reuse"."""
-    return tuple(config.kv_sharing_modes)
+    try:
+        return tuple(config.kv_sharing_modes)
+    except ValueError as e:  # a shared layer's kind that no earlier layer has
+        raise JaxseqError(f"num_kv_shared_layers={config.num_kv_shared_layers}: {first_line(e)}") from None
 
 
 def layer_windows(config) -> tuple[int | None, ...]:
@@ -308,9 +312,7 @@ class Gemma4TextModel(nnx.Module):
                 "scan_layers needs every layer alike, and Gemma 4's layers differ (layer kinds, head sizes, KV "
                 "sharing); leave scan_layers off"
             )
-        # jax compares the configs of two models' graphs field by field, which a config with per-layer fields
-        # refuses (transformers reads them per layer, as this model does: ``per_layer_config``) unless allowed
-        config.allow_global_per_layer_attribute_access = True
+        readable(config)  # jax compares two models' configs field by field, per-layer fields included
         self.config, self.dtype = config, dtype
         self.kinds = tuple(config.layer_types[: config.num_hidden_layers])
         self.windows, self.sharing = layer_windows(config), sharing(config)
