@@ -21,7 +21,7 @@ from jaxseq.generation import generate  # noqa: E402
 from jaxseq.mesh import make_mesh  # noqa: E402
 from jaxseq.models import Execution, load_pretrained, save_pretrained  # noqa: E402
 from jaxseq.models.decide import decide_execution  # noqa: E402
-from jaxseq.models.hub import load_config  # noqa: E402
+from jaxseq.models.hub import abstract_model, load_config  # noqa: E402
 from jaxseq.models.registry import family_for  # noqa: E402
 from jaxseq.models.weights import stored_layout  # noqa: E402
 from jaxseq.train.objectives import CausalLM  # noqa: E402
@@ -223,12 +223,10 @@ def test_meshes_give_the_same_logits_and_gradients(saved):
         assert float(np.abs(np.asarray(g) - np.asarray(want_grads[name])).max()) / scale <= 1e-4, name
 
 
-def test_dense_layers_do_not_scan_and_flops_count_mla_and_experts(saved):
-    ref, path, case = saved
-    if case != "latent-q-yarn-groups":
-        pytest.skip("the hand count is of the first config")
+def test_dense_layers_do_not_scan_and_flops_count_mla_and_experts():
+    config = tiny_config(**CASES["latent-q-yarn-groups"])
     with pytest.raises(JaxseqError, match="scan_layers") as error:
-        load_pretrained(path, "causal-lm", execution=Execution(scan_layers=True))
+        abstract_model(config, "causal-lm", execution=Execution(scan_layers=True))
     assert "\n" not in str(error.value)
     rows, seq = 2, 16
     # queries 64 -> 24 -> 4 x 20; latent and rotary key 64 -> 16 + 8; keys and values 16 -> 4 x (12 + 10); o 40 -> 64
@@ -237,7 +235,7 @@ def test_dense_layers_do_not_scan_and_flops_count_mla_and_experts(saved):
     weights = 3 * attention + 3 * 64 * 80 + 2 * moe + 64 * VOCAB  # layer 0 dense, the head
     products = 2 * 2 * 4 * (20 + 10) / 2 * (seq * seq / 2) * rows  # QK^T over 4 x 20, AV over 4 x 10, causal
     want = 3 * (2.0 * weights * rows * seq + 3 * products)
-    assert family_for("deepseek_v3").model_flops(ref.config, "causal-lm", rows, seq) == pytest.approx(want)
+    assert family_for("deepseek_v3").model_flops(config, "causal-lm", rows, seq) == pytest.approx(want)
 
 
 def test_lora_adapts_the_queries_and_the_latent_expansion(saved):
@@ -270,11 +268,8 @@ def test_lora_adapts_the_queries_and_the_latent_expansion(saved):
     assert relative_diff(mask, forward(model, jnp.asarray(ids)).logits, want) > 1e-2  # the adapters count
 
 
-def test_sequence_classification_matches_pytorch(saved, tmp_path):
-    case = saved[2]
-    if case != "latent-q-yarn-groups":
-        pytest.skip("one config is enough for the head")
-    config = tiny_config(**CASES[case], num_labels=3)
+def test_sequence_classification_matches_pytorch(tmp_path):
+    config = tiny_config(**CASES["latent-q-yarn-groups"], num_labels=3)
     torch.manual_seed(0)
     classifier = perturb(transformers.DeepseekV3ForSequenceClassification(config)).eval()
     classifier.save_pretrained(tmp_path)
