@@ -203,3 +203,22 @@ def test_config_overrides_rebuild_the_per_layer_fields():
     with pytest.raises(JaxseqError, match="num_kv_shared_layers") as error:
         family_for("gemma4_text").model_flops(apply_overrides(config, num_kv_shared_layers=3), "causal-lm", 1, 8)
     assert "\n" not in str(error.value)
+
+
+def test_the_text_model_of_a_multimodal_checkpoint(tmp_path):
+    """A Gemma 4 checkpoint as published (``gemma4``: the text model's config its ``text_config``, its weights
+    under ``model.language_model.``, a vision tower beside it): ``causal-lm`` loads the text model, whose logits
+    of text are the multimodal model's."""
+    torch.manual_seed(0)
+    vision = transformers.Gemma4VisionConfig(
+        hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
+        head_dim=8, position_embedding_size=64,
+    )  # fmt: skip
+    config = transformers.Gemma4Config(text_config=tiny_config("moe-shared"), vision_config=vision, audio_config=None)
+    ref = perturb(transformers.Gemma4ForConditionalGeneration(config)).eval()
+    ref.save_pretrained(tmp_path)
+    model = load_pretrained(tmp_path, "causal-lm")
+    assert type(model).hf_architecture == "Gemma4ForCausalLM" and model.config.model_type == "gemma4_text"
+    ids, mask = padded_batch(VOCAB)
+    want = torch_forward(ref, input_ids=ids, attention_mask=mask).logits.numpy()
+    assert scaled_diff(mask, forward(model, jnp.asarray(ids), jnp.asarray(mask)).logits, want) <= 1e-4

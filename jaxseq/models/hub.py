@@ -21,7 +21,7 @@ from jaxseq.errors import JaxseqError, first_line
 from jaxseq.files import atomic_folder
 from jaxseq.models.execution import Execution
 from jaxseq.models.family import readable
-from jaxseq.models.registry import TASKS, family_for, model_class
+from jaxseq.models.registry import FAMILIES, TASKS, family_for, model_class
 from jaxseq.models.weights import match_names, read_checkpoint, resize_vocab, some, stored_layout, torch_layout
 from jaxseq.sharding import check_divisible, gather, make_shardings, match_partition_rules
 
@@ -94,7 +94,32 @@ def load_config(folder: Path, *, num_labels: int | None = None, **overrides):
         config = AutoConfig.from_pretrained(folder)
     except (ValueError, KeyError, OSError, json.JSONDecodeError) as e:
         raise JaxseqError(f"cannot read {folder / 'config.json'}: {first_line(e)}") from None
-    return apply_overrides(config, num_labels=num_labels, **overrides)
+    return apply_overrides(text_tower(config), num_labels=num_labels, **overrides)
+
+
+TEXT_TOWER = "model.language_model."
+"""Where a multimodal checkpoint keeps its text model's weights (``model.language_model.layers.0...``)."""
+
+
+def text_tower(config):
+    """The config of a multimodal checkpoint's text model (its ``text_config``, Gemma 4's ``gemma4_text``, with
+    the checkpoint's ``tie_word_embeddings``), where jaxseq has that family and not the checkpoint's own; else
+    ``config``."""
+    text = None if config.model_type in FAMILIES else getattr(config, "text_config", None)
+    if text is None or text.model_type not in FAMILIES:
+        return config
+    text = copy.deepcopy(text)
+    text.tie_word_embeddings = config.tie_word_embeddings  # the whole model's, as transformers ties its head
+    return text
+
+
+def text_tower_weights(tensors: dict) -> dict:
+    """A multimodal checkpoint's text model weights under the text model's own names (``TEXT_TOWER`` ->
+    ``model.``, ``lm_head`` kept); the other towers' left out. Other checkpoints' as they are."""
+    if not any(name.startswith(TEXT_TOWER) for name in tensors):
+        return tensors
+    text = {"model." + n[len(TEXT_TOWER) :]: t for n, t in tensors.items() if n.startswith(TEXT_TOWER)}
+    return {**text, **{n: t for n, t in tensors.items() if n.startswith("lm_head.")}}
 
 
 def position_limit(config) -> int | None:
@@ -260,7 +285,7 @@ def load_pretrained(
     abstract = nnx.eval_shape(make)
     graphdef, abstract_state = nnx.split(abstract)
     layout = torch_layout(abstract)
-    tensors, new_heads, dropped = match_names(family, set(layout), read_checkpoint(folder))
+    tensors, new_heads, dropped = match_names(family, set(layout), text_tower_weights(read_checkpoint(folder)))
     shardings = _placement(mesh, abstract_state, family.model_type)
 
     flat_shardings = dict(nnx.to_flat_state(shardings))
