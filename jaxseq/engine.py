@@ -21,14 +21,17 @@ import dataclasses
 import itertools
 import math
 from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxseq.errors import JaxseqError
-from jaxseq.generation import filter_logits, parameter_mesh, shard_cache
+from jaxseq.generation import filter_logits, no_early_eos, parameter_mesh, shard_cache
 from jaxseq.models.attention import Cache
 from jaxseq.models.hub import position_limit
 from jaxseq.models.source import stop_token_ids
@@ -41,18 +44,22 @@ SMALLEST_BUCKET = 16
 class SamplingParams:
     """How a request is continued: up to ``max_tokens`` new tokens; greedy at ``temperature`` 0, else drawn at
     ``temperature`` from the ``top_p`` nucleus (and the engine's ``top_k``); ``seed`` (None: the request's
-    number) fixes the draws; it ends at any of the engine's EOS ids (kept in its tokens) or at the first of the
-    ``stop`` strings (left out of its text, as OpenAI's API does)."""
+    number) fixes the draws; it ends at any of the engine's EOS ids (kept in its tokens; not before
+    ``min_tokens`` tokens) or at the first of the ``stop`` strings (left out of its text, as OpenAI's API
+    does)."""
 
     max_tokens: int = 16
     temperature: float = 1.0
     top_p: float = 1.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    min_tokens: int = 0  # EOS cannot come before this many tokens (vLLM's min_tokens)
 
     def __post_init__(self):
         if self.max_tokens < 1:
             raise JaxseqError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise JaxseqError(f"min_tokens must be from 0 to max_tokens, got {self.min_tokens}")
         if self.temperature < 0:
             raise JaxseqError(f"temperature must be at least 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
@@ -105,12 +112,35 @@ def _insert(cache: Cache, small: Cache, row) -> Cache:
     return cache._replace(layers=jax.tree.map(put, cache.layers, small.layers))
 
 
-def _choose(logits, seeds, counts, temperature, top_p, top_k: int):
-    """int32 ``[rows]``: each row's next token, the argmax where its temperature is 0, else a draw from
-    ``filter_logits``' distribution by inverse transform sampling with one uniform number of the key of its
-    seed folded with its token count (a row's draws depend on nothing else). The nucleus's sort runs only when
-    a row asks for one, and nothing is drawn in a step of greedy rows alone."""
-    logits = logits.astype(jnp.float32)
+class Draws(NamedTuple):
+    """How a program picks each row's next token: ``[rows]`` arrays (a prefill's or a fork's one row: scalars)
+    of the request's seed, its tokens so far, its temperature, top-p and min_tokens."""
+
+    seed: Any
+    count: Any
+    temperature: Any
+    top_p: Any
+    min_tokens: Any
+
+    @classmethod
+    def of(cls, request: Request) -> Draws:
+        p = request.params
+        seed = request.id if p.seed is None else p.seed
+        return cls(np.int32(seed % (2**31)), np.int32(len(request.tokens)), np.float32(p.temperature),
+                   np.float32(p.top_p), np.int32(p.min_tokens))  # fmt: skip
+
+
+IDLE = Draws(np.int32(0), np.int32(0), np.float32(0), np.float32(1), np.int32(0))
+"""A free slot's draws: greedy, nothing held back."""
+
+
+def _choose(logits, draws: Draws, top_k: int, eos: tuple[int, ...]):
+    """int32 ``[rows]``: each row's next token (EOS held back before its ``min_tokens``), the argmax where its
+    temperature is 0, else a draw from ``filter_logits``' distribution by inverse transform sampling with one
+    uniform number of the key of its seed folded with its token count (a row's draws depend on nothing else).
+    The nucleus's sort runs only when a row asks for one, and nothing is drawn in a step of greedy rows alone."""
+    seeds, counts, temperature, top_p, min_tokens = draws
+    logits = no_early_eos(logits.astype(jnp.float32), eos, counts[:, None], min_tokens[:, None])
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
     def draw(_):
@@ -155,7 +185,8 @@ class Engine:
         self.pad = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (self.eos or [0])[0])
         self.graphdef, self.state = nnx.split(model)
         self.mesh = parameter_mesh(self.state)
-        self.cache = jax.jit(lambda: model.init_cache(self.slots, self.max_len))()  # a buffer per layer (donated)
+        # a buffer per layer (donated), laid out on the weights' mesh as every program keeps it
+        self.cache = jax.jit(lambda: shard_cache(model.init_cache(self.slots, self.max_len), self.mesh))()
         # a sliding window's rolling cache: a slot's first decoded token overwrites what a copy would need
         self.rolling = any(leaf.shape[-2] != self.max_len for leaf in jax.tree.leaves(self.cache.layers))
         self.cache = self.cache._replace(index=jnp.zeros((self.slots,), jnp.int32))
@@ -163,7 +194,8 @@ class Engine:
         self.positions = np.zeros(self.slots, np.int32)  # the next token's position id
         self.last = np.zeros(self.slots, np.int32)  # the token each slot feeds next
         self.running: dict[int, Request] = {}  # slot -> request
-        self.prompt_logits = jnp.zeros((self.slots, model.config.vocab_size), jnp.float32)  # each slot's last
+        logits = np.zeros((self.slots, model.config.vocab_size), np.float32)  # each slot's prompt's last
+        self.prompt_logits = jax.device_put(logits, None if self.mesh is None else NamedSharding(self.mesh, P()))
         self.stats = collections.Counter()  # prompts prefilled ("prefills") and copied from a slot ("forks")
         self.waiting: collections.deque[Request] = collections.deque()
         self._ids = itertools.count()
@@ -176,7 +208,11 @@ class Engine:
     def _model(self, state):
         return nnx.merge(self.graphdef, state)
 
-    def _prefill_fn(self, state, cache, prompt_logits, ids, mask, row, seed, temperature, top_p):
+    def _everywhere(self, x: jax.Array) -> jax.Array:
+        """``x`` whole on every device of the mesh, so every process reads it (the host loop runs on each)."""
+        return x if self.mesh is None else jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, P()))
+
+    def _prefill_fn(self, state, cache, prompt_logits, ids, mask, row, draws: Draws):
         """One prompt (``[1, width]``, left-padded) through the model into a fresh cache of ``width``
         positions, copied into slot ``row`` (and its last logits into ``prompt_logits``); its first new token."""
         model = self._model(state)
@@ -186,33 +222,33 @@ class Engine:
         last = out.logits[0, -1, : prompt_logits.shape[1]].astype(jnp.float32)
         cache = shard_cache(_insert(cache, out.cache, row), self.mesh)
         cache = cache._replace(index=cache.index.at[row].set(ids.shape[1]))
-        return cache, prompt_logits.at[row].set(last), self._first(last, seed, temperature, top_p)
+        return cache, prompt_logits.at[row].set(last), self._first(last, draws)
 
-    def _fork_fn(self, cache, prompt_logits, source, row, width, seed, temperature, top_p):
+    def _fork_fn(self, cache, prompt_logits, source, row, width, draws: Draws):
         """Slot ``row`` given slot ``source``'s prompt (its first ``width`` cache positions, the later ones
         masked until overwritten) and last logits; its first new token."""
         cache = _copy_row(cache, source, row)
         cache = cache._replace(index=cache.index.at[row].set(width))
         last = prompt_logits[source]
-        return cache, prompt_logits.at[row].set(last), self._first(last, seed, temperature, top_p)
+        return cache, prompt_logits.at[row].set(last), self._first(last, draws)
 
-    def _first(self, logits, seed, temperature, top_p):
-        """A request's first token from its prompt's last ``logits`` (its draw number 0)."""
-        one = lambda x: x[None]
-        return _choose(one(logits), one(seed), jnp.zeros((1,), jnp.int32), one(temperature), one(top_p), self.top_k)[0]
+    def _first(self, logits, draws: Draws):
+        """A request's first token from its prompt's last ``logits``."""
+        one = lambda x: jnp.asarray(x)[None]
+        return self._everywhere(_choose(one(logits), jax.tree.map(one, draws), self.top_k, tuple(self.eos))[0])
 
     def _prefill(self, width: int):
         if width not in self._prefills:
             self._prefills[width] = jax.jit(self._prefill_fn, donate_argnums=(1, 2))
         return self._prefills[width]
 
-    def _decode_fn(self, state, cache, tokens, start, positions, busy, seeds, counts, temperature, top_p):
+    def _decode_fn(self, state, cache, tokens, start, positions, busy, draws: Draws):
         """One token in every slot: each busy slot's ``tokens`` written at its own position, attending to its
         own keys from ``start``; idle slots compute and keep nothing."""
         model = self._model(state)
         keys = (jnp.arange(self.max_len)[None] >= start[:, None]).astype(jnp.int32)
         out = model(tokens[:, None], keys, positions[:, None], cache=cache)
-        new = _choose(out.logits[:, 0], seeds, counts, temperature, top_p, self.top_k)
+        new = self._everywhere(_choose(out.logits[:, 0], draws, self.top_k, tuple(self.eos)))
         index = jnp.where(busy, out.cache.index, 0)
         return shard_cache(out.cache, self.mesh)._replace(index=index), new
 
@@ -220,18 +256,18 @@ class Engine:
         """Compile what requests run before the first one comes: the decode step, the fork and the prefill of
         every power-of-two prompt bucket, each run once on an idle slot (the next request overwrites it)."""
         idle = np.zeros(self.slots, np.int32)
-        args = (self.last, idle, idle, np.zeros(self.slots, bool), idle, idle, np.ones(self.slots, np.float32))
-        self.cache, _ = self._decode(self.state, self.cache, *args, np.ones(self.slots, np.float32))
-        sampling = (np.int32(0), np.float32(1), np.float32(1))
+        draws = Draws(*(np.full(self.slots, x) for x in IDLE._replace(temperature=np.float32(1))))
+        self.cache, _ = self._decode(self.state, self.cache, self.last, idle, idle, np.zeros(self.slots, bool), draws)
+        sampling = IDLE._replace(temperature=np.float32(1))
         self.cache, self.prompt_logits, _ = self._fork(
-            self.cache, self.prompt_logits, np.int32(0), np.int32(0), np.int32(0), *sampling
+            self.cache, self.prompt_logits, np.int32(0), np.int32(0), np.int32(0), sampling
         )
         width = SMALLEST_BUCKET
         while width <= self.max_len:
             ids = np.full((1, width), self.pad, np.int32)
             mask = np.ones((1, width), np.int32)
             self.cache, self.prompt_logits, _ = self._prefill(width)(
-                self.state, self.cache, self.prompt_logits, ids, mask, np.int32(0), *sampling
+                self.state, self.cache, self.prompt_logits, ids, mask, np.int32(0), sampling
             )
             width *= 2
         self.cache = self.cache._replace(index=jnp.zeros((self.slots,), jnp.int32))
@@ -286,8 +322,7 @@ class Engine:
         if source is not None:
             width = int(self.start[source]) + n
             self.cache, self.prompt_logits, token = self._fork(
-                self.cache, self.prompt_logits, np.int32(source), np.int32(slot), np.int32(width),
-                *self._sampling(request),
+                self.cache, self.prompt_logits, np.int32(source), np.int32(slot), np.int32(width), Draws.of(request),
             )  # fmt: skip
             self.stats["forks"] += 1
         else:
@@ -296,7 +331,7 @@ class Engine:
             mask = np.zeros((1, width), np.int32)
             ids[0, width - n :], mask[0, width - n :] = request.prompt_ids, 1
             self.cache, self.prompt_logits, token = self._prefill(width)(
-                self.state, self.cache, self.prompt_logits, ids, mask, np.int32(slot), *self._sampling(request)
+                self.state, self.cache, self.prompt_logits, ids, mask, np.int32(slot), Draws.of(request)
             )
             self.stats["prefills"] += 1
         request.slot = slot
@@ -305,24 +340,14 @@ class Engine:
         self._emit(request, int(token))
         self.last[slot] = int(token)
 
-    def _sampling(self, request: Request):
-        p = request.params
-        seed = request.id if p.seed is None else p.seed
-        return np.int32(seed % (2**31)), np.float32(p.temperature), np.float32(p.top_p)
-
     def _decode_step(self) -> list[Request]:
         busy = np.zeros(self.slots, bool)
-        seeds, counts = np.zeros(self.slots, np.int32), np.zeros(self.slots, np.int32)
-        temperature, top_p = np.zeros(self.slots, np.float32), np.ones(self.slots, np.float32)
+        rows = [IDLE] * self.slots
         for slot, request in self.running.items():
-            if request.finished:
-                continue
-            busy[slot] = True
-            seeds[slot], temperature[slot], top_p[slot] = self._sampling(request)
-            counts[slot] = len(request.tokens)
-        self.cache, new = self._decode(
-            self.state, self.cache, self.last, self.start, self.positions, busy, seeds, counts, temperature, top_p
-        )
+            if not request.finished:
+                busy[slot], rows[slot] = True, Draws.of(request)
+        draws = Draws(*(np.array(column) for column in zip(*rows)))
+        self.cache, new = self._decode(self.state, self.cache, self.last, self.start, self.positions, busy, draws)
         new = np.asarray(new)
         changed = []
         for slot in np.flatnonzero(busy):

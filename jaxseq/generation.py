@@ -427,14 +427,7 @@ def parameter_mesh(state) -> Mesh | None:
 def _check(model, ids, mask, max_new_tokens, do_sample, temperature, top_k, top_p, min_new_tokens):
     if ids.ndim != 2 or mask.shape != ids.shape:
         raise JaxseqError(f"input_ids {ids.shape} and attention_mask {mask.shape} must both be [batch, prompt_length]")
-    if max_new_tokens < 1:
-        raise JaxseqError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
-    if not 0 <= min_new_tokens <= max_new_tokens:
-        raise JaxseqError(f"min_new_tokens must be between 0 and max_new_tokens, got {min_new_tokens}")
-    if do_sample and not temperature > 0:
-        raise JaxseqError(f"temperature must be positive, got {temperature}")
-    if top_k < 0 or not 0 < top_p <= 1:
-        raise JaxseqError(f"top_k must be >= 0 and top_p in (0, 1], got top_k={top_k}, top_p={top_p}")
+    check_sampling(max_new_tokens, do_sample, temperature, top_k, top_p, min_new_tokens)
     lengths = mask.sum(axis=1)
     if ids.shape[0] == 0 or not lengths.all():
         empty = [int(i) for i in np.flatnonzero(lengths == 0)]
@@ -452,6 +445,18 @@ def _check(model, ids, mask, max_new_tokens, do_sample, temperature, top_k, top_
             f"a prompt of {lengths.max()} tokens plus max_new_tokens={max_new_tokens} exceeds the model's "
             f"{limit} positions; shorten the prompt or generate fewer tokens"
         )
+
+
+def check_sampling(max_new_tokens, do_sample, temperature, top_k, top_p, min_new_tokens=0):
+    """One-line errors for lengths and sampling settings no generation can take."""
+    if max_new_tokens < 1:
+        raise JaxseqError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+    if not 0 <= min_new_tokens <= max_new_tokens:
+        raise JaxseqError(f"min_new_tokens must be between 0 and max_new_tokens, got {min_new_tokens}")
+    if do_sample and not temperature > 0:
+        raise JaxseqError(f"temperature must be positive, got {temperature}")
+    if top_k < 0 or not 0 < top_p <= 1:
+        raise JaxseqError(f"top_k must be >= 0 and top_p in (0, 1], got top_k={top_k}, top_p={top_p}")
 
 
 def check_beams(num_beams, num_return_sequences, early_stopping, do_sample=False):

@@ -99,7 +99,10 @@ def test_a_sampled_request_draws_the_same_whatever_runs_beside_it(folder, tok):
 
 
 def test_stop_strings_eos_and_budgets_end_requests(folder, tok):
-    root, _, _ = folder
+    """A stop string cuts the text before it; an EOS id ends a request (not before its min_tokens, where the
+    tokens are transformers' with min_new_tokens); the budget ends it; requests past the positions stop in one
+    line."""
+    root, reference, _ = folder
     engine = Engine(load_pretrained(root, "causal-lm"), tok, max_batch_size=2, max_len=64)
     greedy = engine.generate([tok(PROMPTS[0])["input_ids"]], SamplingParams(max_tokens=12, temperature=0))[0]
     text = greedy.text
@@ -111,6 +114,14 @@ def test_stop_strings_eos_and_budgets_end_requests(folder, tok):
     ended = Engine(load_pretrained(root, "causal-lm"), tok, max_batch_size=2, max_len=64, eos_token_ids=[first])
     request = ended.generate([tok(PROMPTS[0])["input_ids"]], SamplingParams(max_tokens=12, temperature=0))[0]
     assert request.tokens == [first] and request.finish_reason == "stop"
+    held = ended.generate([tok(PROMPTS[0])["input_ids"]], SamplingParams(max_tokens=8, temperature=0, min_tokens=4))
+    ids = torch.tensor([tok(PROMPTS[0])["input_ids"]])
+    with torch.no_grad():  # transformers' MinNewTokensLengthLogitsProcessor
+        out = reference.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, min_new_tokens=4,
+                                 do_sample=False, eos_token_id=first, pad_token_id=first)  # fmt: skip
+    want = out[0, ids.shape[1] :].tolist()
+    want = want[: want.index(first) + 1] if first in want else want  # padded after its EOS
+    assert held[0].tokens == want and len(want) > 4
     with pytest.raises(JaxseqError, match="exceeds the engine's 64 positions"):
         engine.add(list(range(60)), SamplingParams(max_tokens=8))
     with pytest.raises(JaxseqError, match="max_tokens must be at least 1"):

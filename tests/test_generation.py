@@ -438,33 +438,29 @@ def test_script_writes_the_completions_of_pytorch_greedy(gpt2_with_tokenizer, tm
 
 
 def test_script_samples_several_completions_of_a_prompt(gpt2_with_tokenizer, tmp_path):
-    """``--do_sample --num_return_sequences 3``: each record's ``completions`` are the library's samples of its
-    prompt (the batch's seed drawn from --seed and the batch's number), the first also its ``completion``."""
+    """``--do_sample --num_return_sequences 3``: each record's ``completions`` are its prompt's samples, sample j
+    of prompt i drawn as the engine draws a request of seed (--seed, i, j) alone; the first is ``completion``."""
+    from jaxseq.engine import Engine, SamplingParams
+
     path, _, tokenizer = gpt2_with_tokenizer
     out = tmp_path / "completions.jsonl"
-    argv = ["--model_name_or_path", str(path), "--prompt", "The quick brown fox", "--prompt", "Hello",
-            "--max_new_tokens", "6", "--do_sample", "--temperature", "1.5", "--num_return_sequences", "3",
-            "--seed", "4", "--output_file", str(out), "--compilation_cache_dir", ""]  # fmt: skip
+    texts = ["The quick brown fox", "Hello"]
+    argv = ["--model_name_or_path", str(path), "--prompt", texts[0], "--prompt", texts[1], "--max_new_tokens", "6",
+            "--do_sample", "--temperature", "1.5", "--top_k", "50", "--num_return_sequences", "3", "--seed", "4",
+            "--output_file", str(out), "--compilation_cache_dir", ""]  # fmt: skip
     assert load_script().main(argv) == 0
     records = [json.loads(line) for line in out.read_text().splitlines()]
-    encoded = [tokenizer("Hello")["input_ids"], tokenizer("The quick brown fox")["input_ids"]]  # shortest first
-    ids = np.array([[0] * (len(encoded[1]) - len(e)) + e for e in encoded], np.int32)
-    mask = np.array([[0] * (len(encoded[1]) - len(e)) + [1] * len(e) for e in encoded], np.int32)
-    seed = int(np.random.SeedSequence([4, 0]).generate_state(1)[0])
-    sampled = generate(
-        load_pretrained(path, "causal-lm"),
-        ids,
-        mask,
-        max_new_tokens=6,
-        do_sample=True,
-        temperature=1.5,
-        num_return_sequences=3,
-        seed=seed,
-        eos_token_id=tokenizer.eos_token_id,
-    )
-    texts = tokenizer.batch_decode(np.asarray(sampled.sequences), skip_special_tokens=True)
-    assert records[1]["completions"] == texts[:3] and records[0]["completions"] == texts[3:]
-    assert all(r["completion"] == r["completions"][0] for r in records) and len(set(texts)) > 2
+    model = load_pretrained(path, "causal-lm")
+    for i, (text, record) in enumerate(zip(texts, records)):
+        want = []
+        for j in range(3):
+            seed = int(np.random.SeedSequence([4, i, j]).generate_state(1)[0])
+            alone = Engine(model, tokenizer, max_batch_size=1, max_len=64, eos_token_ids=[tokenizer.eos_token_id],
+                           top_k=50)  # fmt: skip
+            params = SamplingParams(max_tokens=6, temperature=1.5, seed=seed)
+            want.append(alone.generate([tokenizer(text)["input_ids"]], params)[0].text)
+        assert record["completions"] == want and record["completion"] == want[0]
+    assert len({t for r in records for t in r["completions"]}) > 3
 
 
 def test_script_reads_stdin_and_prints(gpt2_with_tokenizer, monkeypatch, capsys):

@@ -6,12 +6,14 @@
     jaxseq generate --model_name_or_path t5-small --prompt "translate English to German: Hello" --num_beams 4
     cat prompts.txt | jaxseq generate --model_name_or_path gpt2
 
-Prompts come from --prompt (repeat it for several), --prompt_file (one prompt per line, or JSONL with a
-"prompt" field) or stdin (one per line). With --output_file each prompt becomes a JSONL record (prompt,
-completion, prompt_tokens, completion_tokens; with --num_return_sequences N also completions: the N best
-beams, best first, or N samples of the prompt, prefilled once); otherwise each prompt and its completion(s)
-are printed. Greedy unless --do_sample or --num_beams (transformers' beam search); a completion ends at the
-tokenizer's EOS token or after --max_new_tokens.
+Prompts come from --prompt (repeat it for several), --prompt_file (one prompt per line, or JSONL with a "prompt"
+field) or stdin (one per line). A causal LM continues them by continuous batching (jaxseq.engine: --batch_size
+slots; a prompt joins as soon as one is free, the samples of a prompt share its prefill); beam search and T5 run in
+batches of --batch_size prompts of similar lengths. With --output_file each prompt becomes a JSONL record (prompt,
+completion, prompt_tokens, completion_tokens; with --num_return_sequences N also completions: the N best beams, best
+first, or N samples of the prompt, prefilled once); otherwise each prompt and its completion(s) are printed. Greedy
+unless --do_sample or --num_beams (transformers' beam search); a completion ends at the tokenizer's EOS token or
+after --max_new_tokens.
 """
 
 from __future__ import annotations
@@ -30,8 +32,9 @@ from tqdm.auto import tqdm
 from jaxseq.cli import RuntimeConfig, parse, script, start
 from jaxseq.config import arg
 from jaxseq.distributed import DistributedConfig
+from jaxseq.engine import Engine, SamplingParams, bucket
 from jaxseq.errors import JaxseqError
-from jaxseq.generation import check_beams, generate
+from jaxseq.generation import check_beams, check_sampling, generate
 from jaxseq.models.hub import load_config, load_pretrained, parse_overrides, position_limit, resolve
 from jaxseq.models.registry import families_with, family_for, family_names
 from jaxseq.models.source import PretrainedModel, check_vocabulary, load_tokenizer
@@ -45,7 +48,9 @@ __doc__ = __doc__.format(families=family_names("causal-lm", "seq2seq-lm"))  # th
 class GenerateConfig:
     prompt: list[str] | None = arg(None, "a prompt; repeat the flag for several")
     prompt_file: str | None = arg(None, "file of prompts: one per line, or JSONL (*.jsonl) with a 'prompt' field")
-    batch_size: int = arg(8, "prompts per generation call (similar lengths are batched together)")
+    batch_size: int = arg(
+        8, "sequences decoded together: the engine's slots (beam search and T5: prompts a batch, similar lengths)"
+    )
     max_new_tokens: int = arg(64, "tokens to generate at most per prompt")
     min_new_tokens: int = arg(0, "tokens to generate before EOS may end a completion")
     do_sample: bool = arg(False, "sample the next token instead of taking the most likely one")
@@ -136,6 +141,7 @@ def main(argv) -> int:
         raise JaxseqError(f"--batch_size must be at least 1, got {cfg.batch_size}")
     early_stopping = {"true": True, "false": False}.get(cfg.early_stopping, cfg.early_stopping)
     check_beams(cfg.num_beams, cfg.num_return_sequences, early_stopping, cfg.do_sample)
+    check_sampling(cfg.max_new_tokens, cfg.do_sample, cfg.temperature, cfg.top_k, cfg.top_p, cfg.min_new_tokens)
     prompts = read_prompts(cfg)
 
     mesh = start(runtime, distributed)  # a multi-host run: every process reads the same prompts, process 0 writes
@@ -168,10 +174,72 @@ def main(argv) -> int:
         merge_adapter(model, cfg.lora_adapter)
     check_vocabulary(tokenizer, model.config)
 
-    completions = [None] * len(prompts)
-    started, generated = time.perf_counter(), 0
+    started = time.perf_counter()
     bar = tqdm(total=len(prompts), desc="generating", unit="prompt", file=sys.stderr, dynamic_ncols=True,
                disable=jax.process_index() != 0)  # fmt: skip
+    if task == "causal-lm" and cfg.num_beams == 1:
+        texts, lengths = continued(model, tokenizer, encoded, cfg, eos, bar)
+    else:
+        texts, lengths = in_batches(model, tokenizer, encoded, cfg, eos, pad, early_stopping, bar)
+    completions = []
+    for prompt, ids, text, length in zip(prompts, encoded, texts, lengths):
+        record = {"prompt": prompt, "completion": text[0], "prompt_tokens": len(ids), "completion_tokens": length[0]}
+        completions.append({**record, "completions": text} if cfg.num_return_sequences > 1 else record)
+    generated = sum(map(sum, lengths))
+    bar.close()
+    seconds = time.perf_counter() - started
+
+    if jax.process_index() != 0:
+        return 0
+    if cfg.output_file:
+        path = Path(cfg.output_file)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("".join(json.dumps(c, ensure_ascii=False) + "\n" for c in completions))
+    else:
+        print("\n\n".join(c["prompt"] + text for c in completions for text in c.get("completions", [c["completion"]])))
+    print(
+        f"{len(prompts)} prompts, {generated} tokens generated in {seconds:.1f}s (compilation included)",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def continued(model, tokenizer, encoded, cfg: GenerateConfig, eos, bar):
+    """Each prompt's completions' texts and token counts, by the engine: every prompt queued, --batch_size of
+    them decoded at a time; sample ``j`` of prompt ``i`` draws with a seed of --seed, ``i`` and ``j``."""
+    samples = cfg.num_return_sequences if cfg.do_sample else 1
+    limit = position_limit(model.config)
+    widest = bucket(max(map(len, encoded)), 1 << 62)  # the engine pads a prompt to a power of two
+    engine = Engine(model, tokenizer, max_batch_size=cfg.batch_size,
+                    max_len=min(widest + cfg.max_new_tokens, limit or 1 << 62),
+                    eos_token_ids=[] if eos is None else [eos], top_k=cfg.top_k if cfg.do_sample else 0)  # fmt: skip
+    params = SamplingParams(
+        max_tokens=cfg.max_new_tokens,
+        temperature=cfg.temperature if cfg.do_sample else 0.0,
+        top_p=cfg.top_p if cfg.do_sample else 1.0,
+        min_tokens=cfg.min_new_tokens,
+    )
+    seed = lambda i, j: int(np.random.SeedSequence([cfg.seed, i, j]).generate_state(1)[0])
+    requests = [[engine.add(ids, dataclasses.replace(params, seed=seed(i, j))) for j in range(samples)]
+                for i, ids in enumerate(encoded)]  # fmt: skip
+    left = {id(r): i for i, group in enumerate(requests) for r in group}
+    unfinished, made, started = [samples] * len(requests), 0, time.perf_counter()
+    while engine.busy:
+        for request in engine.step():
+            if request.finished and id(request) in left:
+                i = left.pop(id(request))
+                unfinished[i] -= 1
+                bar.update(unfinished[i] == 0)  # a prompt whose samples all ended
+                made += len(request.tokens)
+        bar.set_postfix_str(f"{made / (time.perf_counter() - started):.0f} tokens/s", refresh=False)
+    return [[r.text for r in group] for group in requests], [[len(r.tokens) for r in group] for group in requests]
+
+
+def in_batches(model, tokenizer, encoded, cfg: GenerateConfig, eos, pad, early_stopping, bar):
+    """Each prompt's completions' texts and token counts (beam search's best first), by ``generate`` on batches
+    of --batch_size prompts of similar lengths."""
+    texts, lengths = [None] * len(encoded), [None] * len(encoded)
+    started, made = time.perf_counter(), 0
     for k, batch in enumerate(batches([len(ids) for ids in encoded], cfg.batch_size)):
         rows = [encoded[i] for i in batch]
         rows += [rows[-1]] * (cfg.batch_size - len(rows))  # a full batch reuses the compiled program
@@ -198,32 +266,9 @@ def main(argv) -> int:
         )
         returned = gather(out.sequences).reshape(cfg.batch_size, cfg.num_return_sequences, -1)
         for i, sequences in zip(batch, returned):
-            lengths = [completion_length(tokens, eos) for tokens in sequences]
-            texts = [tokenizer.decode(t[:n], skip_special_tokens=True) for t, n in zip(sequences, lengths)]
-            completions[i] = {
-                "prompt": prompts[i],
-                "completion": texts[0],
-                "prompt_tokens": len(encoded[i]),
-                "completion_tokens": lengths[0],
-            }
-            if cfg.num_return_sequences > 1:
-                completions[i]["completions"] = texts
-            generated += sum(lengths)
+            lengths[i] = [completion_length(tokens, eos) for tokens in sequences]
+            texts[i] = [tokenizer.decode(t[:n], skip_special_tokens=True) for t, n in zip(sequences, lengths[i])]
+            made += sum(lengths[i])
         bar.update(len(batch))  # after the batch's tokens came back: finished prompts
-        bar.set_postfix_str(f"{generated / (time.perf_counter() - started):.0f} tokens/s")
-    bar.close()
-    seconds = time.perf_counter() - started
-
-    if jax.process_index() != 0:
-        return 0
-    if cfg.output_file:
-        path = Path(cfg.output_file)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text("".join(json.dumps(c, ensure_ascii=False) + "\n" for c in completions))
-    else:
-        print("\n\n".join(c["prompt"] + text for c in completions for text in c.get("completions", [c["completion"]])))
-    print(
-        f"{len(prompts)} prompts, {generated} tokens generated in {seconds:.1f}s (compilation included)",
-        file=sys.stderr,
-    )
-    return 0
+        bar.set_postfix_str(f"{made / (time.perf_counter() - started):.0f} tokens/s")
+    return texts, lengths
