@@ -39,14 +39,14 @@ CASES = {
         num_kv_shared_layers=2, use_double_wide_mlp=True, enable_moe_block=True, num_experts=4, top_k_experts=2,
         moe_intermediate_size=16, tie_word_embeddings=False, final_logit_softcapping=10.0,
     ),
-    # everything off: no per-layer inputs, no sharing, no experts, values of their own; biases; linear rope on the
-    # sliding layers and a proportional one with a factor on the full ones, which keep head_dim (global_head_dim
-    # 8); an untied head without a soft-cap (a tiny tied Gemma's greedy tokens repeat the prompt's last: the
-    # tied head is Gemma 3's, tests/test_gemma.py)
+    # everything off: no per-layer inputs, no sharing, no experts, values of their own; biases; YaRN (its
+    # attention factor too) on the sliding layers, a proportional rope with a factor on the full ones, which keep
+    # head_dim (global_head_dim 8); an untied head without a soft-cap (a tiny tied Gemma's greedy tokens repeat the
+    # prompt's last: the tied head is Gemma 3's, tests/test_gemma.py)
     "dense": dict(
         layer_types=[FULL, SLIDING, SLIDING, FULL], global_head_dim=8, hidden_size_per_layer_input=0,
         attention_bias=True, tie_word_embeddings=False, rope_parameters={
-            SLIDING: {"rope_type": "linear", "factor": 2.0, "rope_theta": 100.0},
+            SLIDING: {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "rope_theta": 100.0},
             FULL: {"rope_type": "proportional", "partial_rotary_factor": 0.5, "factor": 2.0, "rope_theta": 1e4},
         },
     ),

@@ -59,7 +59,7 @@ from jaxseq.models.layers import (
     normal,
     padded_vocab_size,
 )
-from jaxseq.models.llama.modeling import LlamaForCausalLM, apply_rotary, rotary
+from jaxseq.models.llama.modeling import LlamaForCausalLM, apply_rotary, rope_attention_factor, rotary
 from jaxseq.models.llama.modeling import rope_frequencies as llama_rope_frequencies
 from jaxseq.models.mixtral.modeling import expert_parallel, grouped_experts
 from jaxseq.models.outputs import BaseOutput
@@ -93,19 +93,36 @@ def double_wide(config, layer: int) -> bool:
     return bool(config.use_double_wide_mlp) and sharing(config)[layer] == "reuse"
 
 
+def rope_of(config, kind: str) -> SimpleNamespace:
+    """The rope fields of the layers of ``kind`` as Llama's functions read a config: their
+    ``rope_parameters[kind]`` and their own ``head_dim``."""
+    dim = config.per_layer_config[kind].head_dim
+    return SimpleNamespace(
+        rope_parameters=dict(config.rope_parameters[kind]), head_dim=dim,
+        max_position_embeddings=config.max_position_embeddings,
+    )  # fmt: skip
+
+
 def rope_frequencies(config, kind: str) -> np.ndarray:
     """float32 inverse frequencies of the layers of ``kind``, over their own ``head_dim``: transformers'
     ``proportional`` rope (the first ``partial_rotary_factor`` of the angles turn, the rest stay) or Llama's
-    types (``llama.rope_frequencies``: default, linear, llama3)."""
-    params = dict(config.rope_parameters[kind])
-    dim = config.per_layer_config[kind].head_dim
+    types (``llama.rope_frequencies``: default, linear, llama3, yarn)."""
+    fields = rope_of(config, kind)
+    params, dim = fields.rope_parameters, fields.head_dim
     if params.get("rope_type", "default") != "proportional":
-        return llama_rope_frequencies(SimpleNamespace(rope_parameters=params, head_dim=dim), None)
+        return llama_rope_frequencies(fields, None)
     base = np.float32(params["rope_theta"])
     angles = int(params.get("partial_rotary_factor", 1.0) * dim // 2)
     turned = np.float32(1.0) / base ** (np.arange(0, 2 * angles, 2, dtype=np.float32) / np.float32(dim))
     inv_freq = np.concatenate([turned, np.zeros(dim // 2 - angles, np.float32)])
     return (inv_freq / np.float32(params.get("factor", 1.0))).astype(np.float32)
+
+
+def rope(config, kind: str, position_ids) -> tuple[jax.Array, jax.Array]:
+    """``(sin, cos)`` of ``position_ids`` for the layers of ``kind`` (YaRN's scaled by its attention factor)."""
+    sin, cos = rotary(position_ids, rope_frequencies(config, kind))
+    scale = rope_attention_factor(rope_of(config, kind), None)
+    return (sin, cos) if scale == 1.0 else (sin * scale, cos * scale)
 
 
 class RMSNorm(nnx.Module):
@@ -358,7 +375,7 @@ class Gemma4TextModel(nnx.Module):
         if position_ids is None:
             position_ids = (index + jnp.arange(seq, dtype=jnp.int32))[None, :]
         kinds = tuple(dict.fromkeys(self.kinds))
-        ropes = {kind: rotary(position_ids, rope_frequencies(self.config, kind)) for kind in kinds}
+        ropes = {kind: rope(self.config, kind, position_ids) for kind in kinds}
         masks = {kind: self.mask(attention_mask, seq, cache, index, kind) for kind in kinds}
         x = embedding_lookup(self.embed_tokens, input_ids, self.config.pad_token_id)
         x = x * jnp.asarray(self.config.hidden_size**0.5, x.dtype)
