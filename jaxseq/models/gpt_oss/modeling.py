@@ -22,7 +22,6 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from jaxseq.errors import JaxseqError
-from jaxseq.models.attention import attend, attend_cache, attend_ring, merge_heads, update_kv, update_ring
 from jaxseq.models.execution import Execution
 from jaxseq.models.layers import Linear, WholeExperts, normal
 from jaxseq.models.llama.modeling import LlamaAttention
@@ -47,22 +46,8 @@ class GptOssAttention(LlamaAttention):
         rngs = kw["rngs"]
         self.sinks = nnx.Param(normal(config.initializer_range)(rngs.params(), (self.num_heads,), param_dtype))
 
-    def __call__(self, x, masks, ropes, *, cache=None, index=0, rngs=None):
-        mask, rope = next((m, r) for m, r in zip(masks, ropes) if m.window == self.window)
-        q, k, v = self.heads(x, rope)
-        sinks = self.sinks[...]
-        if cache is not None and self.window is not None:
-            y = attend_ring(q, cache, k, v, mask, scale=self.scale, sinks=sinks)
-            cache = update_ring(cache, k, v, index)
-        elif cache is not None:
-            cache = update_kv(cache, k, v, index)
-            y = attend_cache(q, cache, mask, scale=self.scale, sinks=sinks)
-        else:
-            y = attend(
-                q, k, v, mask, scale=self.scale, dropout_rate=self.dropout_rate, rngs=rngs, kernel=self.attention,
-                causal=True, sinks=sinks,
-            )  # fmt: skip
-        return self.o_proj(merge_heads(y)), cache
+    def sink_logits(self) -> jax.Array:
+        return self.sinks[...]
 
 
 class GptOssExperts(nnx.Module):

@@ -277,18 +277,23 @@ class LlamaAttention(nnx.Module):
         own."""
         mask, rope = next((m, r) for m, r in zip(masks, ropes) if m.window == self.window)
         q, k, v = self.heads(x, rope)
+        sinks = self.sink_logits()
         if cache is not None and self.window is not None:
-            y = attend_ring(q, cache, k, v, mask, scale=self.scale, softcap=self.softcap)
+            y = attend_ring(q, cache, k, v, mask, scale=self.scale, softcap=self.softcap, sinks=sinks)
             cache = update_ring(cache, k, v, index)
         elif cache is not None:
             cache = update_kv(cache, k, v, index)
-            y = attend_cache(q, cache, mask, scale=self.scale, softcap=self.softcap)
+            y = attend_cache(q, cache, mask, scale=self.scale, softcap=self.softcap, sinks=sinks)
         else:
             y = attend(
                 q, k, v, mask, scale=self.scale, dropout_rate=self.dropout_rate, rngs=rngs, kernel=self.attention,
-                causal=True, softcap=self.softcap,
+                causal=True, softcap=self.softcap, sinks=sinks,
             )  # fmt: skip
         return self.o_proj(merge_heads(y)), cache
+
+    def sink_logits(self) -> jax.Array | None:
+        """Each head's attention sink logit (gpt-oss's), None: no sinks."""
+        return None
 
     def heads(self, x, rope):
         """The queries and keys (rotated by ``rope``) and the values of ``x``, split into heads."""
