@@ -29,8 +29,16 @@ model's paths hold the layer's index."""
 
 
 def unstacked_path(path: tuple, layer: int) -> tuple:
-    """The path that layer ``layer`` of a stacked parameter's ``path`` has in the unrolled model."""
-    return tuple(layer if part == STACKED else part for part in path)
+    """The path that layer ``layer`` of a stacked parameter's ``path`` has in the unrolled model. A stack held at
+    index ``k`` of a list of blocks (``.../layers/3/stacked/...``: blocks unrolled before it) holds layers ``k``,
+    ``k + 1``, ...: its path's ``k`` and ``STACKED`` become ``k + layer``."""
+    if STACKED not in path:
+        return tuple(path)
+    at = path.index(STACKED)
+    before = path[at - 1] if at else None
+    if isinstance(before, int) or (isinstance(before, str) and before.isdigit()):
+        return (*path[: at - 1], type(before)(int(before) + layer), *path[at + 1 :])
+    return (*path[:at], layer, *path[at + 1 :])
 
 
 def _key_name(key) -> str:

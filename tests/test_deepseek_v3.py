@@ -1,9 +1,9 @@
 """DeepSeek-V3 against transformers PyTorch, every weight perturbed (the router's correction bias too), in two
 configs: queries through ``q_lora_rank``, YaRN rope with ``mscale``/``mscale_all_dim``, interleaved rotary
 pairs, group-limited routing, renormalised top-k and a dense first layer; and plain ``q_proj``, default rope,
-rotate-half, attention biases, one group, raw top-k weights and every layer MoE (scanned too). Logits on both
-paddings, greedy generation, the latent cache, export, a train step's loss and every gradient, meshes (experts
-over ep), FLOPs and LoRA's targets."""
+rotate-half, attention biases, one group, raw top-k weights and every layer MoE; each unrolled and scanned.
+Logits on both paddings, greedy generation, the latent cache, export, a train step's loss and every gradient,
+meshes (experts over ep), FLOPs and LoRA's targets."""
 
 import jax
 import jax.numpy as jnp
@@ -16,12 +16,13 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from jaxseq import partition  # noqa: E402
-from jaxseq.errors import JaxseqError  # noqa: E402
 from jaxseq.generation import generate  # noqa: E402
 from jaxseq.mesh import make_mesh  # noqa: E402
 from jaxseq.models import Execution, load_pretrained, save_pretrained  # noqa: E402
 from jaxseq.models.decide import decide_execution  # noqa: E402
-from jaxseq.models.hub import abstract_model, load_config  # noqa: E402
+from jaxseq.models.deepseek_v3.modeling import DenseThenStacked  # noqa: E402
+from jaxseq.models.hub import load_config  # noqa: E402
+from jaxseq.models.layers import Stacked  # noqa: E402
 from jaxseq.models.registry import family_for  # noqa: E402
 from jaxseq.models.weights import stored_layout  # noqa: E402
 from jaxseq.train.objectives import CausalLM  # noqa: E402
@@ -73,14 +74,15 @@ def saved(request, tmp_path_factory):
 
 
 def test_logits_match_pytorch_on_both_paddings(saved):
+    """Unrolled and scanned: the first config's dense layer one by one, then its MoE layers as one scan."""
     ref, path, case = saved
-    scans = [False] + [True] * family_for("deepseek_v3").scans(ref.config)
-    for scan in scans:
+    for scan in (False, True):
         model = load_pretrained(path, "causal-lm", execution=Execution(scan_layers=scan))
+        if scan:
+            assert type(model.model.layers) is (DenseThenStacked if case == "latent-q-yarn-groups" else Stacked)
         for ids, mask in (padded_batch(VOCAB), prompts((12, 9, 5))):
             want = torch_forward(ref, input_ids=ids, attention_mask=mask).logits.numpy()
             assert relative_diff(mask, forward(model, jnp.asarray(ids), jnp.asarray(mask)).logits, want) <= 1e-4
-    assert len(scans) == (1 if case == "latent-q-yarn-groups" else 2)
 
 
 def test_greedy_generation_matches_pytorch(saved):
@@ -99,15 +101,15 @@ def test_greedy_generation_matches_pytorch(saved):
 
 def test_latent_cache_decodes_as_the_full_forward(saved):
     """The cache holds each layer's normalised latent and rotated shared key part (not per-head keys and
-    values); a prefill then one token at a time from it gives the full forward's logits."""
-    _, path, _ = saved
+    values); a prefill then one token at a time from it gives the full forward's logits. Scanned (unrolled:
+    the generation test): the MoE layers' caches stacked."""
+    _, path, case = saved
     config = load_config(path)
     ids, mask = padded_batch(VOCAB, lengths=(12, 12))
-    scan = family_for("deepseek_v3").scans(config)  # the second config's stack is scanned
-    model = load_pretrained(path, "causal-lm", execution=Execution(scan_layers=scan))
+    model = load_pretrained(path, "causal-lm", execution=Execution(scan_layers=True))
     cache = model.init_cache(2, 12)
-    layer = cache.layers if scan else cache.layers[0]
-    assert layer.k.shape[-3:] == (1, 12, config.kv_lora_rank) and layer.v.shape[-3:] == (1, 12, 8)
+    moe, layers = (cache.layers[-1], 2) if case == "latent-q-yarn-groups" else (cache.layers, 3)  # after the dense
+    assert moe.k.shape == (layers, 2, 1, 12, config.kv_lora_rank) and moe.v.shape == (layers, 2, 1, 12, 8)
     want = forward(model, jnp.asarray(ids)).logits
     out = forward(model, jnp.asarray(ids[:, :7]), cache=cache)
     got = [out.logits]
@@ -191,43 +193,40 @@ def test_train_step_loss_and_every_gradient_equal_transformers(saved):
 
 
 def test_meshes_give_the_same_logits_and_gradients(saved):
-    """On 8 devices the logits, the loss and every gradient are the one-device ones: the first config unrolled
-    on fsdp=2,ep=2,mp=2 (the experts over ep, the latent projections over fsdp, the heads over mp), the second
-    scanned on dp=2,fsdp=2,ep=2."""
+    """On 8 devices the logits, the loss and every gradient (by checkpoint name) are the unrolled one-device
+    model's: the first config scanned (a dense layer, then its MoE layers as one scan) on fsdp=2,ep=2,mp=2 (the
+    experts over ep, the latent projections over fsdp, the heads over mp), the second unrolled on
+    dp=2,fsdp=2,ep=2."""
     _, path, case = saved
-    mesh = "fsdp=2,ep=2,mp=2" if case == "latent-q-yarn-groups" else "dp=2,fsdp=2,ep=2"
+    scan = case == "latent-q-yarn-groups"
+    mesh = "fsdp=2,ep=2,mp=2" if scan else "dp=2,fsdp=2,ep=2"
     ids, mask = padded_batch(VOCAB)
     batch = {"input_ids": jnp.asarray(ids), "attention_mask": jnp.asarray(mask)}
-    scan = case == "q-proj-all-moe"
 
     def outputs(model):
         loss, grads = loss_and_gradients(model, batch)
-        return forward(model, batch["input_ids"], batch["attention_mask"]), loss, partition.named_leaves(grads)
+        return forward(model, batch["input_ids"], batch["attention_mask"]), loss, gradients_by_name(model, grads)
 
-    want, want_loss, want_grads = outputs(load_pretrained(path, "causal-lm", execution=Execution(scan_layers=scan)))
+    want, want_loss, want_grads = outputs(load_pretrained(path, "causal-lm"))
     devices = make_mesh(mesh)
     execution = decide_execution(load_config(path), "causal-lm", mesh=devices, scan_layers=scan)  # as a run's
     model = load_pretrained(path, "causal-lm", mesh=devices, execution=execution)
     specs = {name: x.sharding.spec for name, x in partition.named_leaves(nnx.state(model, nnx.Param))}
-    layer, stacked = ("model/layers/stacked", (None,)) if scan else ("model/layers/1", ())
+    layer, stacked = ("model/layers/1/stacked", (None,)) if scan else ("model/layers/1", ())
     assert specs[f"{layer}/mlp/experts/gate_proj"] == P(*stacked, "ep", "fsdp", "mp")
     assert specs[f"{layer}/self_attn/kv_b_proj/kernel"] == P(*stacked, "fsdp", "mp")
     assert specs[f"{layer}/self_attn/kv_a_proj_with_mqa/kernel"] == P(*stacked, "fsdp", None)
     got, loss, grads = outputs(model)
     assert relative_diff(mask, got.logits, want.logits) <= 1e-5
     assert abs(float(loss) - float(want_loss)) <= 1e-6 * abs(float(want_loss))
-    want_grads = dict(want_grads)
-    assert dict(grads).keys() == want_grads.keys()
-    for name, g in grads:
+    assert grads.keys() == want_grads.keys()
+    for name, g in grads.items():
         scale = max(1e-6, float(np.abs(want_grads[name]).max()))
         assert float(np.abs(np.asarray(g) - np.asarray(want_grads[name])).max()) / scale <= 1e-4, name
 
 
-def test_dense_layers_do_not_scan_and_flops_count_mla_and_experts():
+def test_flops_count_mla_and_the_experts_each_token_goes_to():
     config = tiny_config(**CASES["latent-q-yarn-groups"])
-    with pytest.raises(JaxseqError, match="scan_layers") as error:
-        abstract_model(config, "causal-lm", execution=Execution(scan_layers=True))
-    assert "\n" not in str(error.value)
     rows, seq = 2, 16
     # queries 64 -> 24 -> 4 x 20; latent and rotary key 64 -> 16 + 8; keys and values 16 -> 4 x (12 + 10); o 40 -> 64
     attention = 64 * 24 + 24 * 80 + 64 * 24 + 16 * 88 + 40 * 64

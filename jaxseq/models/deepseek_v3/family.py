@@ -66,5 +66,5 @@ FAMILY = dataclasses.replace(
     # skips it too)
     ignore=(r"\.rotary_emb\.inv_freq$", r"^model\.layers\.61\."),
     flops=model_flops,
-    scans=lambda config: len(set(dense_layers(config))) == 1,  # dense layers before MoE ones do not stack
+    scans=None,  # dense layers first, then the MoE ones as one scan (DenseThenStacked)
 )

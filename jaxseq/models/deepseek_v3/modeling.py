@@ -25,6 +25,7 @@ moe_intermediate_size`` wide) are summed.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -34,7 +35,7 @@ from flax import nnx
 from jaxseq.errors import JaxseqError
 from jaxseq.models.attention import AttentionMask, Cache, KVCache, attend, merge_heads, split_heads, update_kv
 from jaxseq.models.execution import Execution
-from jaxseq.models.layers import Linear, Stacked, activation, dot_general, normal
+from jaxseq.models.layers import Linear, Stacked, Unrolled, activation, call_block, dot_general, normal
 from jaxseq.models.llama.modeling import (
     LlamaDecoderLayer,
     LlamaForCausalLM,
@@ -289,9 +290,30 @@ class DeepseekV3DenseLayer(DeepseekV3DecoderLayer):
         return DeepseekV3MLP(config, **kw)
 
 
+class DenseThenStacked(nnx.List):
+    """A stack whose first ``first`` blocks differ from the rest: those one by one (each with its weight gather,
+    as ``layers.Unrolled``), then the rest as one scanned ``layers.Stacked``, the last item, whose parameters
+    unroll to layers ``first``, ``first + 1``, ... (``sharding.unstacked_path``). ``attention.run_blocks`` runs
+    it as an unrolled stack of ``first + 1`` items; the last takes and returns its layers' caches stacked."""
+
+    def __init__(self, blocks: Unrolled, first: int, execution: Execution):
+        rest = iter(list(blocks)[first:])
+        stacked = Stacked(lambda rngs: next(rest), len(blocks) - first, None, execution)  # the blocks as built
+        super().__init__([*list(blocks)[:first], stacked])
+        self.weight_gathers = blocks.weight_gathers[:first]
+
+    def call(self, layer: int, remat: str, *args, cache=None, index=0, rngs=None, **kwargs):
+        if layer < len(self.weight_gathers):
+            gather = self.weight_gathers[layer]
+            return call_block(self[layer], remat, *args, gather=gather, cache=cache, index=index, rngs=rngs, **kwargs)
+        own = {} if cache is None else {"cache": cache}
+        return self[layer](remat, *args, per_layer=own, index=index, rngs=rngs, **kwargs)
+
+
 class DeepseekV3Model(LlamaModel):
-    """The decoder stack: its first ``first_k_dense_replace`` layers dense, the rest MoE; a scanned stack needs
-    them all alike. The cache holds each layer's latents and rotated shared key parts."""
+    """The decoder stack: its first ``first_k_dense_replace`` layers dense, the rest MoE; scanned, the MoE layers
+    are one scan after the dense ones (``DenseThenStacked``). The cache holds each layer's latents and rotated
+    shared key parts."""
 
     hf_architecture = "DeepseekV3Model"
     layer_class = DeepseekV3DecoderLayer
@@ -300,32 +322,39 @@ class DeepseekV3Model(LlamaModel):
         self, config, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs, execution: Execution = Execution()
     ):
         self.dense = dense_layers(config)
-        if execution.scan_layers and len(set(self.dense)) > 1:
-            raise JaxseqError(
-                "scan_layers needs every layer alike, and this config has dense layers before MoE ones "
-                "(first_k_dense_replace); leave scan_layers off"
-            )
         experts, groups = config.num_local_experts, config.n_group or 1
         if not all(self.dense) and (experts % groups or experts // groups < 2 or (config.topk_group or 1) > groups):
             raise JaxseqError(
                 f"n_group={groups} must split the {experts} routed experts into groups of at least 2, and "
                 f"topk_group={config.topk_group} be at most n_group"
             )
-        super().__init__(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs, execution=execution)
+        first = sum(self.dense)
+        mixed = execution.scan_layers and 0 < first < config.num_hidden_layers
+        built = dataclasses.replace(execution, scan_layers=False) if mixed else execution
+        super().__init__(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs, execution=built)
+        if mixed:
+            self.layers = DenseThenStacked(self.layers, first, execution)
 
     def layer_class_of(self, layer: int) -> type:
         return DeepseekV3DenseLayer if self.dense[layer] else self.layer_class
 
     def init_cache(self, batch: int, max_len: int, dtype=None) -> Cache:
-        """Zero latents and rotated shared key parts of every layer for ``max_len`` positions."""
+        """Zero latents and rotated shared key parts of every layer for ``max_len`` positions (a scanned stack's
+        stacked)."""
         c, dtype = self.config, dtype or self.dtype
-        layers = (len(self.windows),) if isinstance(self.layers, Stacked) else ()
 
-        def zeros(dim):
-            return jnp.zeros((*layers, batch, 1, max_len, dim), dtype)
+        def zeros(*layers):
+            shape = (*layers, batch, 1, max_len)
+            return KVCache(jnp.zeros((*shape, c.kv_lora_rank), dtype), jnp.zeros((*shape, c.qk_rope_head_dim), dtype))
 
-        layer = KVCache(zeros(c.kv_lora_rank), zeros(c.qk_rope_head_dim))
-        return Cache(layer if layers else (layer,) * len(self.windows), jnp.zeros((), jnp.int32))
+        if isinstance(self.layers, Stacked):
+            layers = zeros(len(self.dense))
+        elif isinstance(self.layers, DenseThenStacked):
+            first = len(self.layers.weight_gathers)
+            layers = (*(zeros() for _ in range(first)), zeros(len(self.dense) - first))
+        else:
+            layers = tuple(zeros() for _ in self.dense)
+        return Cache(layers, jnp.zeros((), jnp.int32))
 
 
 class DeepseekV3ForCausalLM(LlamaForCausalLM):
