@@ -109,8 +109,9 @@ def expert_parallel(mesh, kernels, act, x, weights, ids, expert=swiglu_experts):
     token exchange: each device gathers its ``ep`` group's tokens and their routes, computes its own
     experts' pairs among them, and the partial outputs are summed and scattered back to the tokens'
     devices (one all-gather and one reduce-scatter over ``ep``; dropless, whatever the routing). Tokens that
-    do not split evenly over the batch axes are padded."""
-    rows, split = P(BATCH_AXES, None), P("ep")
+    do not split evenly over the batch axes (and cp: each device's own positions of a split sequence) are padded."""
+    token_axes = (*BATCH_AXES, "cp")
+    rows, split = P(token_axes, None), P("ep")
 
     def local(kernels, x, weights, ids):
         gathered = [jax.lax.all_gather(a, "ep", tiled=True) for a in (x, weights, ids)]
@@ -118,7 +119,7 @@ def expert_parallel(mesh, kernels, act, x, weights, ids, expert=swiglu_experts):
         y = grouped_experts(kernels, act, *gathered, first=first, expert=expert)
         return jax.lax.psum_scatter(y, "ep", scatter_dimension=0, tiled=True)
 
-    tokens, pad = x.shape[0], -x.shape[0] % math.prod(mesh.shape[a] for a in BATCH_AXES)
+    tokens, pad = x.shape[0], -x.shape[0] % math.prod(mesh.shape[a] for a in token_axes)
     x, weights, ids = (jnp.pad(a, ((0, pad), (0, 0))) for a in (x, weights, ids))  # padding: weight 0
     in_specs = ((split,) * len(kernels), rows, rows, rows)
     run = jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=rows)
