@@ -53,6 +53,10 @@ MIXTRAL_8X7B = (
     "num_local_experts=8,num_experts_per_tok=2,vocab_size=32000,output_router_logits=true"
 )
 ATTENTION_LORA = ["--lora_rank", 16, "--lora_targets", "q_proj,k_proj,v_proj,o_proj"]
+GPT_OSS_20B = (
+    "hidden_size=2880,intermediate_size=2880,num_hidden_layers=24,num_attention_heads=64,num_key_value_heads=8,"
+    "head_dim=64,num_local_experts=32,num_experts_per_tok=4,vocab_size=201088,sliding_window=128"
+)
 # model -> (script, flags): AdamW, float32 master weights and optimizer state, bf16 compute, full remat
 MODELS = {
     "gptj-6b": ("pretrain_clm.py", ["--model_type", "gptj", "--block_size", 2048]),
@@ -115,6 +119,11 @@ MODELS = {
     # split over 4 chips (fsdp=2,cp=4: the same rows per data-parallel replica)
     "llama3.1-8b-128k-lora": ("finetune_chat.py", LLAMA31_128K),
     "llama3.1-8b-128k-lora-cp": ("finetune_chat.py", LLAMA31_128K),
+    # gpt-oss-20B at 4096 tokens, LoRA on the attention, its 32 experts (and everything else) over fsdp
+    "gpt-oss-20b-lora": (
+        "finetune_chat.py",
+        ["--model_type", "gpt_oss", "--config_overrides", GPT_OSS_20B, "--max_seq_length", 4096, *ATTENTION_LORA],
+    ),
     # the attention kernel side by side (every row above runs --attention auto: splash on TPU where it applies)
     "gpt2-small-splash": (
         "pretrain_clm.py",
@@ -173,6 +182,7 @@ SLICES = {
     "qwen3-8b": ["v5e-8"],
     "qwen3-8b-lora": ["v5e-8"],
     "mixtral-8x7b-lora": ["v5p-8"],
+    "gpt-oss-20b-lora": ["v5e-8"],
     "gpt2-small-splash": ["v5e-8"],
     "gpt2-small-xla": ["v5e-8"],
     "gptj-6b-xla": ["v5e-8"],
@@ -190,7 +200,7 @@ BATCH = {
     "gptj-6b": 1, "gpt2-xl": 4, "gpt2-xl-dropout": 4, "bert-large": 8, "t5-v1_1-xl": 2, "gpt2-small-splash": 8,
     "gpt2-small-xla": 8, "gptj-6b-xla": 1, "gptj-6b-8k-splash": 1, "gptj-6b-8k-xla": 1, "llama3-8b": 1,
     "llama3-8b-lora": 1, "llama3-8b-qlora": 1, "gemma2-9b": 1, "gemma2-9b-lora": 1, "qwen3-8b": 1,
-    "qwen3-8b-lora": 1, "mixtral-8x7b-lora": 1,
+    "qwen3-8b-lora": 1, "mixtral-8x7b-lora": 1, "gpt-oss-20b-lora": 1,
 }  # fmt: skip
 BATCH.update({f"{model}-scan": BATCH[model] for model in SCANNED})
 BATCH.update({"llama3.1-8b-128k-lora": 1, "llama3.1-8b-128k-lora-cp": 1})
@@ -234,6 +244,7 @@ NAMES = {
     "qwen3-8b": "Qwen3-8B shape, chat, all weights",
     "qwen3-8b-lora": "Qwen3-8B shape, chat, LoRA r16 on all projections",
     "mixtral-8x7b-lora": "Mixtral-8x7B shape, chat, LoRA r16 on attention, experts on ep",
+    "gpt-oss-20b-lora": "gpt-oss-20B shape, chat, LoRA r16 on attention",
     "gpt2-small-splash": "GPT-2 small, no dropout, --attention splash",
     "gpt2-small-xla": "GPT-2 small, no dropout, --attention xla",
     "gptj-6b-xla": "GPT-J-6B, --attention xla",
