@@ -1,7 +1,8 @@
 """Context parallelism: a ``cp`` mesh axis splits each row's tokens over its devices (each holding chunks i and
 2cp-1-i of every row), attention gathering keys and values from the group. Its logits, loss and every gradient
 equal one device's, causal and packed, unrolled and scanned, on ``cp=4``, ``dp=2,cp=4`` and ``fsdp=2,cp=2,mp=2``
-(and with splash attention, in Pallas interpret mode); its train steps, full and LoRA, give one device's losses."""
+(Mixtral's experts on ``ep=2,cp=4``; splash attention in Pallas interpret mode); its train steps, full and
+LoRA, give one device's losses."""
 
 import dataclasses
 
@@ -52,10 +53,12 @@ def mesh_of(spec: str | None):
     return make_mesh(spec, devices=jax.devices()[: int(np.prod([int(v) for v in sizes.values()]))])
 
 
-def forward_backward(spec: str | None, *, scan: bool, packed: bool, attention: str = "xla", seq: int = SEQ):
-    """(loss, logits at real tokens, gradients by path) of the tiny Llama under ``spec``'s mesh."""
+def forward_backward(
+    spec: str | None, *, scan: bool, packed: bool, attention: str = "xla", seq: int = SEQ, config=None
+):
+    """(loss, logits at real tokens, gradients by path) of the tiny Llama (or ``config``'s) under ``spec``'s mesh."""
     mesh = mesh_of(spec)
-    config = llama() if seq == SEQ else tiny_config("llama", **{**CONFIG, "max_position_embeddings": seq})
+    config = config or (llama() if seq == SEQ else tiny_config("llama", **{**CONFIG, "max_position_embeddings": seq}))
     execution = decide_execution(config, "causal-lm", mesh=mesh, scan_layers=scan, attention=attention, interpret=True)
     graphdef, params = nnx.split(from_config(config, "causal-lm", mesh=mesh, seed=0, execution=execution))
     data = batch(packed) if seq == SEQ else long_batch(seq)
@@ -108,6 +111,13 @@ def test_cp_logits_loss_and_gradients_equal_one_device(spec, scan, one_device):
     """Packed rows (segment ids 1-3) and right padding, a sequence of 32 split into 8 chunks of 4 (cp=4) or 4 of
     8 (cp=2): every parameter's gradient, the loss (its chunks over each device's positions) and the logits."""
     assert_same(forward_backward(spec, scan=scan, packed=True), one_device[scan])
+
+
+def test_cp_with_experts_split_over_ep_equals_one_device():
+    """Mixtral's experts over ep=2 while each row's tokens are over cp=4: each device routes its own positions."""
+    config = tiny_config("mixtral", **CONFIG)
+    want = forward_backward(None, scan=False, packed=True, config=config)
+    assert_same(forward_backward("ep=2,cp=4", scan=False, packed=True, config=config), want)
 
 
 def test_cp_splash_equals_xla_on_one_device():
