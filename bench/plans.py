@@ -191,6 +191,19 @@ SLICES = {
 }
 SLICES.update({f"{model}-scan": SLICES[model] for model in SCANNED})
 SLICES.update({"llama3.1-8b-128k-lora": ["v5p-16"], "llama3.1-8b-128k-lora-cp": ["v5p-16"]})
+# Gemma-4-31B's shape (60 layers, every sixth full attention with 512-wide heads and keys as values; sliding
+# window 1024, no per-layer inputs), chat, LoRA r16 on all projections; its mixed layers run unrolled. Its full
+# layers keep num_key_value_heads (16; the checkpoint's num_global_key_value_heads, 4, is no field an override sets)
+GEMMA4_31B = (
+    "hidden_size=5376,intermediate_size=21504,num_hidden_layers=60,num_attention_heads=32,num_key_value_heads=16,"
+    "head_dim=256,sliding_window=1024,vocab_size=262144,hidden_size_per_layer_input=0,attention_k_eq_v=true,"
+    "final_logit_softcapping=30.0"
+)
+MODELS["gemma4-31b-lora"] = (
+    "finetune_chat.py",
+    ["--model_type", "gemma4_text", "--config_overrides", GEMMA4_31B, "--max_seq_length", 2048, *LORA_ALL],
+)
+SLICES["gemma4-31b-lora"] = ["v5e-8"]
 ROWS = {  # name -> (script, flags)
     f"{model}/{slice_}": (script, [*flags, "--mesh", MODEL_MESH.get(model, MESH)[slice_]])
     for model, (script, flags) in MODELS.items()
@@ -204,6 +217,7 @@ BATCH = {
 }  # fmt: skip
 BATCH.update({f"{model}-scan": BATCH[model] for model in SCANNED})
 BATCH.update({"llama3.1-8b-128k-lora": 1, "llama3.1-8b-128k-lora-cp": 1})
+BATCH["gemma4-31b-lora"] = 1
 
 
 def run(name: str, script: str, flags: list) -> dict:
@@ -254,6 +268,7 @@ NAMES = {
 NAMES.update({f"{model}-scan": f"{NAMES[model]}, scanned layers" for model in SCANNED})
 NAMES["llama3.1-8b-128k-lora"] = "Llama-3.1-8B shape, chat, LoRA r16 on all projections"
 NAMES["llama3.1-8b-128k-lora-cp"] = "Llama-3.1-8B shape, chat, LoRA r16 on all projections, context parallel"
+NAMES["gemma4-31b-lora"] = "Gemma-4-31B shape, chat, LoRA r16 on all projections"
 GiB = 2**30
 
 
