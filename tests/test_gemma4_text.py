@@ -157,6 +157,7 @@ def test_mesh_gives_the_same_loss_and_gradients(saved):
 def test_export_loads_in_transformers_with_the_same_logits(saved, tmp_path):
     _, ref, path = saved
     save_pretrained(load_pretrained(path, "causal-lm"), tmp_path)
+    assert "allow_global_per_layer_attribute_access" not in (tmp_path / "config.json").read_text()
     back, info = transformers.AutoModelForCausalLM.from_pretrained(
         tmp_path, output_loading_info=True, attn_implementation="eager"
     )

@@ -92,10 +92,14 @@ class Family:
         return next((axis for pattern, axis in self.vocab_params if re.search(pattern, path)), None)
 
 
+READABLE = "allow_global_per_layer_attribute_access"
+"""The config flag by which transformers lets a per-layer field be read as the global value."""
+
+
 def readable(config):
     """``config``, its per-layer fields (transformers' ``per_layer_config``: Gemma 4's head sizes per layer
     kind) readable as the global values, which transformers refuses by default, also where jax compares two
     models' configs; the families with such fields read them per layer."""
     if getattr(config, "is_heterogeneous", False):
-        config.allow_global_per_layer_attribute_access = True
+        setattr(config, READABLE, True)
     return config

@@ -20,7 +20,7 @@ from jax._src import config as jax_config  # threefry_gpu_kernel_lowering: no pu
 from jaxseq.errors import JaxseqError, first_line
 from jaxseq.files import atomic_folder
 from jaxseq.models.execution import Execution
-from jaxseq.models.family import readable
+from jaxseq.models.family import READABLE, readable
 from jaxseq.models.registry import FAMILIES, TASKS, family_for, model_class
 from jaxseq.models.weights import match_names, read_checkpoint, resize_vocab, some, stored_layout, torch_layout
 from jaxseq.sharding import check_divisible, gather, make_shardings, match_partition_rules
@@ -366,6 +366,7 @@ def save_pretrained(model: nnx.Module, out_dir: str | os.PathLike, tokenizer=Non
                 array = resize_vocab(array, vocab_axis, model.config.vocab_size)
             tensors[name] = np.ascontiguousarray(array.T if transpose else array)
     config = copy.deepcopy(model.config)
+    config.__dict__.pop(READABLE, None)  # jaxseq's (family.readable), not the model's
     config.architectures = [type(model).hf_architecture]
     with atomic_folder(out) as tmp:
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
