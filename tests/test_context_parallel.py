@@ -15,7 +15,7 @@ from flax import nnx
 from jaxseq.errors import JaxseqError
 from jaxseq.mesh import batch_sharding, data_parallel_size, format_mesh, make_mesh
 from jaxseq.models import from_config
-from jaxseq.models.attention import _balanced, _natural, balanced_order, split_sequence
+from jaxseq.models.attention import _balanced, _natural, balanced_order, merge_sequence, split_sequence
 from jaxseq.models.decide import decide_execution
 from jaxseq.plan import topology
 from jaxseq.plan.search import Shape, candidates, estimate
@@ -173,14 +173,16 @@ def test_train_steps_with_cp_give_the_losses_without_it(spec, reference, lora):
     assert want[0] != want[1]
 
 
-def test_cp_mesh_is_shown_and_refused_where_a_family_cannot_split():
+def test_cp_mesh_is_shown_refused_where_a_family_cannot_split_and_pads_rows_to_whole_chunks():
     mesh = make_mesh("fsdp=2,cp=4")
     assert format_mesh(mesh) == "dp=1,fsdp=2,cp=4,mp=1" and data_parallel_size(mesh) == 2
     assert format_mesh(make_mesh("dp=8")) == "dp=8,fsdp=1,mp=1"  # cp shown only when used
     with pytest.raises(JaxseqError, match="GPT-2 cannot split its sequence over cp"):
         decide_execution(tiny_config("gpt2"), "causal-lm", mesh=mesh)
-    with pytest.raises(JaxseqError, match="cuts each row into 8 equal chunks, and 36 tokens do not divide"):
-        split_sequence(make_mesh("dp=2,cp=4"), jnp.zeros((2, 36), jnp.int32))
+    rows = jnp.arange(2 * 36).reshape(2, 36)  # 36 tokens do not cut into 8 chunks: padded to 40, then dropped
+    (split,) = split_sequence(mesh, rows)
+    assert split.shape == (2, 40) and split.sharding.spec[1] == "cp"
+    np.testing.assert_array_equal(merge_sequence(mesh, split, 36), rows)
 
 
 def test_plan_search_considers_cp_for_models_that_split_their_sequence():

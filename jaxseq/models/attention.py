@@ -560,23 +560,23 @@ def _split_spec(mesh: Mesh, x: jax.Array) -> NamedSharding:
 
 def split_sequence(mesh: Mesh, *arrays: jax.Array | None) -> tuple[jax.Array | None, ...]:
     """Each ``[batch, seq, ...]`` array of ``arrays`` (None stays None) in ``balanced_order`` and split over the
-    mesh's cp axis: what a model does with its token ids, segment ids and positions before its blocks."""
+    mesh's cp axis: what a model does with its token ids, segment ids and positions before its blocks. A row
+    that does not cut into ``2 x cp`` equal chunks is padded at its end with zeros (padding, segment 0: no real
+    query sees it); ``merge_sequence`` drops it."""
     parts = mesh.shape["cp"]
-    seq = next(a for a in arrays if a is not None).shape[1]
-    if seq % (2 * parts):
-        raise JaxseqError(
-            f"cp={parts} cuts each row into {2 * parts} equal chunks, and {seq} tokens do not divide; pad "
-            f"--max_seq_length / --block_size to a multiple of {2 * parts}"
-        )
-    return tuple(
-        None if a is None else jax.lax.with_sharding_constraint(_balanced(a, parts), _split_spec(mesh, a))
-        for a in arrays
-    )
+    pad = -next(a for a in arrays if a is not None).shape[1] % (2 * parts)
+
+    def split(a):
+        a = jnp.pad(a, ((0, 0), (0, pad), *((0, 0),) * (a.ndim - 2)))
+        return jax.lax.with_sharding_constraint(_balanced(a, parts), _split_spec(mesh, a))
+
+    return tuple(None if a is None else split(a) for a in arrays)
 
 
-def merge_sequence(mesh: Mesh, x: jax.Array) -> jax.Array:
-    """``x`` ``[batch, seq, ...]``, split by ``split_sequence``, back in order (still split over cp)."""
-    return jax.lax.with_sharding_constraint(_natural(x, mesh.shape["cp"]), _split_spec(mesh, x))
+def merge_sequence(mesh: Mesh, x: jax.Array, seq: int) -> jax.Array:
+    """``x`` ``[batch, ...]``, split by ``split_sequence`` from ``seq`` positions, back in order (still split over
+    cp)."""
+    return jax.lax.with_sharding_constraint(_natural(x, mesh.shape["cp"])[:, :seq], _split_spec(mesh, x))
 
 
 def split_mask(segments: jax.Array | None, window: int | None = None) -> AttentionMask:

@@ -301,6 +301,7 @@ class CausalLM(TokenLoss):
         if chunk_tokens and hasattr(model, "hidden_states"):
             out = model.hidden_states(ids, mask, positions, rngs=rngs)
             shards = getattr(model, "sequence_shards", 1)  # each device's positions, with a cp mesh
+            shards = 1 if ids.shape[1] % shards else shards  # a row padded to split evenly: chunks of the whole
             chunk = self.chunk_positions(ids.shape[0], ids.shape[1] // shards, chunk_tokens)
             losses = chunked_cross_entropy(
                 model.logits, out.last_hidden_state, targets, chunk, model.config.vocab_size, shards=shards

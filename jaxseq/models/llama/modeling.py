@@ -426,7 +426,7 @@ class LlamaModel(nnx.Module):
             x = x * jnp.asarray(self.embed_scale, x.dtype)
         x, cache = run_blocks(self.layers, self.remat, x, masks, ropes, cache=cache, rngs=rngs)
         x = self.norm(x)
-        return BaseOutput(x if split is None else merge_sequence(split, x), cache)
+        return BaseOutput(x if split is None else merge_sequence(split, x, seq), cache)
 
     def layer_class_of(self, layer: int) -> type:
         """The class of layer ``layer`` (``layer_class``; Qwen3-MoE's dense layers differ)."""
