@@ -35,12 +35,13 @@ LINEAR_RULES = (
 
 def delta_rule_flops(config, rows: int, seq_len: int, training: bool = True) -> float:
     """The chunked delta rule of one linear layer (``gated_delta_chunked``), per chunk of C positions and value
-    head: ``k_beta K^T`` and ``Q K^T`` (C x C x d_k each), the two unit-triangular solves (half of C x C, for
-    d_v and d_k columns), the intra-chunk ``A V`` (C x C x d_v) and the state's three products (read by the
-    keys and the queries, written by the keys: C x d_k x d_v each). Linear in the sequence: the chunks, not
-    its square."""
+    head: ``k_beta K^T`` and ``Q K^T`` (C x C x d_k each), the UT transform's inverse (``unit_lower_inverse``:
+    two C x C x C products per squaring) and its products with the values and the keys (C x C x (d_v + d_k)),
+    the intra-chunk ``A V`` (C x C x d_v) and the state's three products (read by the keys and the queries,
+    written by the keys: C x d_k x d_v each). Linear in the sequence: the chunks, not its square."""
     c, dk, dv = CHUNK, config.linear_key_head_dim, config.linear_value_head_dim
-    macs = 2 * c * c * dk + c * c * (dk + dv) / 2 + c * c * dv + 3 * c * dk * dv
+    squarings = max(0, (c - 1).bit_length() - 1)
+    macs = 2 * c * c * dk + 2 * squarings * c**3 + c * c * (dk + dv) + c * c * dv + 3 * c * dk * dv
     chunks = math.ceil(seq_len / c)
     return 2.0 * flops.passes(training) * macs * chunks * rows * config.linear_num_value_heads
 

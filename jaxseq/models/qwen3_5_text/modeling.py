@@ -45,6 +45,7 @@ from jaxseq.models.attention import (
     attend_cache,
     make_mask,
     merge_heads,
+    query_positions,
     run_blocks,
     self_attention_mask,
     split_heads,
@@ -120,11 +121,12 @@ def gated_delta_recurrent(q, k, v, g, beta, state=None):
 
 def gated_delta_chunked(q, k, v, g, beta, state=None, runs=None, chunk: int = CHUNK):
     """The gated delta rule over chunks of ``chunk`` positions (transformers' ``torch_chunk_gated_delta_rule``,
-    the same operations): within a chunk the delta rule's updates are one triangular solve (the UT transform)
-    and a few matmuls, and a scan carries the state from chunk to chunk. Arguments and results as
+    the same operations): within a chunk the delta rule's updates are one unit-triangular system (the UT
+    transform) and a few matmuls, and a scan carries the state from chunk to chunk. Arguments and results as
     ``gated_delta_recurrent``'s; ``runs`` ``[batch, seq]`` (None: one run): positions of different runs never
     meet, neither within a chunk nor through the state, which restarts from zeros at each new run (the first
-    run continues ``state``)."""
+    run continues ``state``). The UT transform's triangular solve is an inverse made of matmuls
+    (``unit_lower_inverse``)."""
     dtype, seq = v.dtype, v.shape[1]
     q, k, v, g, beta = _heads_first(q, k, v, g, beta)
     batch, heads, _, dk = k.shape
@@ -150,8 +152,8 @@ def gated_delta_chunked(q, k, v, g, beta, state=None, runs=None, chunk: int = CH
     before = jnp.concatenate([runs[..., :1, :1], runs[..., :-1, -1:]], axis=-2)
     reads = jnp.exp(cum) * (runs == before)
     writes = jnp.exp(cum[..., -1:] - cum) * (runs == runs[..., -1:])
-    solve = lambda b: jax.lax.linalg.triangular_solve(ut_system, b, left_side=True, lower=True, unit_diagonal=True)
-    new_values, k_cumdecay = solve(v_beta), solve(k_beta * reads[..., None])
+    inverse = unit_lower_inverse(jnp.where(jnp.tril(lower, -1), ut_system, 0.0))  # the UT transform
+    new_values, k_cumdecay = inverse @ v_beta, inverse @ (k_beta * reads[..., None])
     q, k = q * reads[..., None], k * writes[..., None]
     chunk_decay = reads[..., -1]  # 0 where a new run starts in the chunk: the old state is dropped
 
@@ -166,6 +168,20 @@ def gated_delta_chunked(q, k, v, g, beta, state=None, runs=None, chunk: int = CH
     state, out = jax.lax.scan(step, state, tuple(jnp.moveaxis(t, 2, 0) for t in inputs))
     out = jnp.moveaxis(out, 0, 2).reshape(batch, heads, -1, dv)[:, :, :seq]
     return jnp.swapaxes(out, 1, 2).astype(dtype), state
+
+
+def unit_lower_inverse(a: jax.Array) -> jax.Array:
+    """``(I + a)^-1`` of strictly lower-triangular ``a`` ``[..., n, n]`` in matmuls alone: ``a`` is nilpotent, so
+    the inverse is ``(I - a)(I + a^2)(I + a^4)...`` up to the power past ``n`` (6 factors for 64 positions).
+    What transformers' unit-triangular solve gives, without LAPACK's batched solver (whose CPU kernel waits on
+    the thread pool that many devices' programs occupy) and in the MXU's own operation on TPUs."""
+    eye = jnp.eye(a.shape[-1], dtype=a.dtype)
+    power = -a
+    inverse = eye + power
+    for _ in range(max(0, (a.shape[-1] - 1).bit_length() - 1)):
+        power = power @ power
+        inverse = inverse + inverse @ power
+    return inverse
 
 
 def segment_runs(segments: jax.Array) -> jax.Array:
@@ -446,7 +462,8 @@ class Qwen3_5TextModel(nnx.Module):
             full = [i for i, kind in enumerate(self.kinds) if kind == FULL]
             length = cache.max_len(full[0]) if full else seq
             mask = AttentionMask(make_mask(attention_mask, seq, length, causal=True, index=index))
-            tokens = None if attention_mask is None else jax.lax.dynamic_slice_in_dim(attention_mask, index, seq, 1)
+            at = jnp.broadcast_to(query_positions(seq, index), (input_ids.shape[0], seq))  # an index per row too
+            tokens = None if attention_mask is None else jnp.take_along_axis(attention_mask, at, axis=1)
         x = embedding_lookup(self.embed_tokens, input_ids, self.config.pad_token_id)
         x, after = run_blocks(self.layers, self.remat, x, mask, rope, tokens, cache=cache, rngs=rngs)
         if cache is not None:
