@@ -32,7 +32,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxseq.errors import JaxseqError
 from jaxseq.generation import filter_logits, no_early_eos, parameter_mesh, shard_cache
-from jaxseq.models.attention import Cache
+from jaxseq.models.attention import Cache, KVCache
 from jaxseq.models.hub import position_limit
 from jaxseq.models.source import stop_token_ids
 
@@ -187,8 +187,10 @@ class Engine:
         self.mesh = parameter_mesh(self.state)
         # a buffer per layer (donated), laid out on the weights' mesh as every program keeps it
         self.cache = jax.jit(lambda: shard_cache(model.init_cache(self.slots, self.max_len), self.mesh))()
-        # a sliding window's rolling cache: a slot's first decoded token overwrites what a copy would need
-        self.rolling = any(leaf.shape[-2] != self.max_len for leaf in jax.tree.leaves(self.cache.layers))
+        # a slot's first decoded token changes what a copy of its prompt needs: a sliding window's rolling cache
+        # overwrites its oldest keys, a recurrent layer's state moves on
+        layers = self.cache.layers if isinstance(self.cache.layers, tuple) else (self.cache.layers,)
+        self.rolling = any(not isinstance(c, KVCache) or c.max_len != self.max_len for c in layers)
         self.cache = self.cache._replace(index=jnp.zeros((self.slots,), jnp.int32))
         self.start = np.zeros(self.slots, np.int32)  # a slot's first real position (its prompt is right-aligned)
         self.positions = np.zeros(self.slots, np.int32)  # the next token's position id

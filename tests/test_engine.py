@@ -17,6 +17,7 @@ from jaxseq.engine import Engine, SamplingParams  # noqa: E402
 from jaxseq.errors import JaxseqError  # noqa: E402
 from jaxseq.models import load_pretrained  # noqa: E402
 from jaxseq.models.execution import Execution  # noqa: E402
+from jaxseq.models.registry import families_with  # noqa: E402
 from tests.reference import perturb  # noqa: E402
 from tests.tiny import tiny_config  # noqa: E402
 
@@ -172,3 +173,34 @@ def test_sliding_window_layers_decode_from_rolling_caches_as_transformers(tok, t
     for request, prompt in zip(requests, prompts):
         assert request.tokens == hf_greedy(reference, tok, prompt, 12)[: len(request.tokens)], prompt
     assert engine.stats == {"prefills": 5, "forks": 1}
+
+
+def word_tokenizer(size: int):
+    """A word-level tokenizer of ``size`` tokens, ``t0`` (also its padding) to ``t{size-1}``."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    backend = Tokenizer(models.WordLevel({f"t{i}": i for i in range(size)}, unk_token="t0"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="t0", unk_token="t0")
+
+
+@pytest.mark.parametrize("model_type", families_with("causal-lm"))
+def test_every_causal_family_decodes_in_the_engine_as_generate_does(model_type):
+    """Each causal family's tiny config (sliding windows of 6 where it has them), randomly initialised at a
+    large scale: the engine's greedy tokens, three prompts of 3 to 10 tokens sharing two slots, equal
+    ``generation.generate``'s for the prompts as one left-padded batch."""
+    from jaxseq.generation import generate
+    from jaxseq.models import from_config
+
+    config = tiny_config(model_type, initializer_range=0.3)
+    if getattr(config, "sliding_window", None):
+        config.sliding_window = 6
+    model = from_config(config, "causal-lm", seed=1)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(1, config.vocab_size, n).tolist() for n in (10, 3, 7)]
+    engine = Engine(model, word_tokenizer(config.vocab_size), max_batch_size=2, max_len=32, eos_token_ids=[])
+    got = [r.tokens for r in engine.generate(prompts, SamplingParams(max_tokens=8, temperature=0))]
+    ids = np.array([[0] * (10 - len(p)) + p for p in prompts], np.int32)
+    mask = (np.arange(10)[None] >= 10 - np.array([len(p) for p in prompts])[:, None]).astype(np.int32)
+    want = np.asarray(generate(model, ids, mask, max_new_tokens=8).sequences).tolist()
+    assert got == want
