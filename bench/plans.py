@@ -191,6 +191,10 @@ SLICES = {
 }
 SLICES.update({f"{model}-scan": SLICES[model] for model in SCANNED})
 SLICES.update({"llama3.1-8b-128k-lora": ["v5p-16"], "llama3.1-8b-128k-lora-cp": ["v5p-16"]})
+# Qwen3.5-9B's shape (transformers' Qwen3_5TextConfig defaults: 24 Gated DeltaNet and 8 gated full attention
+# layers, vocabulary 248,320), chat fine-tuning of every weight at 2048 tokens; its mixed layers run unrolled
+MODELS["qwen3.5-9b"] = ("finetune_chat.py", ["--model_type", "qwen3_5_text", "--max_seq_length", 2048])
+SLICES["qwen3.5-9b"] = ["v5p-8"]
 # Gemma-4-31B's shape (60 layers, every sixth full attention with 512-wide heads and keys as values; sliding
 # window 1024, no per-layer inputs), chat, LoRA r16 on all projections; its mixed layers run unrolled. Its full
 # layers keep num_key_value_heads (16; the checkpoint's num_global_key_value_heads, 4, is no field an override sets)
@@ -217,6 +221,7 @@ BATCH = {
 }  # fmt: skip
 BATCH.update({f"{model}-scan": BATCH[model] for model in SCANNED})
 BATCH.update({"llama3.1-8b-128k-lora": 1, "llama3.1-8b-128k-lora-cp": 1})
+BATCH["qwen3.5-9b"] = 1
 BATCH["gemma4-31b-lora"] = 1
 
 
@@ -268,6 +273,7 @@ NAMES = {
 NAMES.update({f"{model}-scan": f"{NAMES[model]}, scanned layers" for model in SCANNED})
 NAMES["llama3.1-8b-128k-lora"] = "Llama-3.1-8B shape, chat, LoRA r16 on all projections"
 NAMES["llama3.1-8b-128k-lora-cp"] = "Llama-3.1-8B shape, chat, LoRA r16 on all projections, context parallel"
+NAMES["qwen3.5-9b"] = "Qwen3.5-9B shape, chat, all weights"
 NAMES["gemma4-31b-lora"] = "Gemma-4-31B shape, chat, LoRA r16 on all projections"
 GiB = 2**30
 
