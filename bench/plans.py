@@ -92,7 +92,7 @@ MODELS = {
     "llama3-8b-lora": ("finetune_chat.py", [*LLAMA_CHAT, *LORA_ALL]),
     # QLoRA: the blocks' frozen kernels in nf4 (scanned layers, as --scan_layers auto under --remat full), one chip
     "llama3-8b-qlora": ("finetune_chat.py", [*LLAMA_CHAT, *LORA_ALL, "--quantize", "nf4"]),
-    # the families of #35 at their published sizes, chat fine-tuning at 2048 tokens: every weight where it fits,
+    # decoder families at their published sizes, chat fine-tuning at 2048 tokens: every weight where it fits,
     # LoRA r16 on all projections where not; Mixtral-8x7B LoRA on the attention (experts cannot be adapted)
     # with its experts split over ep
     "gemma2-9b": (
