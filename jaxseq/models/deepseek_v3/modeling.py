@@ -43,7 +43,6 @@ from jaxseq.models.llama.modeling import (
     LlamaMLP,
     LlamaModel,
     apply_rotary,
-    rms_norm,
     rope_parameters,
 )
 from jaxseq.models.mixtral.modeling import Experts, expert_parallel, grouped_experts
@@ -262,22 +261,7 @@ class DeepseekV3MoE(nnx.Module):
 class DeepseekV3DecoderLayer(LlamaDecoderLayer):
     """Llama's pre-norm layer with latent attention and the mixture of experts."""
 
-    def __init__(
-        self,
-        config,
-        window: int | None = None,
-        *,
-        execution: Execution = Execution(),
-        dtype,
-        param_dtype,
-        rngs: nnx.Rngs,
-    ):
-        kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-        self.input_layernorm = rms_norm(config, config.hidden_size, **kw)
-        self.self_attn = DeepseekV3Attention(config, window, execution=execution, **kw)
-        self.post_attention_layernorm = rms_norm(config, config.hidden_size, **kw)
-        self.pre_feedforward_layernorm = self.post_feedforward_layernorm = None
-        self.mlp = self.feed_forward(config, execution, **kw)
+    attention_class = DeepseekV3Attention
 
     def feed_forward(self, config, execution: Execution, **kw) -> nnx.Module:
         return DeepseekV3MoE(config, expert_mesh=execution.experts, **kw)
