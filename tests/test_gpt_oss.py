@@ -133,15 +133,15 @@ def test_training_loss_and_every_gradient_equal_transformers(saved):
     assert_gradients_match(model, nnx.state(grads, nnx.Param), want)
 
 
-@pytest.mark.parametrize("mesh", ["dp=2,fsdp=2,mp=2", "dp=2,ep=4"])
+@pytest.mark.parametrize(
+    "saved, mesh", [("mixed", "dp=2,fsdp=2,mp=2"), ("mixed", "dp=2,ep=4"), ("plain", "dp=2,ep=4")], indirect=["saved"]
+)
 def test_meshes_give_the_same_logits_and_gradients(saved, mesh):
     """The experts split over ep (each device its experts' stacks and biases) or over fsdp and mp: the logits,
     the loss and one step's gradients of every weight as on one device; the second config's layers scanned, on
     the ep mesh."""
     name, _, path = saved
     scan = name == "plain"
-    if scan and "ep" not in mesh:
-        pytest.skip("one mesh is enough")
     ids, mask = padded_batch(VOCAB)
     batch = {"input_ids": jnp.asarray(ids), "attention_mask": jnp.asarray(mask)}
 
@@ -170,11 +170,10 @@ def test_meshes_give_the_same_logits_and_gradients(saved, mesh):
         assert float(np.abs(np.asarray(g) - np.asarray(want_grads[key])).max()) / scale <= 1e-4, key
 
 
+@pytest.mark.parametrize("saved", ["mixed"], indirect=True)
 def test_refusals_are_one_line(saved, tmp_path):
     """An MXFP4 checkpoint; splash or cuDNN asked by name (they have no sinks); scanning sliding and full layers."""
-    name, _, path = saved
-    if name != "mixed":
-        pytest.skip("one config is enough")
+    _, _, path = saved
     quantized = tmp_path / "mxfp4"
     shutil.copytree(path, quantized)
     config = json.loads((quantized / "config.json").read_text())
@@ -195,15 +194,14 @@ def test_refusals_are_one_line(saved, tmp_path):
     assert choose_kernel("auto", None, lambda: model, say=said.append).name == "xla"
 
 
+@pytest.mark.parametrize("saved", ["mixed"], indirect=True)
 def test_lora_adapts_the_attention_and_refuses_the_experts(saved):
     """PEFT has no defaults for gpt-oss: q_proj and v_proj by default, all four attention projections asked by
     name; the experts' stacks are read by the grouped matmul, never called: an adapter on them is refused."""
     from jaxseq.partition import get_partition_rules, match_partition_rules
     from jaxseq.train.lora import Lora, LoraConfig
 
-    name, _, path = saved
-    if name != "mixed":
-        pytest.skip("one config is enough")
+    _, _, path = saved
     model = load_pretrained(path, "causal-lm")
     specs = match_partition_rules(get_partition_rules("gpt_oss"), nnx.state(model))
     assert len(Lora(LoraConfig(lora_rank=2), model, specs).targets) == 2 * 3
@@ -214,11 +212,10 @@ def test_lora_adapts_the_attention_and_refuses_the_experts(saved):
     assert "\n" not in str(error.value)
 
 
+@pytest.mark.parametrize("saved", ["mixed"], indirect=True)
 def test_sequence_classification_matches_pytorch(saved, tmp_path):
     """transformers' GptOssForSequenceClassification (the last real token's score) from the same body."""
     name, _, _ = saved
-    if name != "mixed":
-        pytest.skip("one config is enough")
     torch.manual_seed(1)
     ref = perturb(transformers.GptOssForSequenceClassification(tiny_config(**CONFIGS[name], num_labels=3))).eval()
     ref.save_pretrained(tmp_path)
