@@ -19,6 +19,8 @@ torch = pytest.importorskip("torch")
 from jaxseq.errors import JaxseqError  # noqa: E402
 from jaxseq.mesh import make_mesh  # noqa: E402
 from jaxseq.models import Execution, from_config  # noqa: E402
+from jaxseq.models.execution import Gathering  # noqa: E402
+from jaxseq.models.registry import family_for  # noqa: E402
 from jaxseq.train.lora import LoraConfig  # noqa: E402
 from jaxseq.train.objectives import CausalLM  # noqa: E402
 from jaxseq.train.optim import OptimizerConfig  # noqa: E402
@@ -88,11 +90,24 @@ def batch():
     return {"input_ids": jnp.asarray(ids * mask), "attention_mask": jnp.asarray(mask)}
 
 
-@pytest.mark.parametrize("kind", ["nf4", "int8"])
-@pytest.mark.parametrize("scan", [False, True], ids=["unrolled", "scanned"])
-def test_qlora_step_is_lora_on_the_dequantised_weights(kind, scan):
-    mesh = make_mesh()
-    model = from_config(llama_config(), "causal-lm", mesh=mesh, seed=0, execution=Execution(scan_layers=scan))
+@pytest.mark.parametrize(
+    "kind, scan, shape",
+    [
+        ("nf4", False, None),
+        ("int8", False, None),
+        ("nf4", True, None),
+        ("int8", True, None),
+        # fsdp: each block gathers its weights on entry (Gathering), and a quantised kernel's place is empty
+        ("nf4", False, "fsdp=4,mp=2"),
+        ("nf4", True, "fsdp=4,mp=2"),
+    ],
+    ids=["nf4-unrolled", "int8-unrolled", "nf4-scanned", "int8-scanned", "nf4-unrolled-fsdp", "nf4-scanned-fsdp"],
+)
+def test_qlora_step_is_lora_on_the_dequantised_weights(kind, scan, shape):
+    mesh = make_mesh(shape)
+    gathering = Gathering(mesh, tuple(family_for("llama").partition_rules)) if shape else None
+    execution = Execution(scan_layers=scan, gather=gathering)
+    model = from_config(llama_config(), "causal-lm", mesh=mesh, seed=0, execution=execution)
     qlora = program(model, mesh, kind)
     params = nnx.state(model)
     frozen = qlora.training.freeze(params)

@@ -337,7 +337,7 @@ class WeightGather:
         def leaf(path, x):
             name = path_string(path)
             entry = table.get(name)
-            if entry is None:
+            if entry is None or x.size == 0:  # size 0: a QLoRA kernel's place (its layer dequantises its codes)
                 return x
             dtype, sharding = entry
             if name in shadow:
