@@ -59,7 +59,7 @@ def arrays(n, seed=0):
     }
 
 
-def make_trainer(tmp_path, model, mesh, *, lora=None, objective=None, steps=4, **optim):
+def make_trainer(tmp_path, model, mesh, *, lora=None, objective=None, steps=4, dtype="float32", **optim):
     train, dev = arrays(64), arrays(20, seed=1)
     if objective is not None:  # causal LM: ids and mask only
         train, dev = ({k: v[k] for k in ("input_ids", "attention_mask")} for v in (train, dev))
@@ -75,7 +75,8 @@ def make_trainer(tmp_path, model, mesh, *, lora=None, objective=None, steps=4, *
     optimizer = OptimizerConfig(**{"learning_rate": 1e-2, **optim})
     task = "sequence-classification" if objective is None else "causal-lm"
     objective = objective or SequenceClassification(get_task("sst2"))
-    return Trainer(RunSpec(mesh, model.config, task, objective, config, optimizer, lora=lora), model, train, {"": dev})
+    spec = RunSpec(mesh, model.config, task, objective, config, optimizer, lora=lora, dtype=dtype)
+    return Trainer(spec, model, train, {"": dev})
 
 
 def host(tree):
@@ -208,6 +209,37 @@ def test_peft_adapter_loads_in_peft_with_the_same_logits(tmp_path, family):
     expected = {k: tuple(v.shape) for k, v in peft.get_peft_model_state_dict(reference).items()}
     saved = {k: v.shape for k, v in load_file(tmp_path / "adapter" / "adapter_model.safetensors").items()}
     assert saved == expected
+
+
+def test_a_half_precision_run_stores_the_frozen_base_in_its_compute_dtype(tmp_path):
+    """As PEFT users load a bf16 base: a bf16 LoRA run stores its frozen weights in bf16 (half the bytes) and its
+    adapters in float32, and trains bit for bit as a float32-stored base holding the same values."""
+    mesh = make_mesh("dp=2,fsdp=2,mp=2")
+    model = tiny("causal-lm", "llama", mesh=mesh)
+    leaves, treedef = jax.tree.flatten(nnx.state(model))
+    keys = jax.random.split(jax.random.key(7), len(leaves))
+    perturbed = [(x + 0.05 * jax.random.normal(k, x.shape)).astype(jnp.bfloat16) for x, k in zip(leaves, keys)]
+    nnx.update(model, jax.tree.unflatten(treedef, [x.astype(jnp.float32) for x in perturbed]))
+    save_pretrained(model, tmp_path / "base")
+    lora = LoraConfig(lora_rank=RANK, lora_targets="q_proj,v_proj,down_proj", lora_trainable="lm_head")
+    runs = {}
+    for stored in ("bfloat16", "float32"):
+        loaded = load_pretrained(tmp_path / "base", "causal-lm", mesh=mesh, dtype=jnp.bfloat16, param_dtype=stored)
+        trainer = make_trainer(tmp_path / stored, loaded, mesh, lora=lora, objective=CausalLM(), dtype="bfloat16")
+        trainer.train()
+        trainer.close()
+        runs[stored] = trainer
+    half = runs["bfloat16"]
+    assert half.spec.param_dtype == jnp.bfloat16  # what the run itself builds, and what a plan counts
+    assert {x.dtype for x in jax.tree.leaves(nnx.state(half.spec.abstract_model()))} == {jnp.dtype(jnp.bfloat16)}
+    assert {x.dtype for x in jax.tree.leaves(half.frozen)} == {jnp.dtype(jnp.bfloat16)}
+    assert {x.dtype for x in jax.tree.leaves(half.state.params)} == {jnp.dtype(jnp.float32)}
+    trained = host(half.state.params)
+    assert trained["lm_head/kernel"].dtype == np.float32 and trained["model/layers/0/mlp/down_proj/lora_B"].any()
+    plain = host(runs["float32"].state.params)
+    assert trained.keys() == plain.keys()
+    for name in trained:
+        np.testing.assert_array_equal(trained[name], plain[name], err_msg=name)
 
 
 def test_ema_update_on_a_known_sequence():

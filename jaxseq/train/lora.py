@@ -229,19 +229,19 @@ class Lora:
     # ------------------------------------------------------------------ the trainable tree
 
     def init(self, params, seed: int) -> dict:
-        """The trainable tree: fresh adapters, and the task-head parameters taken from ``params`` (the model's
-        state). Jit it with the adapters' shardings to build it in place."""
+        """The trainable tree, in float32 whatever the base's storage dtype: fresh adapters, and the task-head
+        parameters taken from ``params`` (the model's state). Jit it with the adapters' shardings to build it
+        in place."""
         flat = traverse_util.flatten_dict(params if isinstance(params, dict) else nnx.to_pure_dict(params))
         key = jax.random.key(seed)
         out = {}
         for i, (path, (fan_in, fan_out)) in enumerate(self.targets.items()):
-            shape, dtype = self.shapes[(*path, "kernel")], self.dtypes[(*path, "kernel")]
-            layers, bound = shape[:-2], fan_in**-0.5  # layers: a stacked kernel's leading axis
+            layers, bound = self.shapes[(*path, "kernel")][:-2], fan_in**-0.5  # layers: a stacked kernel's axis
             out[(*path, "lora_A")] = jax.random.uniform(
-                jax.random.fold_in(key, i), (*layers, fan_in, self.rank), dtype, -bound, bound
+                jax.random.fold_in(key, i), (*layers, fan_in, self.rank), jnp.float32, -bound, bound
             )
-            out[(*path, "lora_B")] = jnp.zeros((*layers, self.rank, fan_out), dtype)
-        out.update({path: flat[path] for path in self.full})
+            out[(*path, "lora_B")] = jnp.zeros((*layers, self.rank, fan_out), jnp.float32)
+        out.update({path: flat[path].astype(jnp.float32) for path in self.full})
         return _tree(out)
 
     def adapter_weights(self) -> dict:
@@ -330,8 +330,8 @@ class Lora:
 
         def leaf(path, w):
             key = tuple(path_string(path).split("/"))
-            if key in flat:
-                return flat[key]
+            if key in flat:  # trained in full: float32 as it trains, the base's dtype once merged
+                return flat[key].astype(w.dtype) if fold else flat[key]
             a = flat.get((*key[:-1], "lora_A"))
             if fold and key[-1] == "kernel" and a is not None:
                 delta = jnp.matmul(a, flat[(*key[:-1], "lora_B")], precision=jax.lax.Precision.HIGHEST)

@@ -132,15 +132,30 @@ class RunSpec:
             on_host=set(on_host),
         )
 
+    @property
+    def param_dtype(self) -> jnp.dtype:
+        """The dtype the model's weights are stored in: float32, except LoRA's frozen base in a half-precision
+        run, stored in the compute dtype (as PEFT users load a bf16 base). LoRA's adapters and what it trains
+        in full stay float32 (``Lora.init``)."""
+        half = self.dtype in ("bfloat16", "float16")
+        return jnp.dtype(self.dtype) if half and self.lora is not None and self.lora.enabled else jnp.dtype("float32")
+
     def abstract_model(self, say: Callable[[str], None] | None = None) -> nnx.Module:
         """The run's model with shapes and dtypes only (a plan's); ``say``: why attention falls back to XLA, when
         the run's execution is decided here (``decided``)."""
-        return abstract_model(self.config, self.task, dtype=jnp.dtype(self.dtype), execution=self.decided(say))
+        return abstract_model(
+            self.config,
+            self.task,
+            dtype=jnp.dtype(self.dtype),
+            param_dtype=self.param_dtype,
+            execution=self.decided(say),
+        )
 
     def build_model(self, checkpoint=None, overrides: Mapping | None = None) -> nnx.Module:
         """The run's model on its mesh: the pretrained ``checkpoint`` folder with ``overrides``, or (None) a
         fresh one from the config, initialised from the run's seed."""
         common = {"mesh": self.mesh, "seed": self.trainer.seed, "dtype": jnp.dtype(self.dtype)}
+        common["param_dtype"] = self.param_dtype
         common["execution"] = self.execution
         if checkpoint is not None:
             # QLoRA's kernels stay on the host until quantised: the devices never hold them in full precision
