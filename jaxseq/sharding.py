@@ -28,14 +28,24 @@ STACKED = "stacked"
 model's paths hold the layer's index."""
 
 
+def every(start: int, step: int) -> str:
+    """The path segment of a stack that holds layers ``start``, ``start + step``, ... (``"1::4"``: a grouped
+    stack's blocks at place 1 of each group of 4, ``models.layers.Grouped``), read by ``unstacked_path``."""
+    return f"{start}::{step}"
+
+
 def unstacked_path(path: tuple, layer: int) -> tuple:
     """The path that layer ``layer`` of a stacked parameter's ``path`` has in the unrolled model. A stack held at
     index ``k`` of a list of blocks (``.../layers/3/stacked/...``: blocks unrolled before it) holds layers ``k``,
-    ``k + 1``, ...: its path's ``k`` and ``STACKED`` become ``k + layer``."""
+    ``k + 1``, ...: its path's ``k`` and ``STACKED`` become ``k + layer``; one held under ``every(k, step)``
+    (``.../layers/1::4/stacked/...``) holds layers ``k``, ``k + step``, ...: they become ``k + step * layer``."""
     if STACKED not in path:
         return tuple(path)
     at = path.index(STACKED)
     before = path[at - 1] if at else None
+    if isinstance(before, str) and "::" in before:
+        start, step = map(int, before.split("::"))
+        return (*path[: at - 1], start + step * layer, *path[at + 1 :])
     if isinstance(before, int) or (isinstance(before, str) and before.isdigit()):
         return (*path[: at - 1], type(before)(int(before) + layer), *path[at + 1 :])
     return (*path[:at], layer, *path[at + 1 :])

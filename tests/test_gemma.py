@@ -219,15 +219,16 @@ def test_soft_capped_attention_takes_xla_saying_why_once_and_refuses_a_fused_ker
 
 
 def test_scanning_mixed_layers_is_refused_auto_unrolls_them_and_uniform_layers_scan(tmp_path):
-    """--scan_layers true on sliding and full layers stops in one line; auto (scanning under --remat full)
-    unrolls them; layers of one window scan."""
+    """--scan_layers true on sliding and full layers that do not repeat a pattern twice stops in one line; auto
+    (scanning under --remat full) unrolls them; layers of one window scan (a repeating pattern's:
+    tests/test_pattern_scan.py)."""
     from jaxseq.train.objectives import CausalLM
     from jaxseq.train.optim import OptimizerConfig
     from jaxseq.train.spec import RunSpec
     from jaxseq.train.trainer_config import TrainerConfig
 
     mixed = tiny_config("gemma2-softcaps")
-    with pytest.raises(JaxseqError, match=r"^scan_layers needs every layer to attend alike"):
+    with pytest.raises(JaxseqError, match=r"^scan_layers scans layers that repeat one pattern"):
         from_config(mixed, "causal-lm", execution=Execution(scan_layers=True))
     uniform = tiny_config("gemma2-softcaps", layer_types=["sliding_attention"] * 3)
     assert len(from_config(uniform, "causal-lm", execution=Execution(scan_layers=True)).model.layers) == 3

@@ -458,7 +458,7 @@ def test_configs_that_cannot_scan_say_so():
         "qwen2", **LAYERS, max_position_embeddings=DEFAULT, use_sliding_window=True, sliding_window=4,
         max_window_layers=1,
     )  # fmt: skip
-    with pytest.raises(JaxseqError, match="mixes sliding-window and full layers"):
+    with pytest.raises(JaxseqError, match="repeat one pattern of kinds at least twice"):
         abstract_model(qwen, "causal-lm", execution=Execution(scan_layers=True))
 
 

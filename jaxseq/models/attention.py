@@ -13,7 +13,8 @@ JAX: blockwise, the scores never stored; causal, padding and packed examples as 
 
 The KV cache is a plain pytree of fixed shapes, so it can be carried through ``lax.while_loop``:
 ``Cache(layers=(KVCache(k, v), ...), index)`` where ``k``/``v`` are ``[batch, kv_heads, max_len, head_dim]``
-(a scanned stack's, ``layers.Stacked``: one ``KVCache`` of ``[layers, batch, kv_heads, max_len, head_dim]``)
+(a scanned stack's, ``layers.Stacked``: one ``KVCache`` of ``[layers, batch, kv_heads, max_len, head_dim]``; a
+grouped one's, ``layers.Grouped``: one such stack for each place in its groups, then one per layer past them)
 (heads before positions, so the attention dots read the whole cache without transposing it every step;
 ``attend_cache`` is the attention over it) and ``index`` is the int32 position the next token is written
 to. With a cache, the attention mask the caller passes covers all ``max_len`` key positions (1 for real
@@ -39,7 +40,7 @@ from jax.sharding import PartitionSpec as P
 from jaxseq.errors import JaxseqError
 from jaxseq.mesh import BATCH_AXES, data_parallel_size, mesh_platform
 from jaxseq.models.execution import AttentionKernel
-from jaxseq.models.layers import DrawnMasks, Stacked, dropout, kept
+from jaxseq.models.layers import DrawnMasks, Grouped, Stacked, dropout, kept
 
 logger = logging.getLogger("jaxseq")
 
@@ -105,19 +106,20 @@ class Cache(NamedTuple):
         return cls(tuple(layer for _ in range(num_layers)), jnp.zeros((), jnp.int32))
 
     def max_len(self, layer: int = 0) -> int:
-        """The key/value positions that layer ``layer`` holds."""
+        """The key/value positions that layer ``layer`` holds (of a grouped stack, ``layers.Grouped``: a layer of
+        its first group)."""
         return (self.layers if isinstance(self.layers, KVCache) else self.layers[layer]).max_len
 
 
 def run_blocks(blocks, remat: str, x, mask, *args, cache: Cache | None, rngs, **kwargs):
-    """Run decoder blocks in order (``layers.Unrolled``, or a scanned ``Stacked`` one), each reading and writing its own
-    layer of ``cache`` (if given) at the cache's index, and reading its own cross-attention keys/values
-    (``cache.cross``, as ``cross=``); returns the output and the cache advanced past ``x``'s positions, or
+    """Run decoder blocks in order (``layers.Unrolled``, or a scanned ``Stacked`` or ``Grouped`` one), each reading
+    and writing its own layer of ``cache`` (if given) at the cache's index, and reading its own cross-attention
+    keys/values (``cache.cross``, as ``cross=``); returns the output and the cache advanced past ``x``'s positions, or
     without a cache what the blocks return beside their outputs (MoE layers' router statistics), None if nothing."""
     index = 0 if cache is None else cache.index
     own = {} if cache is None else {"cache": cache.layers, "cross": cache.cross}
     own = {name: value for name, value in own.items() if value is not None}
-    if isinstance(blocks, Stacked):
+    if isinstance(blocks, (Stacked, Grouped)):
         x, layers = blocks(remat, x, mask, *args, per_layer=own, index=index, rngs=rngs, **kwargs)
     else:
         layers = []

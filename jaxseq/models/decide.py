@@ -22,7 +22,7 @@ def scans(scan_layers: str | bool, platform: str, remat: str, config) -> bool:
     or auto: on CPU, where a first run's compilation is a large share of its time (NER's and QA's BENCHMARKS
     rows) and the step is about as fast with its dropout masks drawn before the scan
     (``layers.Stacked.draws_ahead``), and under ``--remat full``; unrolled where the config's blocks cannot
-    scan (``Family.scans``: Gemma's sliding and full layers).
+    scan (``Family.scans``: layers whose kinds do not repeat a pattern, ``layers.repeating_period``).
 
     On an H100 (GPT-2 small widths, 16 x 1024 tokens) the scanned step took 46.0 ms against 45.0 unrolled
     at 12 blocks under full remat (at the same memory), 83.9 against 72.1 under dots, 99.3 against 65.6 without

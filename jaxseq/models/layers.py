@@ -18,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 from jaxseq.errors import JaxseqError
 from jaxseq.mesh import batch_spec, context_size, data_parallel_size
 from jaxseq.models.execution import REMAT_POLICIES, Execution, Gathering
-from jaxseq.sharding import STACKED, match_partition_rules, named_leaves, path_string, unstacked_path
+from jaxseq.sharding import STACKED, every, match_partition_rules, named_leaves, path_string, unstacked_path
 
 
 @jax.custom_jvp
@@ -412,6 +412,10 @@ class Unrolled(nnx.List):
         """Block ``layer`` of ``args``/``kwargs`` under ``call_block``, with its weight gather."""
         return call_block(self[layer], remat, *args, gather=self.weight_gathers[layer], **kwargs)
 
+    def arrange(self, per_layer) -> tuple:
+        """Values given per layer in order (a KV cache's) as the blocks take them: a tuple."""
+        return tuple(per_layer)
+
 
 class Stacked(nnx.Module):
     """``count`` blocks of one structure held as one (``stacked``), every parameter with a leading layer axis,
@@ -434,6 +438,8 @@ class Stacked(nnx.Module):
 
     def __init__(self, make, count: int, rngs: nnx.Rngs, execution: Execution = Execution(), first_only=None):
         made = [nnx.split(make(rngs)) for _ in range(count)]
+        if any(graphdef != made[0][0] for graphdef, _ in made):
+            raise JaxseqError("the blocks of a stack to scan differ in structure; leave scan_layers off")
         stacked = jax.tree.map(lambda *layers: jnp.stack(layers), *(state for _, state in made))
         self.stacked = nnx.merge(made[0][0], stacked)
         self.count = count
@@ -460,6 +466,10 @@ class Stacked(nnx.Module):
         graphdef, state = nnx.split(self.stacked)
         return jax.vmap(lambda state: fn(nnx.merge(graphdef, state)))(state)
 
+    def arrange(self, per_layer):
+        """Values given per layer in order (a KV cache's) as the blocks take them: stacked."""
+        return jax.tree.map(lambda *layers: jnp.stack(layers), *per_layer)
+
     def __call__(self, remat: str, x, *args, per_layer=None, layers=slice(None), rngs: nnx.Rngs | None = None, **kw):
         """``x`` through the blocks in order (``layers``: a slice of them) under ``call_block``, each given its own
         layer of ``per_layer`` (keyword arguments stacked over the layers: a decoder's KV caches) and its own
@@ -471,8 +481,24 @@ class Stacked(nnx.Module):
         and a "shadow" stack of bfloat16 zeros added there, whose gradient is the weight's. The backward loop
         then stacks each layer's reduce-scattered gradient in bfloat16, as the unrolled program keeps them,
         not float32 (which held 104 MiB more a layer at Llama-3-8B widths on v5e-8)."""
-        graphdef, state = nnx.split(self.stacked)
         key = None if rngs is None else rngs.dropout()
+        xs, run = self.scan_parts(remat, args, kw, per_layer)
+        xs = jax.tree.map(lambda a: a[layers], xs)
+        if key is not None and self.draws_ahead:
+            first = jax.tree.map(lambda a: a[0], xs)
+            masks = self._draw_masks(key, len(xs[2]), lambda block_rngs: run(x, first, block_rngs, "none"))
+            return jax.lax.scan(lambda x, both: run(x, both[0], DrawnMasks(both[1])), x, (xs, masks))
+
+        def body(x, xs):
+            return run(x, xs, None if key is None else nnx.Rngs(dropout=jax.random.fold_in(key, xs[2])))
+
+        return jax.lax.scan(body, x, xs)
+
+    def scan_parts(self, remat: str, args: tuple, kw: dict, per_layer=None, first: int = 0, step: int = 1):
+        """What a scan over the blocks hands each one, ``(parameters, shadow, layer, per_layer)`` stacked (the
+        layers numbered ``first``, ``first + step``, ...), and ``run(x, xs, block_rngs, remat)``, the block of
+        one step's ``xs`` under ``call_block`` returning ``(output, what it returns beside it or None)``."""
+        graphdef, state = nnx.split(self.stacked)
         layered = getattr(type(self.stacked), "uses_layer_index", False)
         gather = self.weight_gather
         lowered = set() if gather is None else {n for n, dtype, _ in gather.weights if dtype == jnp.bfloat16}
@@ -493,17 +519,8 @@ class Stacked(nnx.Module):
             )
             return out if isinstance(out, tuple) else (out, None)
 
-        xs = (state, shadow, jnp.arange(self.count, dtype=jnp.int32), per_layer or {})
-        xs = jax.tree.map(lambda a: a[layers], xs)
-        if key is not None and self.draws_ahead:
-            first = jax.tree.map(lambda a: a[0], xs)
-            masks = self._draw_masks(key, len(xs[2]), lambda block_rngs: run(x, first, block_rngs, "none"))
-            return jax.lax.scan(lambda x, both: run(x, both[0], DrawnMasks(both[1])), x, (xs, masks))
-
-        def body(x, xs):
-            return run(x, xs, None if key is None else nnx.Rngs(dropout=jax.random.fold_in(key, xs[2])))
-
-        return jax.lax.scan(body, x, xs)
+        numbers = first + step * jnp.arange(self.count, dtype=jnp.int32)
+        return (state, shadow, numbers, per_layer or {}), run
 
     @staticmethod
     def _draw_masks(key: jax.Array, count: int, one_block) -> tuple:
@@ -531,14 +548,131 @@ def nested(path: str, module: nnx.Module) -> nnx.Module:
     return module
 
 
-def blocks(make, count: int, rngs: nnx.Rngs, execution: Execution = Execution(), first_only=None) -> Unrolled | Stacked:
+class Grouped(nnx.Module):
+    """A stack whose layers repeat a pattern of ``period`` kinds (gpt-oss's sliding and full layers: 2; Gemma 3's
+    five sliding and one full: 6; Qwen3.5's three linear and one full: 4), run by one ``jax.lax.scan`` over its
+    whole groups of ``period`` layers: each step runs the group's ``period`` blocks in turn. The blocks at place
+    ``p`` of every group are one ``Stacked`` (every parameter with a leading group axis) under the path segment
+    ``every(p, period)`` (``model/layers/1::4/stacked/...``: layers 1, 5, 9, ..., ``sharding.unstacked_path``),
+    so loading, export, PEFT names, partition rules and the parameter table stay per layer as for ``Stacked``.
+    The layers past the last whole group run unrolled after the scan, each under its own index
+    (``model/layers/62/...``) with its own weight gather. ``built``: every layer's block, made in the unrolled
+    order (a model initialises alike scanned and unrolled). Each block is called with its own dropout key
+    (``rngs``' next one folded with its layer index; masks drawn ahead on CPU, ``Stacked.draws_ahead``) and,
+    if its class sets ``uses_layer_index``, its layer; ``per_layer`` values (KV caches) are laid out as
+    ``arrange`` lays them."""
+
+    def __init__(self, built: list, period: int, execution: Execution = Execution()):
+        self.count, self.period, self.groups = len(built), period, len(built) // period
+        self.draws_ahead = execution.draws_ahead
+        whole = self.groups * period
+        for place in range(period):
+            same = iter(built[place:whole:period])
+            setattr(
+                self, every(place, period), Stacked(lambda rngs, same=same: next(same), self.groups, None, execution)
+            )
+        for layer in range(whole, self.count):
+            setattr(self, str(layer), built[layer])
+        self.weight_gathers = tuple(weight_gather(block, execution.gather) for block in built[whole:])
+
+    def __len__(self) -> int:
+        return self.count
+
+    def places(self) -> list[Stacked]:
+        """The stacks of each place in a group, in order."""
+        return [getattr(self, every(place, self.period)) for place in range(self.period)]
+
+    def rest(self) -> list[nnx.Module]:
+        """The blocks past the last whole group, in order."""
+        return [getattr(self, str(layer)) for layer in range(self.groups * self.period, self.count)]
+
+    def arrange(self, per_layer) -> tuple:
+        """Values given per layer in order (a KV cache's) as the blocks take them: for each place in a group,
+        its layers' values stacked (a sliding layer's rolling cache beside a full layer's whole one), then the
+        values of the layers past the last whole group."""
+        per_layer, whole = list(per_layer), self.groups * self.period
+        places = [per_layer[place : whole : self.period] for place in range(self.period)]
+        return (*(jax.tree.map(lambda *layers: jnp.stack(layers), *values) for values in places), *per_layer[whole:])
+
+    def __call__(self, remat: str, x, *args, per_layer=None, rngs: nnx.Rngs | None = None, **kw):
+        """``x`` through every layer in order; returns the output and what the blocks return beside it, laid out
+        as ``arrange`` (or None from blocks that return their output alone)."""
+        per_layer, key = per_layer or {}, None if rngs is None else rngs.dropout()
+        own = lambda i: {name: value[i] for name, value in per_layer.items()}
+        parts = [
+            stack.scan_parts(remat, args, kw, own(place), place, self.period)
+            for place, stack in enumerate(self.places())
+        ]
+        xs = tuple(part[0] for part in parts)
+        layer_rngs = lambda layer: None if key is None else nnx.Rngs(dropout=jax.random.fold_in(key, layer))
+
+        def group(x, xs, masks=None):
+            outs = []
+            for place, (_, run) in enumerate(parts):
+                block_rngs = layer_rngs(xs[place][2]) if masks is None else DrawnMasks(masks[place])
+                x, out = run(x, xs[place], block_rngs)
+                outs.append(out)
+            return x, tuple(outs)
+
+        if key is not None and self.draws_ahead:
+            first = jax.tree.map(lambda a: a[0], xs)
+            masks = tuple(
+                Stacked._draw_masks(
+                    jax.random.fold_in(key, place),
+                    self.groups,
+                    lambda r, run=run, place=place: run(x, first[place], r, "none"),
+                )
+                for place, (_, run) in enumerate(parts)
+            )
+            x, outs = jax.lax.scan(lambda x, both: group(x, *both), x, (xs, masks))
+        else:
+            x, outs = jax.lax.scan(group, x, xs)
+        rest = []
+        for i, block in enumerate(self.rest()):
+            layer = self.groups * self.period + i
+            extra = {"layer": layer} if getattr(type(block), "uses_layer_index", False) else {}
+            gather = self.weight_gathers[i]
+            out = call_block(
+                block, remat, x, *args, gather=gather, rngs=layer_rngs(layer), **kw, **own(self.period + i), **extra
+            )
+            x, out = out if isinstance(out, tuple) else (out, None)
+            rest.append(out)
+        return x, (*outs, *rest)
+
+
+def repeating_period(kinds) -> int | None:
+    """The shortest period ``p`` with which a stack's layer kinds repeat (layer ``i`` of the kind of layer
+    ``i - p``) at least twice (1: every layer alike); None: they do not repeat."""
+    kinds = list(kinds)
+    if len(set(kinds)) <= 1:
+        return 1
+    return next(
+        (p for p in range(2, len(kinds) // 2 + 1) if all(kinds[i] == kinds[i - p] for i in range(p, len(kinds)))),
+        None,
+    )
+
+
+def blocks(
+    make, count: int, rngs: nnx.Rngs, execution: Execution = Execution(), first_only=None, kinds=None
+) -> Unrolled | Stacked | Grouped:
     """A stack's ``count`` blocks, ``make(i, rngs)`` for block ``i``, as ``execution`` runs them: a list run in a
     Python loop (``Unrolled``), or (``execution.scan_layers``) one ``Stacked`` block built with index 0 (a block
     that depends on its layer reads ``layer`` when called; ``first_only``: see ``Stacked``); each block's weight
-    gather (``execution.gather``) and a scanned stack's ``draws_ahead`` are built with them."""
-    if execution.scan_layers:
+    gather (``execution.gather``) and a scanned stack's ``draws_ahead`` are built with them. ``kinds``: each
+    layer's kind (its window, its layer type: what makes its block differ), when they differ; scanned, layers
+    whose kinds repeat a pattern run as a ``Grouped`` stack of its period (``repeating_period``), and layers
+    whose kinds do not repeat are refused in one line."""
+    if not execution.scan_layers:
+        return Unrolled([make(i, rngs) for i in range(count)], execution.gather)
+    period = 1 if kinds is None else repeating_period(kinds)
+    if period is None:
+        raise JaxseqError(
+            f"scan_layers scans layers that repeat one pattern of kinds at least twice, and these {count} layers' "
+            f"kinds do not ({', '.join(map(str, kinds))}); leave scan_layers off"
+        )
+    if period == 1:
         return Stacked(lambda rngs: make(0, rngs), count, rngs, execution, first_only)
-    return Unrolled([make(i, rngs) for i in range(count)], execution.gather)
+    return Grouped([make(i, rngs) for i in range(count)], period, execution)
 
 
 EXPERTS = "experts"

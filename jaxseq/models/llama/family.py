@@ -8,6 +8,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxseq.models import flops
 from jaxseq.models.family import Family
+from jaxseq.models.layers import repeating_period
 from jaxseq.models.llama.modeling import (
     LlamaForCausalLM,
     LlamaForSequenceClassification,
@@ -68,7 +69,7 @@ def llama_family(model_type: str, name: str, base: type, causal_lm: type, classi
         ignore=(r"\.rotary_emb\.inv_freq$",),
         partition_rules=PARTITION_RULES,
         flops=model_flops,
-        scans=lambda config: len(set(layer_windows(config))) == 1,  # one window for all (LlamaModel)
+        scans=lambda config: repeating_period(layer_windows(config)) is not None,  # windows in a pattern (Grouped)
     )
 
 

@@ -51,7 +51,6 @@ from jaxseq.models.execution import Execution
 from jaxseq.models.heads import DecoderLM, LastTokenClassifier
 from jaxseq.models.layers import (
     Linear,
-    Stacked,
     activation,
     blocks,
     embedding_lookup,
@@ -365,8 +364,8 @@ class LlamaModel(nnx.Module):
     examples' segment ids); with a ``cache`` it covers the cache's ``max_len`` positions instead (see
     ``jaxseq.models.attention``). ``position_ids`` default to ``0, 1, ...`` after the cache's index; pass
     them for left padding. ``execution``: how the layers run (``models.execution``): stacked and run by one scan
-    (``layers.Stacked``, which needs every layer to attend over the same window) or a Python loop, their
-    attention kernel, remat and weight gathering."""
+    (``layers.Stacked``; layers whose windows differ in a repeating pattern, ``layers.Grouped``) or a Python
+    loop, their attention kernel, remat and weight gathering."""
 
     hf_architecture = "LlamaModel"
     layer_class = LlamaDecoderLayer
@@ -389,11 +388,6 @@ class LlamaModel(nnx.Module):
             **kw,
         )
         self.embed_scale = config.hidden_size**0.5 if gemma(config) else None
-        if execution.scan_layers and len(set(self.windows)) > 1:
-            raise JaxseqError(
-                "scan_layers needs every layer to attend alike, and this config mixes sliding-window and full "
-                "layers (layer_types); leave scan_layers off"
-            )
         self.layers = blocks(
             lambda i, rngs: self.layer_class_of(i)(
                 config, self.windows[i], execution=execution, dtype=dtype, param_dtype=param_dtype, rngs=rngs
@@ -401,6 +395,7 @@ class LlamaModel(nnx.Module):
             config.num_hidden_layers,
             rngs,
             execution,
+            kinds=self.windows,  # scanned, sliding and full layers in groups of their pattern (layers.Grouped)
         )
         self.norm = rms_norm(config, config.hidden_size, **kw)
         self.remat = execution.remat  # what each block keeps for the backward pass
@@ -458,16 +453,11 @@ class LlamaModel(nnx.Module):
         """Zero keys/values of the ``num_key_value_heads`` key/value heads of every layer, for ``max_len``
         positions, or the ``sliding_window`` latest of them in a sliding layer's rolling cache."""
         c, dtype = self.config, dtype or self.dtype
-        if isinstance(self.layers, Stacked):  # one window for all
-            length = min(self.windows[0] or max_len, max_len)
-            return Cache.zeros(
-                len(self.windows), batch, length, c.num_key_value_heads, head_dim(c), dtype, stacked=True
-            )
         layers = tuple(
             KVCache.zeros(batch, min(window or max_len, max_len), c.num_key_value_heads, head_dim(c), dtype)
             for window in self.windows
         )
-        return Cache(layers, jnp.zeros((), jnp.int32))
+        return Cache(self.layers.arrange(layers), jnp.zeros((), jnp.int32))  # as the stack takes them
 
 
 class LlamaForCausalLM(DecoderLM):

@@ -196,6 +196,12 @@ class MixtralDecoderLayer(LlamaDecoderLayer):
         return x + y, stats if cache is None else cache
 
 
+def layer_stats(stats) -> jax.Array:
+    """Every layer's router statistics ``[layers, 2, experts]`` from what a stack returns: one array per layer,
+    one stacked array, or a grouped stack's (``layers.Grouped``) stacks and layers (the order does not count)."""
+    return jnp.concatenate([s.reshape(-1, *s.shape[-2:]) for s in jax.tree.leaves(stats)])
+
+
 def load_balancing_loss(stats: jax.Array) -> jax.Array:
     """transformers' ``load_balancing_loss_func`` from every layer's router statistics ``[layers, 2, experts]``:
     ``experts x sum(picks / rows x probs / rows)`` over all layers' real tokens (``rows``)."""
@@ -217,8 +223,7 @@ class MixtralModel(LlamaModel):
             return out
         aux = None
         if getattr(self.config, "output_router_logits", False):
-            stats = out.cache if isinstance(out.cache, jax.Array) else jnp.stack(out.cache)
-            aux = self.config.router_aux_loss_coef * load_balancing_loss(stats)
+            aux = self.config.router_aux_loss_coef * load_balancing_loss(layer_stats(out.cache))
         return BaseOutput(out.last_hidden_state, aux_loss=aux)
 
 
