@@ -44,7 +44,7 @@ from tests.test_scan_layers import (  # noqa: E402
 from tests.test_step_parity import jaxseq_program  # noqa: E402
 from tests.tiny import tiny_config  # noqa: E402
 
-S, F = "sliding_attention", "full_attention"
+S, F, L = "sliding_attention", "full_attention", "linear_attention"
 COMMON = dict(vocab_size=64, initializer_range=0.3, attn_implementation="eager")
 CONFIGS = {
     "gpt_oss": dict(
@@ -62,12 +62,19 @@ CONFIGS = {
             "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
         },
     ),
+    "qwen3_5_text": dict(num_hidden_layers=5, layer_types=[L, F, L, F, L], pad_token_id=0),
+    "qwen3_5_moe_text": dict(
+        num_hidden_layers=6, layer_types=[L, L, F, L, L, F], output_router_logits=True, router_aux_loss_coef=0.02,
+        pad_token_id=0,
+    ),
 }  # fmt: skip
-PERIODS = {"gpt_oss": 2, "gemma2": 2, "gemma3_text": 3}
+PERIODS = {"gpt_oss": 2, "gemma2": 2, "gemma3_text": 3, "qwen3_5_text": 2, "qwen3_5_moe_text": 3}
 TORCH = {
     "gpt_oss": "GptOssForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
+    "qwen3_5_text": "Qwen3_5ForCausalLM",
+    "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
 }
 
 
@@ -131,13 +138,14 @@ def test_grouped_stack_loads_and_exports_per_layer(family, saved, tmp_path):
     exported = getattr(transformers, TORCH[family]).from_pretrained(tmp_path, attn_implementation="eager")
     theirs = torch_forward(exported, input_ids=ids, attention_mask=mask).logits.numpy()
     np.testing.assert_array_equal(theirs, torch_forward(ref, input_ids=ids, attention_mask=mask).logits.numpy())
-    ours = scanned(jnp.asarray(ids), jnp.asarray(mask)).logits
+    ours = nnx.jit(lambda model, ids, mask: model(ids, mask).logits)(scanned, jnp.asarray(ids), jnp.asarray(mask))
     assert scaled_diff(mask, ours, theirs) <= 1e-4
 
 
 @pytest.mark.parametrize(
     "family, policy",
-    [("gpt_oss", "dots"), ("gemma2", "none"), ("gemma3_text", "full")],
+    [("gpt_oss", "dots"), ("gemma2", "none"), ("gemma3_text", "full"), ("qwen3_5_text", "none"),
+     ("qwen3_5_moe_text", "full")],
 )  # fmt: skip
 def test_grouped_scan_equals_unrolled(family, policy, saved):
     """From the same weights, under a remat policy: logits within 1e-5, the loss (gpt-oss's with its router loss)

@@ -7,13 +7,12 @@ expert (``mlp.shared_expert``, ``shared_expert_intermediate_size`` wide) that ev
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 
 from jaxseq.models.execution import Execution
 from jaxseq.models.layers import Linear, activation, normal
 from jaxseq.models.llama.modeling import LlamaForCausalLM
-from jaxseq.models.mixtral.modeling import Experts, SparseMoeBlock, load_balancing_loss
+from jaxseq.models.mixtral.modeling import Experts, SparseMoeBlock, layer_stats, load_balancing_loss
 from jaxseq.models.outputs import BaseOutput
 from jaxseq.models.qwen3_5_text.modeling import Qwen3_5DecoderLayer, Qwen3_5TextModel
 from jaxseq.models.qwen3_moe.modeling import QWEN_EXPERT
@@ -75,7 +74,7 @@ class Qwen3_5MoeTextModel(Qwen3_5TextModel):
         out, stats = self.run(input_ids, attention_mask, position_ids, cache=cache, rngs=rngs)
         if cache is not None or not getattr(self.config, "output_router_logits", False):
             return out
-        aux = self.config.router_aux_loss_coef * load_balancing_loss(jnp.stack(stats))
+        aux = self.config.router_aux_loss_coef * load_balancing_loss(layer_stats(stats))
         return BaseOutput(out.last_hidden_state, aux_loss=aux)
 
 

@@ -9,6 +9,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxseq.models import flops
 from jaxseq.models.family import Family
+from jaxseq.models.layers import repeating_period
 from jaxseq.models.llama.family import PARTITION_RULES
 from jaxseq.models.llama.modeling import head_dim
 from jaxseq.models.qwen3_5_text.modeling import (
@@ -93,7 +94,7 @@ def qwen3_5_family(model_type: str, name: str, tasks: dict, mlp_weights, rules=(
         ignore=(r"\.rotary_emb\.inv_freq$", r"^mtp\."),  # the multi-token prediction head transformers skips
         partition_rules=rules + LINEAR_RULES + PARTITION_RULES,
         flops=hybrid_flops(mlp_weights),
-        scans=lambda config: False,  # linear and full layers differ: unrolled
+        scans=lambda config: repeating_period(layer_kinds(config)) is not None,  # in groups (layers.Grouped)
     )
 
 

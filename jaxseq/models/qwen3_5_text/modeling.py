@@ -414,8 +414,9 @@ class Qwen3_5DecoderLayer(nnx.Module):
 class Qwen3_5TextModel(nnx.Module):
     """The decoder stack. ``attention_mask`` ``[batch, seq]`` (1 = token, 0 = padding; or packed examples'
     segment ids); with a ``cache`` it covers the cache's ``max_len`` positions (``jaxseq.models.attention``).
-    ``position_ids`` default to ``0, 1, ...`` after the cache's index; pass them for left padding. The layers
-    differ in kind, so they run unrolled (``--scan_layers`` is refused)."""
+    ``position_ids`` default to ``0, 1, ...`` after the cache's index; pass them for left padding. Scanned, the
+    linear and full layers run in groups of their repeating pattern (``layers.Grouped``: three linear and a full
+    layer, groups of 4)."""
 
     hf_architecture = "Qwen3_5TextModel"
     layer_class = Qwen3_5DecoderLayer
@@ -423,11 +424,6 @@ class Qwen3_5TextModel(nnx.Module):
     def __init__(
         self, config, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs, execution: Execution = Execution()
     ):
-        if execution.scan_layers:
-            raise JaxseqError(
-                "scan_layers needs every layer alike, and Qwen3.5 interleaves linear and full attention layers "
-                "(layer_types); leave scan_layers off"
-            )
         self.kinds = layer_kinds(config)
         self.config, self.dtype = config, dtype
         rope_inverse_frequencies(config)  # an unsupported rope type stops here, in one line
@@ -442,6 +438,7 @@ class Qwen3_5TextModel(nnx.Module):
             config.num_hidden_layers,
             rngs,
             execution,
+            kinds=self.kinds,  # scanned, linear and full layers in groups of their pattern (layers.Grouped)
         )  # fmt: skip
         self.norm = OffsetRMSNorm(config.hidden_size, epsilon=config.rms_norm_eps, **kw)
         self.remat = execution.remat
@@ -479,7 +476,7 @@ class Qwen3_5TextModel(nnx.Module):
             else KVCache.zeros(batch, max_len, c.num_key_value_heads, head_dim(c), dtype)
             for kind in self.kinds
         )
-        return Cache(layers, jnp.zeros((), jnp.int32))
+        return Cache(self.layers.arrange(layers), jnp.zeros((), jnp.int32))  # as the stack takes them
 
 
 class Qwen3_5ForCausalLM(LlamaForCausalLM):
