@@ -54,12 +54,13 @@ CASES = {
 
 
 def tiny_config(case, **kw):
+    fields = {**CASES, **UNSEEN}[case]
     base = dict(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=len(CASES[case]["layer_types"]),
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=len(fields["layer_types"]),
         num_attention_heads=4, num_key_value_heads=2, head_dim=8, sliding_window=4, max_position_embeddings=64,
         pad_token_id=PAD, bos_token_id=1, eos_token_id=2, initializer_range=0.3, attn_implementation="eager",
     )  # fmt: skip
-    return transformers.Gemma4TextConfig(**{**base, **CASES[case], **kw})
+    return transformers.Gemma4TextConfig(**{**base, **fields, **kw})
 
 
 @pytest.fixture(scope="module", params=list(CASES))
@@ -223,3 +224,51 @@ def test_the_text_model_of_a_multimodal_checkpoint(tmp_path):
     ids, mask = padded_batch(VOCAB)
     want = torch_forward(ref, input_ids=ids, attention_mask=mask).logits.numpy()
     assert scaled_diff(mask, forward(model, jnp.asarray(ids), jnp.asarray(mask)).logits, want) <= 1e-4
+
+
+UNSEEN = {
+    # YaRN with truncate false on the sliding layers (transformers truncates its ramp all the same: it reads the
+    # flag from the top of the per-kind rope_parameters), linear rope on the full ones; SiLU; a tied head with a
+    # soft-cap; num_global_key_value_heads without attention_k_eq_v (ignored)
+    "yarn-untruncated": dict(
+        layer_types=[SLIDING, SLIDING, FULL], global_head_dim=16, num_global_key_value_heads=1,
+        hidden_size_per_layer_input=0, hidden_activation="silu", final_logit_softcapping=30.0, rope_parameters={
+            SLIDING: {"rope_type": "yarn", "factor": 32.0, "original_max_position_embeddings": 64,
+                      "rope_theta": 1e4, "truncate": False},
+            FULL: {"rope_type": "linear", "factor": 2.0, "rope_theta": 100.0},
+        },
+    ),
+    # every expert of each token, KV sharing without double-wide MLPs, a per-layer table larger than the
+    # vocabulary, exact GELU, llama3 rope on the full layers, "vision" bidirectionality (text stays causal)
+    "all-experts": dict(
+        layer_types=[FULL, SLIDING, SLIDING, FULL], global_head_dim=8, num_kv_shared_layers=1,
+        hidden_size_per_layer_input=4, vocab_size_per_layer_input=VOCAB + 20, enable_moe_block=True, num_experts=3,
+        top_k_experts=3, moe_intermediate_size=8, hidden_activation="gelu", use_bidirectional_attention="vision",
+        tie_word_embeddings=False, rope_parameters={
+            SLIDING: {"rope_type": "default", "rope_theta": 1e4},
+            FULL: {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                   "original_max_position_embeddings": 32, "rope_theta": 1e4},
+        },
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(UNSEEN))
+def test_more_configs_match_pytorch_logits_and_greedy_tokens(case, tmp_path):
+    """Configs beyond the two above, each loaded from transformers' save_pretrained: the logits on both paddings
+    and the greedy tokens of left-padded prompts (past the window of 4)."""
+    torch.manual_seed(0)
+    ref = perturb(transformers.Gemma4ForCausalLM(tiny_config(case))).eval()
+    ref.save_pretrained(tmp_path)
+    model = load_pretrained(tmp_path, "causal-lm")
+    for side, (ids, mask) in batches().items():
+        want = torch_forward(ref, input_ids=ids, attention_mask=mask).logits.numpy()
+        assert scaled_diff(mask, forward(model, jnp.asarray(ids), jnp.asarray(mask)).logits, want) <= 1e-4, side
+    ids, mask = prompts()
+    with torch.no_grad():
+        out = ref.generate(
+            torch.as_tensor(ids).long(), attention_mask=torch.as_tensor(mask).long(), max_new_tokens=NEW,
+            do_sample=False, pad_token_id=PAD, eos_token_id=None,
+        )  # fmt: skip
+    got = generate(model, ids, mask, max_new_tokens=NEW, do_sample=False, pad_token_id=PAD)
+    np.testing.assert_array_equal(np.asarray(got.sequences), out[:, ids.shape[1] :].numpy())

@@ -95,12 +95,11 @@ def double_wide(config, layer: int) -> bool:
 
 def rope_of(config, kind: str) -> SimpleNamespace:
     """The rope fields of the layers of ``kind`` as Llama's functions read a config: their
-    ``rope_parameters[kind]`` and their own ``head_dim``."""
+    ``rope_parameters[kind]`` and their own ``head_dim``. YaRN's ``truncate`` is the one field transformers
+    reads from the top of ``rope_parameters``, which per layer kind has none: its ramp is always truncated."""
     dim = config.per_layer_config[kind].head_dim
-    return SimpleNamespace(
-        rope_parameters=dict(config.rope_parameters[kind]), head_dim=dim,
-        max_position_embeddings=config.max_position_embeddings,
-    )  # fmt: skip
+    params = {**config.rope_parameters[kind], "truncate": config.rope_parameters.get("truncate", True)}
+    return SimpleNamespace(rope_parameters=params, head_dim=dim, max_position_embeddings=config.max_position_embeddings)
 
 
 def rope_frequencies(config, kind: str) -> np.ndarray:
