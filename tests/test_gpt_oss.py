@@ -4,7 +4,8 @@ none of these (full layers only, default rope, no attention biases, a tied head,
 key/value heads as query heads). Logits on both paddings (the second scanned too), greedy generation through the
 KV cache and the rolling window, export, one training step's loss and every gradient, on one device and on
 meshes (experts split over ep), and what is refused in one line: MXFP4 checkpoints, a fused kernel asked by name,
-scanning mixed layers."""
+scanning mixed layers. Two more configs (every layer sliding, an irregular pattern, head_dim apart from hidden /
+heads, every expert or a single one, llama3 and linear ropes) for logits and greedy tokens alone."""
 
 import json
 import shutil
@@ -56,13 +57,20 @@ def tiny_config(**kw):
     return transformers.GptOssConfig(**{**base, **kw})
 
 
+def reference(fields: dict):
+    """A transformers LM of ``tiny_config(**fields)``, every weight perturbed and the sinks of the logits' size
+    (each takes a real share of its softmax)."""
+    torch.manual_seed(0)
+    ref = perturb(transformers.GptOssForCausalLM(tiny_config(**fields))).eval()
+    with torch.no_grad():
+        for layer in ref.model.layers:
+            layer.self_attn.sinks.mul_(8)
+    return ref
+
+
 @pytest.fixture(scope="module", params=list(CONFIGS))
 def saved(request, tmp_path_factory):
-    torch.manual_seed(0)
-    ref = perturb(transformers.GptOssForCausalLM(tiny_config(**CONFIGS[request.param]))).eval()
-    with torch.no_grad():
-        for layer in ref.model.layers:  # sinks of the logits' size: each takes a real share of its softmax
-            layer.self_attn.sinks.mul_(8)
+    ref = reference(CONFIGS[request.param])
     path = tmp_path_factory.mktemp("gpt_oss")
     ref.save_pretrained(path)
     return request.param, ref, path
@@ -275,3 +283,44 @@ def test_long_rows_attend_a_chunk_of_queries_at_a_time(monkeypatch):
     monkeypatch.setattr(attention, "QUERY_CHUNK", 2 * length)
     for got, want in zip(jax.tree.leaves(chunked), jax.tree.leaves(run())):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
+LLAMA3 = dict(
+    rope_type="llama3", rope_theta=1e4, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+    original_max_position_embeddings=32,
+)  # fmt: skip
+UNSEEN = {
+    # every layer sliding (a window of 3), head_dim 12 beside hidden 64 / 4 heads, every expert of each token,
+    # llama3 rope, another SwiGLU gain and clamp, a tied head
+    "all-sliding": dict(
+        layer_types=["sliding_attention"] * 3, sliding_window=3, head_dim=12, num_experts_per_tok=4,
+        rope_parameters=LLAMA3, swiglu_alpha=3.0, swiglu_limit=0.5, tie_word_embeddings=True,
+    ),
+    # full, sliding, sliding (a window of 2), one key/value head of 24 features, a single expert, linear rope, no
+    # attention biases
+    "irregular": dict(
+        layer_types=["full_attention", "sliding_attention", "sliding_attention"], sliding_window=2,
+        num_key_value_heads=1, head_dim=24, num_local_experts=1, num_experts_per_tok=1, attention_bias=False,
+        rope_parameters=dict(rope_type="linear", rope_theta=1e4, factor=4.0),
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(UNSEEN))
+def test_more_configs_match_pytorch_logits_and_greedy_tokens(case, tmp_path):
+    """Configs beyond the two above, each loaded from transformers' save_pretrained: the logits on both paddings
+    and 12 greedy tokens of left-padded prompts, past the window."""
+    ref = reference(UNSEEN[case])
+    ref.save_pretrained(tmp_path)
+    model = load_pretrained(tmp_path, "causal-lm")
+    for ids, mask in (padded_batch(VOCAB), prompts((12, 9, 5))):
+        want = torch_forward(ref, input_ids=ids, attention_mask=mask).logits.numpy()
+        assert relative_diff(mask, forward(model, jnp.asarray(ids), jnp.asarray(mask)).logits, want) <= 1e-4
+    ids, mask = prompts()
+    with torch.no_grad():
+        out = ref.generate(
+            torch.as_tensor(ids).long(), attention_mask=torch.as_tensor(mask).long(), max_new_tokens=12,
+            do_sample=False, pad_token_id=PAD, eos_token_id=None,
+        )  # fmt: skip
+    got = generate(model, ids, mask, max_new_tokens=12, do_sample=False, pad_token_id=PAD)
+    np.testing.assert_array_equal(np.asarray(got.sequences), out[:, ids.shape[1] :].numpy())
