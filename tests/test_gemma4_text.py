@@ -170,8 +170,8 @@ def test_export_loads_in_transformers_with_the_same_logits(saved, tmp_path):
 
 
 def test_lora_targets_and_one_line_refusals(saved):
-    """LoRA adapts q/v (PEFT's default) and refuses the experts; scanned layers and bidirectional attention are
-    refused in one line."""
+    """LoRA adapts q/v (PEFT's default) and refuses the experts; scanned layers, bidirectional attention and a
+    rope type jaxseq lacks (dynamic) are refused in one line."""
     from jaxseq.partition import get_partition_rules, match_partition_rules
     from jaxseq.train.lora import Lora, LoraConfig
 
@@ -181,7 +181,12 @@ def test_lora_targets_and_one_line_refusals(saved):
     targets = Lora(LoraConfig(lora_rank=2), model, specs).targets
     assert targets and {path[-1] for path in targets} == {"q_proj", "v_proj"}
     assert family_for("gemma4_text").scans(load_config(path)) is False
-    refusals = [dict(execution=Execution(scan_layers=True)), dict(use_bidirectional_attention="all")]
+    dynamic = {SLIDING: {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}, FULL: {"rope_theta": 1e4}}
+    refusals = [
+        dict(execution=Execution(scan_layers=True)),
+        dict(use_bidirectional_attention="all"),
+        dict(rope_parameters=dynamic),
+    ]
     if case == "moe-shared":
         with pytest.raises(JaxseqError, match="experts"):
             Lora(LoraConfig(lora_rank=2, lora_targets=r"gate_up_proj"), model, specs)

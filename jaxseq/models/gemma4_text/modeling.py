@@ -59,7 +59,7 @@ from jaxseq.models.layers import (
     normal,
     padded_vocab_size,
 )
-from jaxseq.models.llama.modeling import LlamaForCausalLM, apply_rotary, rope_attention_factor, rotary
+from jaxseq.models.llama.modeling import ROPE_TYPES, LlamaForCausalLM, apply_rotary, rope_attention_factor, rotary
 from jaxseq.models.llama.modeling import rope_frequencies as llama_rope_frequencies
 from jaxseq.models.mixtral.modeling import expert_parallel, grouped_experts
 from jaxseq.models.outputs import BaseOutput
@@ -108,7 +108,13 @@ def rope_frequencies(config, kind: str) -> np.ndarray:
     types (``llama.rope_frequencies``: default, linear, llama3, yarn)."""
     fields = rope_of(config, kind)
     params, dim = fields.rope_parameters, fields.head_dim
-    if params.get("rope_type", "default") != "proportional":
+    rope_type = params.get("rope_type", "default")
+    if rope_type not in ("proportional", *ROPE_TYPES):
+        raise JaxseqError(
+            f"rope type {rope_type!r} of the {kind} layers is not supported; jaxseq's Gemma 4 supports "
+            f"proportional, {', '.join(ROPE_TYPES)}"
+        )
+    if rope_type != "proportional":
         return llama_rope_frequencies(fields, None)
     base = np.float32(params["rope_theta"])
     angles = int(params.get("partial_rotary_factor", 1.0) * dim // 2)
