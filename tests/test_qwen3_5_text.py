@@ -24,7 +24,13 @@ from jaxseq.models.qwen3_5_text import gated_delta_chunked, gated_delta_recurren
 from jaxseq.models.registry import family_for  # noqa: E402
 from jaxseq.models.weights import torch_layout  # noqa: E402
 from jaxseq.train.objectives import CausalLM  # noqa: E402
-from tests.reference import assert_gradients_match, padded_batch, perturb, torch_forward  # noqa: E402
+from tests.reference import (  # noqa: E402
+    assert_causal_lm_matches,
+    assert_gradients_match,
+    padded_batch,
+    perturb,
+    torch_forward,
+)
 from tests.test_llama import NEW, PAD, VOCAB, forward, prompts  # noqa: E402
 from tests.test_mixtral import relative_diff  # noqa: E402
 
@@ -154,6 +160,37 @@ def test_the_other_way_logits_generation_and_export(tmp_path_factory, tmp_path):
     assert type(back) is transformers.Qwen3_5ForCausalLM
     assert not info["missing_keys"] and not info["unexpected_keys"]
     assert relative_diff(mask, torch_forward(back, input_ids=ids, attention_mask=mask).logits, want) <= 1e-5
+
+
+UNSEEN = {  # configs unlike the fixture's, each a part switched or a shape that once went wrong
+    # YaRN's attention factor scales the rotations (once left out); irregular layers, 3 value heads a key head
+    "yarn-irregular": dict(
+        num_hidden_layers=4, layer_types=[FULL, LINEAR, FULL, LINEAR], linear_num_key_heads=1,
+        linear_num_value_heads=3, linear_value_head_dim=24, linear_conv_kernel_dim=5, num_key_value_heads=1,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "partial_rotary_factor": 0.5, "factor": 4.0,
+                         "original_max_position_embeddings": 32, "attention_factor": 1.3},
+    ),
+    # no full layer: decoding needs no attention mask (once it broke); the config's legacy rope fields
+    "all-linear": dict(
+        layer_types=[LINEAR] * 3, rope_theta=777.0, partial_rotary_factor=0.5, rms_norm_eps=1e-3,
+        hidden_act="gelu_pytorch_tanh", linear_key_head_dim=16, linear_value_head_dim=8,
+    ),
+    # every layer full, as full_attention_interval=1 makes it; rotary over every feature, a tied head, biases
+    "all-full": dict(
+        layer_types=None, full_attention_interval=1, head_dim=24, attention_bias=True, tie_word_embeddings=True,
+        rope_parameters={"rope_type": "linear", "rope_theta": 500.0, "partial_rotary_factor": 1.0, "factor": 2.0},
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(UNSEEN))
+def test_unseen_configs_match_transformers(name, tmp_path):
+    """Logits on both paddings (a row past one chunk of the delta rule) and greedy tokens, as transformers."""
+    config = tiny_config(**UNSEEN[name])
+    torch.manual_seed(0)
+    ref = perturb(transformers.Qwen3_5ForCausalLM(config)).eval()
+    ref.save_pretrained(tmp_path)
+    assert_causal_lm_matches(ref, load_pretrained(tmp_path, "causal-lm"), VOCAB, PAD)
 
 
 def test_loss_and_every_gradient_equal_transformers(saved):

@@ -60,6 +60,7 @@ from jaxseq.models.llama.modeling import (
     OffsetRMSNorm,
     apply_rotary,
     head_dim,
+    rope_attention_factor,
     rope_frequencies,
     rotary,
 )
@@ -453,12 +454,15 @@ class Qwen3_5TextModel(nnx.Module):
         if position_ids is None:
             position_ids = (index + jnp.arange(seq, dtype=jnp.int32))[None, :]
         rope = rotary(position_ids, rope_inverse_frequencies(self.config))
+        scale = rope_attention_factor(self.config)  # YaRN's attention factor, as Llama's
+        rope = rope if scale == 1.0 else tuple(t * scale for t in rope)
         if cache is None:
             mask, tokens = self_attention_mask(attention_mask, seq, causal=True), attention_mask
         else:
             full = [i for i, kind in enumerate(self.kinds) if kind == FULL]
-            length = cache.max_len(full[0]) if full else seq
-            mask = AttentionMask(make_mask(attention_mask, seq, length, causal=True, index=index))
+            mask = None  # without a full layer, no layer reads a mask
+            if full:
+                mask = AttentionMask(make_mask(attention_mask, seq, cache.max_len(full[0]), causal=True, index=index))
             at = jnp.broadcast_to(query_positions(seq, index), (input_ids.shape[0], seq))  # an index per row too
             tokens = None if attention_mask is None else jnp.take_along_axis(attention_mask, at, axis=1)
         x = embedding_lookup(self.embed_tokens, input_ids, self.config.pad_token_id)
