@@ -26,7 +26,7 @@ from jaxseq.models.layers import Stacked  # noqa: E402
 from jaxseq.models.registry import family_for  # noqa: E402
 from jaxseq.models.weights import stored_layout  # noqa: E402
 from jaxseq.train.objectives import CausalLM  # noqa: E402
-from tests.reference import padded_batch, perturb, torch_forward  # noqa: E402
+from tests.reference import assert_causal_lm_matches, padded_batch, perturb, torch_forward  # noqa: E402
 from tests.test_llama import NEW, PAD, VOCAB, forward, prompts  # noqa: E402
 from tests.test_mixtral import relative_diff  # noqa: E402
 
@@ -223,6 +223,32 @@ def test_meshes_give_the_same_logits_and_gradients(saved):
     for name, g in grads.items():
         scale = max(1e-6, float(np.abs(want_grads[name]).max()))
         assert float(np.abs(np.asarray(g) - np.asarray(want_grads[name])).max()) / scale <= 1e-4, name
+
+
+UNSEEN = {  # configs unlike the cases': no shared expert (once a crash), linear rope, top-1 of one group
+    "no-shared-experts": dict(
+        n_shared_experts=0, first_k_dense_replace=2, num_experts_per_tok=1, n_group=1, topk_group=1,
+        rope_parameters={"rope_type": "linear", "rope_theta": 500.0, "factor": 2.0}, tie_word_embeddings=True,
+        q_lora_rank=None, v_head_dim=20,
+    ),
+    # every layer dense; YaRN with mscale_all_dim alone (the softmax scale and the rotations both scaled)
+    "all-dense-yarn": dict(
+        first_k_dense_replace=3, q_lora_rank=12, rope_interleave=True, attention_bias=True, qk_nope_head_dim=4,
+        rope_parameters={**YARN, "mscale": None, "mscale_all_dim": 1.0, "factor": 40.0},
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(UNSEEN))
+def test_unseen_configs_match_transformers(name, tmp_path):
+    torch.manual_seed(0)
+    ref = perturb(transformers.DeepseekV3ForCausalLM(tiny_config(**UNSEEN[name]))).eval()
+    with torch.no_grad():  # a buffer, which perturb leaves at zero
+        for layer in ref.model.layers:
+            if hasattr(layer.mlp, "gate"):
+                layer.mlp.gate.e_score_correction_bias.add_(0.5 * torch.randn(EXPERTS))
+    ref.save_pretrained(tmp_path)
+    assert_causal_lm_matches(ref, load_pretrained(tmp_path, "causal-lm"), VOCAB, PAD)
 
 
 def test_flops_count_mla_and_the_experts_each_token_goes_to():

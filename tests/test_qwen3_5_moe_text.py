@@ -20,7 +20,7 @@ from jaxseq.models.decide import decide_execution  # noqa: E402
 from jaxseq.models.hub import load_config  # noqa: E402
 from jaxseq.models.registry import family_for  # noqa: E402
 from jaxseq.train.objectives import CausalLM  # noqa: E402
-from tests.reference import padded_batch, perturb, torch_forward  # noqa: E402
+from tests.reference import assert_causal_lm_matches, padded_batch, perturb, torch_forward  # noqa: E402
 from tests.test_llama import NEW, PAD, VOCAB, forward, prompts  # noqa: E402
 from tests.test_mixtral import relative_diff  # noqa: E402
 from tests.test_qwen3_5_text import FULL, LINEAR, reference_greedy  # noqa: E402
@@ -133,6 +133,21 @@ def test_experts_split_over_ep_give_the_same_logits_and_gradients(saved):
     for name, g in grads.items():
         scale = max(1e-6, float(np.abs(want_grads[name]).max()))
         assert float(np.abs(np.asarray(g) - np.asarray(want_grads[name])).max()) / scale <= 1e-4, name
+
+
+UNSEEN = {  # configs unlike the fixture's: a zero-width shared expert (once a crash) with top-1 routing
+    "top1-no-shared": dict(num_experts_per_tok=1, shared_expert_intermediate_size=0, layer_types=[FULL, LINEAR]),
+    "top-all": dict(num_experts=3, num_experts_per_tok=3, layer_types=[LINEAR, FULL]),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(UNSEEN))
+def test_unseen_configs_match_transformers(name, tmp_path):
+    config = tiny_config(num_hidden_layers=2, output_router_logits=False, **UNSEEN[name])
+    torch.manual_seed(0)
+    ref = perturb(transformers.Qwen3_5MoeForCausalLM(config)).eval()
+    ref.save_pretrained(tmp_path)
+    assert_causal_lm_matches(ref, load_pretrained(tmp_path, "causal-lm"), VOCAB, PAD)
 
 
 def test_flops_count_the_routed_and_the_shared_experts():

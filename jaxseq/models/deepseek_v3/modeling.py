@@ -245,6 +245,7 @@ class DeepseekV3MoE(nnx.Module):
         self.gate = DeepseekV3TopkRouter(config, **kw)
         self.experts = Experts(config, config.num_local_experts, inner, QWEN_EXPERT, **kw)
         self.shared_experts = DeepseekV3MLP(config, inner * config.n_shared_experts, **kw)
+        self.shared = config.n_shared_experts > 0  # none: zero-width weights, as transformers keeps them
         self.act, self.dtype, self.expert_mesh = activation(config.hidden_act), dtype, expert_mesh
 
     def __call__(self, x):
@@ -255,7 +256,8 @@ class DeepseekV3MoE(nnx.Module):
             y = grouped_experts(kernels, self.act, flat, weights, ids)
         else:
             y = expert_parallel(self.expert_mesh, kernels, self.act, flat, weights, ids)
-        return y.astype(x.dtype).reshape(x.shape) + self.shared_experts(x)
+        y = y.astype(x.dtype).reshape(x.shape)
+        return y + self.shared_experts(x) if self.shared else y
 
 
 class DeepseekV3DecoderLayer(LlamaDecoderLayer):

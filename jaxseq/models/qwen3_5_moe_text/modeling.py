@@ -48,10 +48,13 @@ class Qwen3_5MoeSparseMoeBlock(SparseMoeBlock):
         self.act, self.dtype, self.expert_mesh = activation(config.hidden_act), dtype, expert_mesh
         self.shared_expert = SharedExpert(config, config.shared_expert_intermediate_size, **kw)
         self.shared_expert_gate = Linear(d, 1, use_bias=False, kernel_init=init, **kw)
+        self.shared = config.shared_expert_intermediate_size > 0  # 0 wide: zero-width weights, adding nothing
 
     def __call__(self, x, key_mask=None):
         y, stats = super().__call__(x, key_mask)
-        return y + jax.nn.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x), stats
+        if self.shared:
+            y = y + jax.nn.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return y, stats
 
 
 class Qwen3_5MoeDecoderLayer(Qwen3_5DecoderLayer):
