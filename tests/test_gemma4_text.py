@@ -133,12 +133,14 @@ def test_training_loss_and_every_gradient_equal_transformers(saved):
     assert not np.asarray(grads.model.layers[0].layer_scalar[...]).any()
 
 
+@pytest.mark.parametrize("saved", ["moe-shared"], indirect=True)
 def test_mesh_gives_the_same_loss_and_gradients(saved):
-    """Split over fsdp and mp, the experts over ep (as a run decides): the loss and every gradient as on one
-    device."""
+    """The config with every part split over fsdp and mp, the experts over ep (as a run decides): the loss and
+    every gradient as on one device (test_training_loss_and_every_gradient_...'s, or computed here when run
+    alone)."""
     case, _, path = saved
-    if case != "moe-shared" or case not in ONE_DEVICE:
-        pytest.skip("the config with every part, after its one-device step (test_training_loss_and_every_...)")
+    if case not in ONE_DEVICE:
+        ONE_DEVICE[case] = loss_and_gradients(load_pretrained(path, "causal-lm"), *padded_batch(VOCAB))
     devices = make_mesh("fsdp=2,ep=2,mp=2")
     execution = decide_execution(load_config(path), "causal-lm", mesh=devices)
     model = load_pretrained(path, "causal-lm", mesh=devices, execution=execution)
