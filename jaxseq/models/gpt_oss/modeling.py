@@ -68,15 +68,27 @@ class GptOssExperts(nnx.Module):
         self.alpha, self.limit, self.dtype = config.swiglu_alpha, config.swiglu_limit, dtype
 
     def kernels(self, dtype) -> tuple[jax.Array, ...]:
-        names = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
-        return tuple(getattr(self, name)[...].astype(dtype) for name in names)
+        """The stacks in ``dtype``, the fused gate/up kernel's and bias's columns reordered from interleaved
+        (gate, up, gate, ...) to ``[gate | up]``: the same numbers, but the activation then splits its input in
+        halves. Strided slices of the activations (``[..., ::2]``) made libtpu's compile of a 20B-parameter step
+        take over 20 GB of host memory (a one-layer step: over 8 GB, against 1.6 GB reordered)."""
+        gate_up, gate_up_bias, down, down_bias = (
+            getattr(self, name)[...].astype(dtype)
+            for name in ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
+        )
+        return _halves(gate_up), _halves(gate_up_bias), down, down_bias
 
     def act(self, gate_up: jax.Array) -> jax.Array:
-        """The clamped SwiGLU of interleaved gate/up columns ``[..., 2 x inner]``: ``(up + 1) * glu``."""
-        gate, up = gate_up[..., ::2], gate_up[..., 1::2]
+        """The clamped SwiGLU of gate/up columns ``[..., gate | up]`` (``kernels``): ``(up + 1) * glu``."""
+        gate, up = jnp.split(gate_up, 2, axis=-1)
         gate = jnp.minimum(gate, self.limit)
         up = jnp.clip(up, -self.limit, self.limit)
         return (up + 1) * (gate * jax.nn.sigmoid(gate * self.alpha))
+
+
+def _halves(x: jax.Array) -> jax.Array:
+    """Interleaved columns ``[..., 2 x inner]`` (gate, up, gate, up, ...) as ``[..., gate | up]``."""
+    return jnp.swapaxes(x.reshape(*x.shape[:-1], x.shape[-1] // 2, 2), -1, -2).reshape(x.shape)
 
 
 def biased_experts(kernels, act, h, grouped, experts):
