@@ -35,7 +35,16 @@ from flax import nnx
 from jaxseq.errors import JaxseqError
 from jaxseq.models.attention import AttentionMask, Cache, KVCache, attend, merge_heads, split_heads, update_kv
 from jaxseq.models.execution import Execution
-from jaxseq.models.layers import Linear, Stacked, Unrolled, activation, call_block, dot_general, normal
+from jaxseq.models.layers import (
+    Linear,
+    Stacked,
+    Unrolled,
+    activation,
+    call_block,
+    deinterleave,
+    dot_general,
+    normal,
+)
 from jaxseq.models.llama.modeling import (
     LlamaDecoderLayer,
     LlamaForCausalLM,
@@ -167,7 +176,7 @@ class DeepseekV3Attention(nnx.Module):
         """``x``'s rotary features turned by ``rope``: with ``rope_interleave``, feature pairs ``(2i, 2i + 1)``,
         laid out as transformers returns them (the even features first, then the odd)."""
         if self.interleave:
-            x = jnp.concatenate([x[..., 0::2], x[..., 1::2]], axis=-1)
+            x = deinterleave(x)
         return apply_rotary(x, *rope)
 
     def expand(self, latent, k_rot):

@@ -23,7 +23,7 @@ from jax.sharding import Mesh
 
 from jaxseq.errors import JaxseqError
 from jaxseq.models.execution import Execution
-from jaxseq.models.layers import Linear, WholeExperts, normal
+from jaxseq.models.layers import Linear, WholeExperts, deinterleave, normal
 from jaxseq.models.llama.modeling import LlamaAttention
 from jaxseq.models.mixtral.modeling import (
     MixtralDecoderLayer,
@@ -76,7 +76,7 @@ class GptOssExperts(nnx.Module):
             getattr(self, name)[...].astype(dtype)
             for name in ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
         )
-        return _halves(gate_up), _halves(gate_up_bias), down, down_bias
+        return deinterleave(gate_up), deinterleave(gate_up_bias), down, down_bias
 
     def act(self, gate_up: jax.Array) -> jax.Array:
         """The clamped SwiGLU of gate/up columns ``[..., gate | up]`` (``kernels``): ``(up + 1) * glu``."""
@@ -84,11 +84,6 @@ class GptOssExperts(nnx.Module):
         gate = jnp.minimum(gate, self.limit)
         up = jnp.clip(up, -self.limit, self.limit)
         return (up + 1) * (gate * jax.nn.sigmoid(gate * self.alpha))
-
-
-def _halves(x: jax.Array) -> jax.Array:
-    """Interleaved columns ``[..., 2 x inner]`` (gate, up, gate, up, ...) as ``[..., gate | up]``."""
-    return jnp.swapaxes(x.reshape(*x.shape[:-1], x.shape[-1] // 2, 2), -1, -2).reshape(x.shape)
 
 
 def biased_experts(kernels, act, h, grouped, experts):
