@@ -254,6 +254,13 @@ def test_gemma3_ropes_per_layer_kind_and_refusals():
         want = getattr(rotary, f"{kind}_inv_freq").numpy()
         np.testing.assert_allclose(rope_frequencies(config, window), want, rtol=2e-7, atol=0)
     assert not np.allclose(rope_frequencies(config, None), rope_frequencies(config, 4))
+    # YaRN on the full layers, its ``truncate`` off per kind: transformers reads it from the top of
+    # rope_parameters, which per layer kind has none, so the ramp is truncated all the same
+    yarn = {"rope_type": "yarn", "factor": 8.0, "rope_theta": 1e4, "original_max_position_embeddings": 16}
+    yarn = tiny_config("gemma3-ropes", rope_parameters={**config.rope_parameters, "full_attention": {
+        **yarn, "truncate": False, "beta_fast": 5.0, "beta_slow": 0.7}})  # fmt: skip
+    want = Gemma3RotaryEmbedding(yarn).full_attention_inv_freq.numpy()
+    np.testing.assert_allclose(rope_frequencies(yarn, None), want, rtol=2e-7, atol=0)
     dynamic = {"full_attention": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1000.0}}
     with pytest.raises(JaxseqError, match=r"^rope type 'dynamic' is not supported; jaxseq supports default, linear"):
         from_config(tiny_config("gemma3-tied", rope_parameters=dynamic), "causal-lm")

@@ -207,7 +207,8 @@ def yarn_frequencies(config, params: dict, inv_freq: np.ndarray) -> np.ndarray:
         return dim * math.log(old_context / (rotations * 2 * math.pi)) / (2 * math.log(base))
 
     low, high = dimension(params.get("beta_fast") or 32), dimension(params.get("beta_slow") or 1)
-    if params.get("truncate", True):
+    # transformers reads ``truncate`` from the top of rope_parameters: per layer kind (Gemma 3) it has none
+    if (getattr(config, "rope_parameters", None) or params).get("truncate", True):
         low, high = math.floor(low), math.ceil(high)
     low, high = max(low, 0), min(high, dim - 1)
     high = high + 0.001 if low == high else high
