@@ -12,6 +12,7 @@ from jaxseq.models.gemma4_text.modeling import (
     double_wide,
     layer_shape,
     layer_windows,
+    scannable,
     sharing,
 )
 
@@ -78,7 +79,7 @@ FAMILY = Family(
     ignore=(r"\.rotary_emb\.",),
     partition_rules=PARTITION_RULES,
     flops=model_flops,
-    scans=lambda config: False,  # layer kinds, head sizes and KV sharing differ: always unrolled
+    scans=lambda config: scannable(config) is None,  # in groups of its pattern, unless KV-shared (unrolled)
 )
 """Gemma 4's text decoder (``model_type`` gemma4_text, Gemma 4's text tower): the modules of ``modeling``
 (Gemma 3's decoder with per-layer inputs, KV sharing, head sizes and rope per layer kind, keys as values, and

@@ -52,12 +52,15 @@ from jaxseq.models.family import readable
 from jaxseq.models.layers import (
     Linear,
     NamedAsIs,
+    Stacked,
+    Unrolled,
     WholeExperts,
     activation,
     blocks,
     embedding_lookup,
     normal,
     padded_vocab_size,
+    repeating_period,
 )
 from jaxseq.models.llama.modeling import ROPE_TYPES, LlamaForCausalLM, apply_rotary, rope_attention_factor, rotary
 from jaxseq.models.llama.modeling import rope_frequencies as llama_rope_frequencies
@@ -85,6 +88,17 @@ def sharing(config) -> tuple[str | None, ...]:
 def layer_windows(config) -> tuple[int | None, ...]:
     """Each layer's sliding window (None: full attention)."""
     return tuple(config.sliding_window if kind == SLIDING else None for kind in config.layer_types)
+
+
+def scannable(config) -> str | None:
+    """Why ``config``'s layers cannot scan (None: they can, in groups of their kinds' pattern, ``layers.Grouped``):
+    KV-shared layers (they read an earlier layer's keys and values, which a scan over groups does not pass on) or
+    layer kinds that do not repeat a pattern."""
+    if config.num_kv_shared_layers:
+        return f"its last {config.num_kv_shared_layers} layers share earlier layers' keys and values"
+    if repeating_period(config.layer_types[: config.num_hidden_layers]) is None:
+        return "its layer kinds do not repeat a pattern"
+    return None
 
 
 def double_wide(config, layer: int) -> bool:
@@ -275,6 +289,7 @@ class Gemma4TextDecoderLayer(nnx.Module):
 
     def __init__(self, config, layer: int, *, execution: Execution = Execution(), dtype, param_dtype, rngs):
         d, kw = config.hidden_size, dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.kind = config.layer_types[layer]
         norm = lambda: RMSNorm(d, epsilon=config.rms_norm_eps, param_dtype=param_dtype)
         self.input_layernorm = norm()
         self.self_attn = Gemma4TextAttention(config, layer, execution=execution, **kw)
@@ -298,10 +313,13 @@ class Gemma4TextDecoderLayer(nnx.Module):
             self.post_per_layer_input_norm = norm()
         self.act = activation(config.hidden_activation)
 
-    def __call__(self, x, per_layer_input, mask, rope, *, shared=None, cache=None, index=0, rngs=None):
+    def __call__(self, x, masks, ropes, *, per_layer_input=None, shared=None, cache=None, index=0, rngs=None):
+        """The output and ``(cache, kv)``: the layer's cache and what a "store" layer passes on (see
+        ``Gemma4TextAttention``); ``masks`` and ``ropes`` by layer kind, this layer reads its own."""
         a, cache, kv = self.self_attn(
-            self.input_layernorm(x), mask, rope, shared=shared, cache=cache, index=index, rngs=rngs
-        )
+            self.input_layernorm(x), masks[self.kind], ropes[self.kind], shared=shared, cache=cache, index=index,
+            rngs=rngs,
+        )  # fmt: skip
         x = x + self.post_attention_layernorm(a)
         h = self.mlp(self.pre_feedforward_layernorm(x))
         if self.experts is not None:
@@ -314,13 +332,16 @@ class Gemma4TextDecoderLayer(nnx.Module):
             gated = self.act(self.per_layer_input_gate(x)) * per_layer_input
             x = x + self.post_per_layer_input_norm(self.per_layer_projection(gated))
         scalar = jax.lax.stop_gradient(self.layer_scalar[...])  # a buffer in transformers: never trained
-        return x * scalar.astype(x.dtype), cache, kv
+        return x * scalar.astype(x.dtype), (cache, kv)
 
 
 class Gemma4TextModel(nnx.Module):
-    """The decoder stack, its layers unrolled (their kinds, head sizes and KV sharing differ), each run
-    under ``execution.remat`` with its weight gather. ``attention_mask`` ``[batch, seq]`` (with a cache: over
-    its ``max_len`` positions) and ``position_ids`` as Llama's (``llama.modeling.LlamaModel``)."""
+    """The decoder stack, each layer run under ``execution.remat`` with its weight gather: unrolled, or scanned
+    (``execution.scan_layers``) in groups of its layer kinds' repeating pattern (``layers.Grouped``; every layer
+    alike: ``layers.Stacked``), each place's caches and per-layer inputs stacked over the groups. Layers that
+    share keys and values (``num_kv_shared_layers``) stay unrolled (see ``scannable``). ``attention_mask``
+    ``[batch, seq]`` (with a cache: over its ``max_len`` positions) and ``position_ids`` as Llama's
+    (``llama.modeling.LlamaModel``)."""
 
     hf_architecture = "Gemma4TextModel"
 
@@ -329,11 +350,8 @@ class Gemma4TextModel(nnx.Module):
     ):
         if config.use_bidirectional_attention == "all":
             raise JaxseqError("use_bidirectional_attention='all' is not supported; jaxseq's Gemma 4 is causal")
-        if execution.scan_layers:
-            raise JaxseqError(
-                "scan_layers needs every layer alike, and Gemma 4's layers differ (layer kinds, head sizes, KV "
-                "sharing); leave scan_layers off"
-            )
+        if execution.scan_layers and config.num_kv_shared_layers:
+            raise JaxseqError(f"scan_layers cannot scan this Gemma 4: {scannable(config)}; leave scan_layers off")
         readable(config)  # jax compares two models' configs field by field, per-layer fields included
         self.config, self.dtype = config, dtype
         self.kinds = tuple(config.layer_types[: config.num_hidden_layers])
@@ -351,6 +369,7 @@ class Gemma4TextModel(nnx.Module):
             config.num_hidden_layers,
             rngs,
             execution,
+            kinds=self.kinds,  # scanned, in groups of their pattern (layers.Grouped)
         )
         self.norm = RMSNorm(d, epsilon=config.rms_norm_eps, param_dtype=param_dtype)
         self.per_layer_width = config.hidden_size_per_layer_input or 0
@@ -385,19 +404,32 @@ class Gemma4TextModel(nnx.Module):
         x = embedding_lookup(self.embed_tokens, input_ids, self.config.pad_token_id)
         x = x * jnp.asarray(self.config.hidden_size**0.5, x.dtype)
         per_layer = self.per_layer_inputs(input_ids, x) if self.per_layer_width else None
+        if isinstance(self.layers, Unrolled):
+            x, layer_caches = self.unrolled(x, per_layer, masks, ropes, cache, index, rngs)
+        else:
+            own = {} if cache is None else {"cache": cache.layers}
+            if per_layer is not None:  # each layer's slice, laid out as the stack takes it
+                own["per_layer_input"] = self.layers.arrange([per_layer[:, :, i] for i in range(len(self.kinds))])
+            x, outs = self.layers(self.remat, x, masks, ropes, per_layer=own, index=index, rngs=rngs)
+            layer_caches = outs[0] if isinstance(self.layers, Stacked) else tuple(out[0] for out in outs)
+        if cache is not None:
+            cache = cache._replace(layers=layer_caches, index=cache.index + seq)
+        return BaseOutput(self.norm(x), cache)
+
+    def unrolled(self, x, per_layer, masks, ropes, cache, index, rngs):
+        """``x`` through the unrolled layers in order, each KV-shared layer given what its kind's "store" layer
+        passed on; returns the output and each layer's cache."""
         shared, layer_caches = {}, []
         for i, kind in enumerate(self.kinds):
-            x, layer_cache, kv = self.layers.call(
-                i, self.remat, x, None if per_layer is None else per_layer[:, :, i], masks[kind], ropes[kind],
+            x, (layer_cache, kv) = self.layers.call(
+                i, self.remat, x, masks, ropes, per_layer_input=None if per_layer is None else per_layer[:, :, i],
                 shared=shared.get(kind) if self.sharing[i] == "reuse" else None,
                 cache=None if cache is None else cache.layers[i], index=index, rngs=rngs,
             )  # fmt: skip
             if kv is not None:
                 shared[kind] = kv
             layer_caches.append(layer_cache)
-        if cache is not None:
-            cache = cache._replace(layers=tuple(layer_caches), index=cache.index + seq)
-        return BaseOutput(self.norm(x), cache)
+        return x, tuple(layer_caches)
 
     def mask(self, attention_mask, seq: int, cache: Cache | None, index, kind: str) -> AttentionMask:
         """The causal mask of the layers of ``kind``: over this call's positions, the cache's positions, or a
@@ -405,7 +437,8 @@ class Gemma4TextModel(nnx.Module):
         window = self.config.sliding_window if kind == SLIDING else None
         if cache is None:
             return self_attention_mask(attention_mask, seq, causal=True, window=window)
-        layer = next(i for i, k in enumerate(self.kinds) if k == kind and cache.layers[i] is not None)
+        # the first layer of its kind that keeps a cache: scanned, one of the first group (Cache.max_len)
+        layer = next(i for i, k in enumerate(self.kinds) if k == kind and self.sharing[i] != "reuse")
         length = cache.max_len(layer)
         if window is None:
             return AttentionMask(make_mask(attention_mask, seq, length, causal=True, index=index))
@@ -421,7 +454,7 @@ class Gemma4TextModel(nnx.Module):
             else KVCache.zeros(batch, min(window or max_len, max_len), *reversed(layer_shape(self.config, i)), dtype)
             for i, (window, mode) in enumerate(zip(self.windows, self.sharing))
         )
-        return Cache(layers, jnp.zeros((), jnp.int32))
+        return Cache(self.layers.arrange(layers), jnp.zeros((), jnp.int32))  # as the stack takes them
 
 
 class Gemma4ForCausalLM(LlamaForCausalLM):
