@@ -675,11 +675,18 @@ def blocks(
     if period is None:
         raise JaxseqError(
             f"scan_layers scans layers that repeat one pattern of kinds at least twice, and these {count} layers' "
-            f"kinds do not ({', '.join(map(str, kinds))}); leave scan_layers off"
+            f"kinds do not ({', '.join(map(kind_name, kinds))}); leave scan_layers off"
         )
     if period == 1:
         return Stacked(lambda rngs: make(0, rngs), count, rngs, execution, first_only)
     return Grouped([make(i, rngs) for i in range(count)], period, execution)
+
+
+def kind_name(kind) -> str:
+    """A layer kind as an error names it: a window's size, ``full`` for no window, else the kind itself."""
+    if kind is None:
+        return "full"
+    return f"window {kind}" if isinstance(kind, int) else str(kind)
 
 
 EXPERTS = "experts"
