@@ -430,9 +430,10 @@ def plan(spec: RunSpec, prepared: Prepared, topo) -> dict:
     print(format_table(result))
     for name, other in others.items():
         print(f"{name}: {format_table(other)}")
+    lora = spec.lora is not None and spec.lora.enabled
     if not step_fits:
-        raise JaxseqError(refusal(result, remat=spec.trainer.remat))
+        raise JaxseqError(refusal(result, remat=spec.trainer.remat, lora=lora))
     for name, other in others.items():
         if not other["fits"]:
-            raise JaxseqError(f"the {name}: {refusal(other, remat=spec.trainer.remat)}")
+            raise JaxseqError(f"the {name}: {refusal(other, remat=spec.trainer.remat, lora=lora)}")
     return result

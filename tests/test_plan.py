@@ -374,6 +374,7 @@ def test_over_budget_is_refused(v5e):
     assert plan["peak_buffers"]["by_kind"]["parameters"] == memory["parameters"]
     assert "(at the peak: optimizer state 16.00 GiB, " in line
     assert report.refusal(plan, ["--remat full"]).endswith("; try: --remat full")
+    assert "LoRA" not in report.refusal(plan, lora=True)  # a LoRA run is not told to use LoRA
 
 
 def test_total_is_the_compilers_peak(v5e):

@@ -43,12 +43,13 @@ def write_plan(path, plan: dict) -> None:
     atomic_write(path, json.dumps(plan, indent=2) + "\n")
 
 
-def refusal(plan: dict, suggestions: list[str] | None = None, *, remat: str | None = None) -> str:
+def refusal(plan: dict, suggestions: list[str] | None = None, *, remat: str | None = None, lora: bool = False) -> str:
     """One line: ``needs 21.30 GiB per chip of 15.75 GiB on v5e-8; try: ...`` (up to 3 suggestions; ``remat``:
-    the run's policy, so that a run already at ``full`` is not told to use it)."""
+    the run's policy, so that a run already at ``full`` is not told to use it; ``lora``: the run trains LoRA
+    already, so it is not told to)."""
     memory, hbm = plan["bytes_per_device"], plan["hbm_bytes_per_device"]
     unit = "core" if plan["accelerator"].startswith("v3") else "chip"
-    tips = list(suggestions) if suggestions is not None else _suggestions(plan, remat)
+    tips = list(suggestions) if suggestions is not None else _suggestions(plan, remat, lora)
     line = f"needs {memory['total'] / GiB:.2f} GiB per {unit} of {hbm / GiB:.2f} GiB on {plan['accelerator']}"
     peak = plan.get("peak_buffers")
     if peak:  # what the memory is, so the user knows what to change
@@ -57,14 +58,15 @@ def refusal(plan: dict, suggestions: list[str] | None = None, *, remat: str | No
     return line + (f"; try: {', '.join(tips[:3])}" if tips else "")
 
 
-def _suggestions(plan: dict, remat: str | None = None) -> list[str]:
+def _suggestions(plan: dict, remat: str | None = None, lora: bool = False) -> list[str]:
     """What to change, led by what takes the memory: the training state (weights + optimizer) or activations."""
     memory, mesh = plan["bytes_per_device"], plan["mesh"]
     state = memory["parameters"] + memory["optimizer_state"]
     data_devices = plan["devices"] // max(mesh.get("mp", 1), 1)
     shard = [f"more fsdp (fsdp={data_devices})"] if mesh and mesh.get("fsdp", 1) < data_devices else []
     if state > memory["temporaries"]:
-        tips = shard + ["LoRA"] + (["Adafactor"] if memory["optimizer_state"] > memory["parameters"] else [])
+        adafactor = ["Adafactor"] if memory["optimizer_state"] > memory["parameters"] else []
+        tips = shard + ([] if lora else ["LoRA"]) + adafactor
     else:
         tips = (["--remat full"] if remat != "full" else []) + ["a smaller batch", *shard]
     generation, _, count = plan["accelerator"].partition("-")
