@@ -10,10 +10,8 @@ program, not a measurement), the attention kernel found in the program. Writes b
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import re
 import subprocess
 import sys
@@ -196,7 +194,7 @@ SLICES.update({"llama3.1-8b-128k-lora": ["v5p-16"], "llama3.1-8b-128k-lora-cp": 
 MODELS["qwen3.5-9b"] = ("finetune_chat.py", ["--model_type", "qwen3_5_text", "--max_seq_length", 2048])
 SLICES["qwen3.5-9b"] = ["v5p-8"]
 # Gemma-4-31B's shape (60 layers, every sixth full attention with 512-wide heads and keys as values; sliding
-# window 1024, no per-layer inputs), chat, LoRA r16 on all projections; its mixed layers run unrolled. Its full
+# window 1024, no per-layer inputs), chat, LoRA r16 on all projections; its layers scan in 10 groups of 6. Its full
 # layers keep num_key_value_heads (16; the checkpoint's num_global_key_value_heads, 4, is no field an override sets)
 GEMMA4_31B = (
     "hidden_size=5376,intermediate_size=21504,num_hidden_layers=60,num_attention_heads=32,num_key_value_heads=16,"
@@ -208,6 +206,15 @@ MODELS["gemma4-31b-lora"] = (
     ["--model_type", "gemma4_text", "--config_overrides", GEMMA4_31B, "--max_seq_length", 2048, *LORA_ALL],
 )
 SLICES["gemma4-31b-lora"] = ["v5e-8"]
+# DeepSeek-V3 (transformers' DeepseekV3Config defaults: 671B, 61 layers, 256 routed experts top-8), chat, LoRA r16
+# on its default targets (q_b_proj, kv_b_proj), 4096 tokens. The experts split over ep=8, the rest over fsdp. Its
+# bf16 weights alone (1250 GiB) need 14 v5p chips; a v5p-32 (16 chips) does not fit, a v5p-64 does
+MODELS["deepseek-v3-lora"] = (
+    "finetune_chat.py",
+    ["--model_type", "deepseek_v3", "--max_seq_length", 4096, "--lora_rank", 16],
+)
+SLICES["deepseek-v3-lora"] = ["v5p-32", "v5p-64"]
+MODEL_MESH["deepseek-v3-lora"] = {"v5p-32": "fsdp=2,ep=8", "v5p-64": "fsdp=4,ep=8"}
 ROWS = {  # name -> (script, flags)
     f"{model}/{slice_}": (script, [*flags, "--mesh", MODEL_MESH.get(model, MESH)[slice_]])
     for model, (script, flags) in MODELS.items()
@@ -223,6 +230,7 @@ BATCH.update({f"{model}-scan": BATCH[model] for model in SCANNED})
 BATCH.update({"llama3.1-8b-128k-lora": 1, "llama3.1-8b-128k-lora-cp": 1})
 BATCH["qwen3.5-9b"] = 1
 BATCH["gemma4-31b-lora"] = 1
+BATCH["deepseek-v3-lora"] = 1
 
 
 def run(name: str, script: str, flags: list) -> dict:
@@ -236,8 +244,10 @@ def run(name: str, script: str, flags: list) -> dict:
         plan_path = Path(out) / "plan.json"
         plan = json.loads(plan_path.read_text()) if plan_path.is_file() else None
     print(f"== {name}\n{result.stdout.strip()}\n{result.stderr.strip()}", flush=True)
+    env = records.environment()
     return {"name": name, "command": " ".join(cmd[1:]).replace(out, "OUT"), "exit_code": result.returncode,
-            "message": _failure(result) if result.returncode else None, "plan": plan}  # fmt: skip
+            "message": _failure(result) if result.returncode else None, "plan": plan, "date": env["date"],
+            "jaxseq_commit": env["jaxseq_commit"]}  # fmt: skip
 
 
 def _failure(result: subprocess.CompletedProcess) -> str:
@@ -275,6 +285,7 @@ NAMES["llama3.1-8b-128k-lora"] = "Llama-3.1-8B shape, chat, LoRA r16 on all proj
 NAMES["llama3.1-8b-128k-lora-cp"] = "Llama-3.1-8B shape, chat, LoRA r16 on all projections, context parallel"
 NAMES["qwen3.5-9b"] = "Qwen3.5-9B shape, chat, all weights"
 NAMES["gemma4-31b-lora"] = "Gemma-4-31B shape, chat, LoRA r16 on all projections"
+NAMES["deepseek-v3-lora"] = "DeepSeek-V3 (671B), chat, LoRA r16 on q_b_proj and kv_b_proj"
 GiB = 2**30
 
 
@@ -373,9 +384,11 @@ def main() -> None:
         if name.startswith(args.only):
             rows[name] = run(name, script, flags)
     path.parent.mkdir(parents=True, exist_ok=True)
+    env = records.environment()
     path.write_text(json.dumps({
-        "date": datetime.date.today().isoformat(), "machine": f"{platform.machine()}, {os.cpu_count()} cores (no TPU)",
-        "settings": "AdamW, float32 parameters and optimizer state, bfloat16 compute, --remat full",
+        "date": env["date"], "jaxseq_commit": env["jaxseq_commit"], "machine": f"{env['machine']} (no TPU)",
+        "settings": "AdamW, float32 trained parameters and optimizer state, bfloat16 compute (LoRA's frozen base "
+        "stored in it), --remat full; each row's date and commit are its own compile's",
         "rows": [rows[n] for n in ROWS if n in rows],
     }, indent=2) + "\n")  # fmt: skip
 
