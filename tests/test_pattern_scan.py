@@ -150,14 +150,16 @@ def test_grouped_stack_loads_and_exports_per_layer(family, saved, tmp_path):
         assert (head == f"{head.split('::')[0]}::{period}" and shape[0] == stack.groups) or int(head) in rest, name
     by_name = lambda model: {name: ("/".join(map(str, p)), t) for name, (p, t) in torch_layout(model).items()}
     assert by_name(scanned) == by_name(unrolled)
-    lora_names = []
+    lora_names, described = [], []
     for model in (unrolled, scanned):
         specs = partition.match_partition_rules(
             partition.get_partition_rules(model_type(family)), nnx.state(model, nnx.Param)
         )
         lora = Lora(LoraConfig(lora_rank=2, lora_alpha=4.0), model, specs)  # the family's default targets
         lora_names.append(sorted(n for p in lora.targets for n in lora._names((*p, "kernel")).values()))
+        described.append(lora.describe(100, 1))
     assert lora_names[0] == lora_names[1] and len(lora_names[1]) >= config.num_hidden_layers
+    assert described[0] == described[1]  # the adapted kernels by module, whatever the layout
 
     save_pretrained(scanned, tmp_path)
     want, got = read_checkpoint(path), read_checkpoint(tmp_path)

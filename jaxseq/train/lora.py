@@ -369,7 +369,8 @@ class Lora:
         return self.kind, self.dtypes[(*path, "kernel")]
 
     def describe(self, model_count: int, trainable_count: int) -> str:
-        targets = sorted({re.sub(f"/(\\d+|{STACKED})/", "/*/", _name(path)) for path in self.targets})
+        # a layer index, a stack's axis or a grouped stack's place and axis (``1::2/stacked``): any layer
+        targets = sorted({re.sub(f"/(\\d+|(\\d+::\\d+/)?{STACKED})/", "/*/", _name(path)) for path in self.targets})
         full = sorted({_name(path) for path in self.full})
         kernels = sum(len(self._names((*path, "kernel"))) for path in self.targets)
         return (
